@@ -1,0 +1,1 @@
+"""Number formats, bit packing and kernels (torch references and Triton twins)."""

@@ -1,0 +1,145 @@
+"""A lazy reader over a safetensors checkpoint: one file or shards with ``model.safetensors.index.json``.
+
+Opening reads only headers; tensors are materialised on request, one decoder layer at a time, so a
+checkpoint far larger than memory can be streamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..errors import UserInputError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's header entry: where it lives, its dtype name and shape."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _DTYPE_BYTES.get(self.dtype, 1)
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file, validated against the file's size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            raw_len = handle.read(8)
+            if len(raw_len) < 8:
+                raise UserInputError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > size - 8:
+                raise UserInputError(f"{path}: truncated or corrupt safetensors file (header runs past the end)")
+            header = json.loads(handle.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserInputError(f"{path}: corrupt safetensors header ({error})") from None
+    data_len = size - 8 - header_len
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if end > data_len:
+        raise UserInputError(f"{path}: truncated safetensors file ({data_len} data bytes, header needs {end})")
+    return header
+
+
+class CheckpointReader:
+    """Headers of every shard, a key→shard map, and tensors read on demand."""
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise UserInputError(f"{self.directory}: no such model directory")
+        config_path = self.directory / "config.json"
+        if not config_path.is_file():
+            raise UserInputError(f"{self.directory}: no config.json; not a Hugging Face model directory")
+        try:
+            self.config: dict[str, Any] = json.loads(config_path.read_text())
+        except json.JSONDecodeError as error:
+            raise UserInputError(f"{config_path}: invalid JSON ({error})") from None
+        self.shard_files = self._shard_files()
+        self.tensors: dict[str, TensorInfo] = {}
+        for shard in self.shard_files:
+            header = read_safetensors_header(self.directory / shard)
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    self.tensors[key] = TensorInfo(shard, entry["dtype"], tuple(entry["shape"]))
+        self._handles: dict[str, Any] = {}
+
+    def _shard_files(self) -> list[str]:
+        index_path = self.directory / INDEX_NAME
+        if index_path.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise UserInputError(f"{index_path}: invalid shard index ({error})") from None
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not (self.directory / name).is_file():
+                    raise UserInputError(f"{index_path}: names shard {name!r}, which is missing")
+            return files
+        if (self.directory / SINGLE_NAME).is_file():
+            return [SINGLE_NAME]
+        found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+        if found:
+            return found
+        raise UserInputError(f"{self.directory}: no safetensors weights (model.safetensors or {INDEX_NAME})")
+
+    # ---- metadata -------------------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def total_bytes(self) -> int:
+        """Bytes on disk of all weight shards."""
+        return sum((self.directory / shard).stat().st_size for shard in self.shard_files)
+
+    # ---- data -----------------------------------------------------------------------------------------
+    def _handle(self, shard: str):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.directory / shard), framework="pt")
+        return self._handles[shard]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        try:
+            info = self.tensors[key]
+        except KeyError:
+            raise KeyError(f"{self.directory}: no tensor {key!r}") from None
+        return self._handle(info.file).get_tensor(key)
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        return {key: self.tensor(key) for key in keys}
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

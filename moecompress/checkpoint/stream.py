@@ -1,0 +1,71 @@
+"""Layer-by-layer rewriting of a checkpoint: read layer i, let a function rewrite its MoE view, write it, free it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..errors import UserInputError
+from ..families import FamilyAdapter, MoEWeights, adapter_for
+from .reader import CheckpointReader
+from .writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
+
+LayerFn = Callable[[int, MoEWeights], MoEWeights]
+
+
+def group_keys_by_layer(reader: CheckpointReader, adapter: FamilyAdapter) -> tuple[dict[int, list[str]], list[str]]:
+    """Keys of each decoder layer (in layer order) and the keys outside any layer."""
+    layers: dict[int, list[str]] = {}
+    outside: list[str] = []
+    for key in reader.keys():
+        layer = adapter.layer_of_key(key)
+        if layer is None:
+            outside.append(key)
+        else:
+            layers.setdefault(layer, []).append(key)
+    return dict(sorted(layers.items())), outside
+
+
+def check_output_is_not_input(source: Path, out_dir: Path) -> None:
+    source, out_dir = source.resolve(), Path(out_dir).resolve()
+    if out_dir == source or source in out_dir.parents or out_dir in source.parents:
+        raise UserInputError(f"{out_dir}: the output may not be the input directory, inside it, or around it")
+
+
+def rewrite_checkpoint(
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    layer_fn: LayerFn | None = None,
+    *,
+    config: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
+
+    ``layer_fn`` receives each MoE layer's view and returns its replacement; ``config`` replaces the
+    source's config.json. Peak memory is one layer's tensors.
+    """
+    source = Path(source)
+    check_output_is_not_input(source, Path(out_dir))
+    with CheckpointReader(source) as reader:
+        adapter = adapter_for(reader.config, source=str(source))
+        layers, outside = group_keys_by_layer(reader, adapter)
+        writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+        try:
+            writer.add(reader.read(outside))
+            for layer, keys in tqdm(layers.items(), desc="layers", unit="layer", disable=not progress):
+                moe, rest, layout = adapter.split_layer(layer, reader.read(keys))
+                if moe is not None and layer_fn is not None:
+                    moe = layer_fn(layer, moe)
+                writer.add(adapter.join_layer(layer, moe, rest, layout))
+            writer.copy_side_files(source)
+            return writer.finish(config if config is not None else reader.config)
+        except BaseException:
+            writer.abort()
+            raise

@@ -1,0 +1,62 @@
+"""Family adapters and the registry that picks one from a config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UserInputError
+from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
+from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
+from .gpt_oss import GptOssAdapter
+from .mixtral import MixtralAdapter
+from .qwen3_vl_moe import Qwen3VLMoeAdapter
+from .qwen_moe import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
+from .routing import RoutingRule
+
+ADAPTERS: tuple[type[FamilyAdapter], ...] = (
+    MixtralAdapter,
+    Qwen2MoeAdapter,
+    Qwen3MoeAdapter,
+    OlmoeAdapter,
+    DeepseekV2Adapter,
+    DeepseekV3Adapter,
+    GptOssAdapter,
+    Qwen3VLMoeAdapter,
+)
+_BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _declares_experts(config: dict[str, Any]) -> bool:
+    sections = [config] + [v for v in config.values() if isinstance(v, dict)]
+    return any(int(section.get(key) or 0) > 0 for section in sections for key in _EXPERT_COUNT_KEYS)
+
+
+def adapter_for(config: dict[str, Any], source: str = "model") -> FamilyAdapter:
+    """The adapter for a model's ``config.json`` contents; a :class:`UserInputError` if there is none."""
+    model_type = config.get("model_type")
+    supported = ", ".join(SUPPORTED_FAMILIES)
+    cls = _BY_MODEL_TYPE.get(model_type)
+    if cls is None:
+        if _declares_experts(config):
+            raise UserInputError(f"{source}: unsupported MoE family {model_type!r}; supported families: {supported}")
+        raise UserInputError(
+            f"{source}: model_type {model_type!r} has no MoE layers; supported MoE families: {supported}"
+        )
+    adapter = cls(config)
+    if not adapter.moe_layers():
+        raise UserInputError(f"{source}: {model_type} model has no MoE layers (routed expert count is 0)")
+    return adapter
+
+
+__all__ = [
+    "ADAPTERS",
+    "PARAM_CLASSES",
+    "SUPPORTED_FAMILIES",
+    "FamilyAdapter",
+    "ModelShape",
+    "MoEWeights",
+    "RoutingRule",
+    "adapter_for",
+]

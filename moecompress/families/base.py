@@ -1,0 +1,367 @@
+"""The family adapter: the only code that knows an architecture's names, shapes and routing rule.
+
+An adapter turns a decoder layer's on-disk tensors into a canonical :class:`MoEWeights` view (the
+transformers 5 orientation: ``gate_up`` ``[E, 2I, H]`` with the gate rows first, ``down`` ``[E, H, I]``) and back
+into the exact on-disk layout it came from. Passes read and rewrite the view; they never look at key names or
+``model_type``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from .routing import RoutingRule
+
+Layout = Literal["per_expert", "fused", "fused_transposed"]
+ParamClass = Literal["experts", "shared_experts", "router", "attention", "embeddings", "norms", "vision", "other"]
+PARAM_CLASSES: tuple[str, ...] = (
+    "experts", "shared_experts", "router", "attention", "embeddings", "norms", "vision", "other",
+)
+
+
+@dataclass
+class MoEWeights:
+    """The routed experts and router of one MoE block, in canonical orientation.
+
+    ``expert_ids`` are the experts' ids in the original model (they differ from ``range(E)`` after pruning).
+    """
+
+    router_weight: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    router_bias: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    expert_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.shape[2]
+
+    def select(self, keep: list[int]) -> MoEWeights:
+        """The same block restricted to the experts at positions ``keep`` (in that order)."""
+        index = torch.tensor(keep, dtype=torch.long)
+
+        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(0, index).contiguous()
+
+        return replace(
+            self,
+            router_weight=pick(self.router_weight),
+            gate_up=pick(self.gate_up),
+            down=pick(self.down),
+            router_bias=pick(self.router_bias),
+            correction_bias=pick(self.correction_bias),
+            gate_up_bias=pick(self.gate_up_bias),
+            down_bias=pick(self.down_bias),
+            expert_ids=[self.expert_ids[i] for i in keep],
+        )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What ``inspect`` reports about a model's structure, read from its config alone."""
+
+    family: str
+    model_type: str
+    num_layers: int
+    moe_layers: list[int]
+    experts_per_layer: dict[int, int]
+    top_k: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+
+class FamilyAdapter:
+    """Base class; one subclass per architecture family.
+
+    Subclasses set the class attributes that name things and override the few methods whose logic differs
+    (GPT-OSS's fused, transposed, interleaved experts; Qwen3-VL-MoE's nested text tower).
+    """
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    auto_class: ClassVar[str] = "AutoModelForCausalLM"
+    layers_prefix: ClassVar[str] = "model.layers."
+    moe_disk_prefix: ClassVar[str] = "mlp."
+    router_module: ClassVar[str] = "mlp.gate"
+    router_key: ClassVar[str] = "gate"
+    expert_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    num_experts_keys: ClassVar[tuple[str, ...]] = ("num_experts", "num_local_experts")
+    shared_expert_markers: ClassVar[tuple[str, ...]] = ("shared_expert",)
+    has_correction_bias: ClassVar[bool] = False
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+
+    # ---- config ---------------------------------------------------------------------------------------
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The config section that describes the decoder (the whole config for text-only models)."""
+        return self.config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config["num_hidden_layers"])
+
+    def num_experts_key(self, section: dict[str, Any] | None = None) -> str:
+        """The key that holds the routed-expert count (configs of one family do not always agree)."""
+        section = self.text_config if section is None else section
+        return next((key for key in self.num_experts_keys if key in section), self.num_experts_keys[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.text_config.get(self.num_experts_key()) or 0)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.text_config["num_experts_per_tok"])
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0
+
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def experts_in_layer(self, layer: int) -> int:
+        """Routed experts in ``layer``: the config's count, or a pruned checkpoint's per-layer count."""
+        per_layer = (self.config.get("moecompress") or {}).get("experts_per_layer")
+        if per_layer and str(layer) in per_layer:
+            return int(per_layer[str(layer)])
+        return self.num_experts
+
+    def original_expert_ids(self, layer: int) -> list[int]:
+        """Original ids of ``layer``'s experts, from a pruned checkpoint's ``moecompress`` section if present."""
+        kept = (self.config.get("moecompress") or {}).get("kept_experts")
+        if kept and str(layer) in kept:
+            return [int(i) for i in kept[str(layer)]]
+        return list(range(self.experts_in_layer(layer)))
+
+    def head_counts(self) -> tuple[int, int, int]:
+        """(attention heads, KV heads, head_dim)."""
+        cfg = self.text_config
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
+        return heads, kv_heads, int(head_dim)
+
+    def shape(self) -> ModelShape:
+        heads, kv_heads, head_dim = self.head_counts()
+        moe_layers = self.moe_layers()
+        return ModelShape(
+            family=self.family,
+            model_type=self.config.get("model_type", ""),
+            num_layers=self.num_layers,
+            moe_layers=moe_layers,
+            experts_per_layer={i: self.experts_in_layer(i) for i in moe_layers},
+            top_k=self.top_k,
+            attention_heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_size=int(self.text_config["hidden_size"]),
+        )
+
+    def routing_rule(self) -> RoutingRule:
+        return RoutingRule("softmax_topk", top_k=self.top_k, normalize=bool(self.text_config.get("norm_topk_prob", True)))
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The expert's gated activation of the gate and up projections."""
+        act = self.text_config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{self.family}: unsupported expert activation {act!r}")
+        return F.silu(gate) * up
+
+    # ---- keys -----------------------------------------------------------------------------------------
+    def layer_prefix(self, layer: int) -> str:
+        return f"{self.layers_prefix}{layer}."
+
+    def layer_of_key(self, key: str) -> int | None:
+        """The decoder layer a key belongs to, or None for embeddings, final norm, head, vision tower."""
+        if not key.startswith(self.layers_prefix):
+            return None
+        rest = key[len(self.layers_prefix):]
+        head = rest.split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def classify_key(self, key: str) -> ParamClass:
+        """Which parameter class a tensor belongs to, for footprint reports."""
+        if self.is_vision_key(key):
+            return "vision"
+        if "embed_tokens" in key or key.startswith("lm_head") or key.endswith("lm_head.weight"):
+            return "embeddings"
+        layer = self.layer_of_key(key)
+        if layer is None:
+            return "norms" if "norm" in key else "other"
+        local = key[len(self.layer_prefix(layer)):]
+        if any(marker in local for marker in self.shared_expert_markers):
+            return "shared_experts"
+        moe = self.moe_disk_prefix
+        if local.startswith(moe + self.router_key + "."):
+            return "router"
+        if local.startswith(moe + "experts."):
+            return "experts"
+        if "attn" in local:
+            return "attention"
+        if "norm" in local:
+            return "norms"
+        return "other"
+
+    def is_vision_key(self, key: str) -> bool:
+        return False
+
+    # ---- layer tensors <-> MoE view ---------------------------------------------------------------------
+    def _expert_key(self, layer: int, expert: int, which: int) -> str:
+        return f"{self.layer_prefix(layer)}{self.moe_disk_prefix}experts.{expert}.{self.expert_names[which]}.weight"
+
+    def _fused_key(self, layer: int, name: str) -> str:
+        return f"{self.layer_prefix(layer)}{self.moe_disk_prefix}experts.{name}"
+
+    def _router_key(self, layer: int, name: str) -> str:
+        return f"{self.layer_prefix(layer)}{self.moe_disk_prefix}{self.router_key}.{name}"
+
+    def detect_layout(self, layer: int, keys: set[str] | dict) -> Layout:
+        if self._expert_key(layer, 0, 0) in keys:
+            return "per_expert"
+        if self._fused_key(layer, "gate_up_proj") in keys:
+            return "fused"
+        raise KeyError(f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}{self.moe_disk_prefix}experts")
+
+    def split_layer(
+        self, layer: int, tensors: dict[str, torch.Tensor]
+    ) -> tuple[MoEWeights | None, dict[str, torch.Tensor], Layout | None]:
+        """Separate a layer's tensors into the MoE view and everything else (attention, norms, shared experts).
+
+        Returns ``(moe, rest, layout)``; ``moe`` and ``layout`` are None for a dense layer.
+        """
+        if not self.is_moe_layer(layer):
+            return None, dict(tensors), None
+        rest = dict(tensors)
+        layout = self.detect_layout(layer, rest)
+        moe = self._pop_experts(layer, rest, layout)
+        moe.router_weight = rest.pop(self._router_key(layer, "weight"))
+        moe.router_bias = rest.pop(self._router_key(layer, "bias"), None)
+        if self.has_correction_bias:
+            moe.correction_bias = rest.pop(self._router_key(layer, "e_score_correction_bias"), None)
+        moe.expert_ids = self.original_expert_ids(layer)
+        if len(moe.expert_ids) != moe.num_experts:
+            raise ValueError(
+                f"layer {layer}: config says {len(moe.expert_ids)} experts, checkpoint holds {moe.num_experts}"
+            )
+        return moe, rest, layout
+
+    def join_layer(
+        self, layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], layout: Layout | None
+    ) -> dict[str, torch.Tensor]:
+        """The inverse of :meth:`split_layer`: the layer's tensors in the on-disk ``layout``."""
+        out = dict(rest)
+        if moe is None:
+            return out
+        out[self._router_key(layer, "weight")] = moe.router_weight
+        if moe.router_bias is not None:
+            out[self._router_key(layer, "bias")] = moe.router_bias
+        if moe.correction_bias is not None:
+            out[self._router_key(layer, "e_score_correction_bias")] = moe.correction_bias
+        out.update(self._expert_tensors(layer, moe, layout))
+        return out
+
+    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
+        if layout == "fused":
+            gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
+            down = rest.pop(self._fused_key(layer, "down_proj"))
+            return MoEWeights(router_weight=torch.empty(0), gate_up=gate_up, down=down)
+        gates, ups, downs = [], [], []
+        pattern = re.compile(re.escape(f"{self.layer_prefix(layer)}{self.moe_disk_prefix}experts.") + r"(\d+)\.")
+        count = len({int(m.group(1)) for key in rest if (m := pattern.match(key))})
+        for expert in range(count):
+            gates.append(rest.pop(self._expert_key(layer, expert, 0)))
+            ups.append(rest.pop(self._expert_key(layer, expert, 1)))
+            downs.append(rest.pop(self._expert_key(layer, expert, 2)))
+        gate_up = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+        return MoEWeights(router_weight=torch.empty(0), gate_up=gate_up, down=torch.stack(downs))
+
+    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
+        if layout == "fused":
+            return {
+                self._fused_key(layer, "gate_up_proj"): moe.gate_up,
+                self._fused_key(layer, "down_proj"): moe.down,
+            }
+        inter = moe.intermediate_size
+        out = {}
+        for expert in range(moe.num_experts):
+            out[self._expert_key(layer, expert, 0)] = moe.gate_up[expert, :inter].contiguous()
+            out[self._expert_key(layer, expert, 1)] = moe.gate_up[expert, inter:].contiguous()
+            out[self._expert_key(layer, expert, 2)] = moe.down[expert].contiguous()
+        return out
+
+    # ---- the loaded transformers model ------------------------------------------------------------------
+    def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The decoder layers of a loaded model (runtime module names mirror the on-disk prefixes)."""
+        return model.get_submodule(self.layers_prefix.rstrip("."))
+
+    def router_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
+        """Layer ``layer``'s router module; its forward returns ``(logits, weights, top-k ids)``."""
+        return self.decoder_layers(model)[layer].get_submodule(self.router_module)
+
+    def experts_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
+        return self.decoder_layers(model)[layer].get_submodule(self.router_module.rsplit(".", 1)[0] + ".experts")
+
+    # ---- computation ----------------------------------------------------------------------------------
+    def router_logits(self, moe: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), moe.router_weight.float(), None if moe.router_bias is None else moe.router_bias.float())
+
+    def expert_output(self, moe: MoEWeights, expert: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s (a position in ``moe``) output for tokens ``hidden`` ``[T, H]``, unweighted."""
+        gate_up = F.linear(hidden, moe.gate_up[expert].to(hidden.dtype))
+        if moe.gate_up_bias is not None:
+            gate_up = gate_up + moe.gate_up_bias[expert].to(hidden.dtype)
+        inter = moe.intermediate_size
+        out = F.linear(self.activation(gate_up[:, :inter], gate_up[:, inter:]), moe.down[expert].to(hidden.dtype))
+        if moe.down_bias is not None:
+            out = out + moe.down_bias[expert].to(hidden.dtype)
+        return out
+
+    def moe_forward(self, moe: MoEWeights, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' combined output for ``hidden`` ``[T, H]`` (shared experts excluded)."""
+        ids, weights = self.routing_rule().route(self.router_logits(moe, hidden), moe.correction_bias, allowed)
+        out = torch.zeros_like(hidden)
+        for expert in ids.unique().tolist():
+            token_pos, slot = torch.where(ids == expert)
+            contribution = self.expert_output(moe, expert, hidden[token_pos])
+            out.index_add_(0, token_pos, contribution * weights[token_pos, slot, None].to(hidden.dtype))
+        return out
+
+    # ---- config rewriting -----------------------------------------------------------------------------
+    def with_expert_counts(self, counts: dict[int, int], kept: dict[int, list[int]]) -> dict[str, Any]:
+        """A config for the same model after expert pruning.
+
+        Uniform counts rewrite the family's own key (every stock tool loads that); the original ids always go
+        into the ``moecompress`` section so evaluation can map routes back to the original experts.
+        """
+        import copy
+
+        config = copy.deepcopy(self.config)
+        text = self._text_section(config)
+        values = set(counts.values())
+        section = config.setdefault("moecompress", {})
+        section["kept_experts"] = {str(layer): ids for layer, ids in sorted(kept.items())}
+        if len(values) == 1:
+            text[self.num_experts_key(text)] = values.pop()
+            section.pop("experts_per_layer", None)
+        else:
+            section["experts_per_layer"] = {str(layer): n for layer, n in sorted(counts.items())}
+        return config
+
+    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
+        return config

@@ -1,0 +1,65 @@
+"""Qwen3-VL-MoE: the MoE text tower lives under ``model.language_model``; its experts are fused.
+
+Hub checkpoints store ``gate_up_proj`` as ``[E, H, 2I]`` (gate half first) and ``down_proj`` as ``[E, I, H]``, the
+transpose of the transformers 5 runtime layout (layout ``fused_transposed``); transformers 5's own
+``save_pretrained`` writes the runtime orientation (layout ``fused``). The orientation is read off the shapes
+and written back as found. The vision tower (``model.visual``) is passed through untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import FamilyAdapter, Layout, MoEWeights
+from .qwen_moe import _QwenStyleAdapter
+
+
+class Qwen3VLMoeAdapter(_QwenStyleAdapter):
+    family = "qwen3_vl_moe"
+    model_types = ("qwen3_vl_moe",)
+    auto_class = "AutoModelForImageTextToText"
+    layers_prefix = "model.language_model.layers."
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        return self.config["text_config"]
+
+    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
+        return config["text_config"]
+
+    def is_vision_key(self, key: str) -> bool:
+        return key.startswith("model.visual.")
+
+    def detect_layout(self, layer: int, keys) -> Layout:
+        if self._fused_key(layer, "gate_up_proj") not in keys:
+            return FamilyAdapter.detect_layout(self, layer, keys)
+        if not isinstance(keys, dict):
+            raise TypeError("fused Qwen3-VL-MoE layouts are told apart by shape; pass the tensors")
+        hidden = int(self.text_config["hidden_size"])
+        inter = int(self.text_config["moe_intermediate_size"])
+        down_shape = tuple(keys[self._fused_key(layer, "down_proj")].shape[1:])
+        gate_up_shape = tuple(keys[self._fused_key(layer, "gate_up_proj")].shape[1:])
+        if (hidden != inter and down_shape == (inter, hidden)) or (hidden != 2 * inter and gate_up_shape == (hidden, 2 * inter)):
+            return "fused_transposed"
+        return "fused"
+
+    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
+        if layout != "fused_transposed":
+            return super()._pop_experts(layer, rest, layout)
+        gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
+        down = rest.pop(self._fused_key(layer, "down_proj"))
+        return MoEWeights(
+            router_weight=torch.empty(0),
+            gate_up=gate_up.transpose(1, 2).contiguous(),
+            down=down.transpose(1, 2).contiguous(),
+        )
+
+    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
+        if layout != "fused_transposed":
+            return super()._expert_tensors(layer, moe, layout)
+        return {
+            self._fused_key(layer, "gate_up_proj"): moe.gate_up.transpose(1, 2).contiguous(),
+            self._fused_key(layer, "down_proj"): moe.down.transpose(1, 2).contiguous(),
+        }

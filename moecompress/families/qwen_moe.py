@@ -1,0 +1,35 @@
+"""Qwen2-MoE, Qwen3-MoE and OLMoE: ``mlp.gate`` router, per-expert ``gate/up/down_proj`` on disk.
+
+Qwen2-MoE adds a gated shared expert (left untouched by expert passes) and may interleave dense layers
+(``decoder_sparse_step``, ``mlp_only_layers``), as may Qwen3-MoE.
+"""
+
+from __future__ import annotations
+
+from .base import FamilyAdapter
+
+
+class _QwenStyleAdapter(FamilyAdapter):
+    def is_moe_layer(self, layer: int) -> bool:
+        cfg = self.text_config
+        if self.num_experts <= 0:
+            return False
+        if layer in (cfg.get("mlp_only_layers") or []):
+            return False
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        return (layer + 1) % step == 0
+
+
+class Qwen2MoeAdapter(_QwenStyleAdapter):
+    family = "qwen2_moe"
+    model_types = ("qwen2_moe",)
+
+
+class Qwen3MoeAdapter(_QwenStyleAdapter):
+    family = "qwen3_moe"
+    model_types = ("qwen3_moe",)
+
+
+class OlmoeAdapter(FamilyAdapter):
+    family = "olmoe"
+    model_types = ("olmoe",)

@@ -1,0 +1,98 @@
+"""Routing rules: how a family turns router logits into top-k expert ids and mixing weights.
+
+Each rule reproduces the transformers 5 router of its family exactly (same float32 arithmetic, same
+tie-breaking through ``torch.topk``). ``allowed`` masks experts out of the choice, which is how a removed
+expert's tokens are redistributed: the next best allowed expert enters the top-k and the weights are
+renormalised the way the family renormalises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk"]
+
+
+@dataclass(frozen=True)
+class RoutingRule:
+    """A family's routing rule with the config values it depends on.
+
+    - ``softmax_topk``: softmax over all experts, top-k, renormalise the k weights if ``normalize``
+      (Mixtral, Qwen2/3-MoE, OLMoE, Qwen3-VL-MoE).
+    - ``topk_softmax``: top-k of the logits, softmax over those k (GPT-OSS).
+    - ``sigmoid_group_topk``: sigmoid scores, choice on scores plus a correction bias restricted to the best
+      ``topk_group`` of ``n_group`` groups (a group's score is the sum of its two best), weights are the
+      uncorrected scores, renormalised if ``normalize`` (DeepSeek-V3).
+    - ``softmax_group_topk``: softmax scores, optionally restricted to the best groups by their maximum
+      (DeepSeek-V2 ``group_limited_greedy``), weights not renormalised.
+    Every rule multiplies the weights by ``scaling``.
+    """
+
+    kind: RuleKind
+    top_k: int
+    normalize: bool = True
+    scaling: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+
+    def route(
+        self,
+        logits: torch.Tensor,
+        correction_bias: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids ``[T, k]`` and their weights ``[T, k]`` (float32) for router logits ``[T, E]``.
+
+        ``allowed`` is a boolean ``[E]`` or ``[T, E]`` mask; disallowed experts are never chosen.
+        """
+        logits = logits.float()
+        if self.kind == "softmax_topk":
+            probs = torch.softmax(logits, dim=-1)
+            if allowed is not None:
+                probs = probs.masked_fill(~allowed, -1.0)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            weights = weights.clamp_min(0.0)
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif self.kind == "topk_softmax":
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            top_logits, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top_logits, dim=-1)
+        elif self.kind == "sigmoid_group_topk":
+            scores = logits.sigmoid()
+            choice = scores if correction_bias is None else scores + correction_bias.float()
+            if allowed is not None:
+                choice = choice.masked_fill(~allowed, float("-inf"))
+            choice = self._restrict_to_groups(choice, group_size_reduce="top2", fill=float("-inf"))
+            ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            if self.normalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        elif self.kind == "softmax_group_topk":
+            scores = torch.softmax(logits, dim=-1)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, 0.0)
+            if self.n_group > 1:
+                scores = self._restrict_to_groups(scores, group_size_reduce="max", fill=0.0)
+            weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
+            if self.normalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            raise ValueError(f"unknown routing rule {self.kind!r}")
+        return ids, weights * self.scaling
+
+    def _restrict_to_groups(self, scores: torch.Tensor, group_size_reduce: str, fill: float) -> torch.Tensor:
+        tokens, experts = scores.shape
+        grouped = scores.view(tokens, self.n_group, experts // self.n_group)
+        if group_size_reduce == "top2":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_ids = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+        return scores.masked_fill(~expert_mask, fill)

@@ -1,0 +1,97 @@
+"""Tiny random checkpoints of every supported family, for tests and benchmarks.
+
+Each is built with the family's stock transformers class, its weights re-drawn from a seeded normal so routing
+is far from uniform, and saved with ``save_pretrained`` (which writes the original on-disk layout).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_COMMON: dict[str, Any] = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                               max_position_embeddings=128, num_experts_per_tok=2, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(_COMMON, model_type="mixtral", num_hidden_layers=2, intermediate_size=24, num_local_experts=4),
+    "qwen2_moe": dict(_COMMON, model_type="qwen2_moe", num_hidden_layers=3, intermediate_size=40,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
+                      decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", num_hidden_layers=2, intermediate_size=40, head_dim=8,
+                      moe_intermediate_size=16, num_experts=8, norm_topk_prob=True),
+    "olmoe": dict(_COMMON, model_type="olmoe", num_hidden_layers=2, intermediate_size=16, num_experts=8,
+                  num_key_value_heads=4),
+    "deepseek_v2": dict(_COMMON, model_type="deepseek_v2", num_hidden_layers=3, intermediate_size=48,
+                        moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, topk_method="group_limited_greedy", n_group=4,
+                        topk_group=2, routed_scaling_factor=1.5),
+    "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", num_hidden_layers=3, intermediate_size=48,
+                        moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        norm_topk_prob=True),
+    "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_hidden_layers=2, intermediate_size=16, head_dim=8,
+                    num_local_experts=4, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "qwen3_vl_moe": dict(
+        model_type="qwen3_vl_moe",
+        text_config=dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+                         max_position_embeddings=128, num_hidden_layers=2, intermediate_size=40,
+                         moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123,
+        tie_word_embeddings=False,
+    ),
+}
+
+FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
+
+
+def tiny_config(family: str):
+    """The transformers config object of ``family``'s tiny model."""
+    from transformers import AutoConfig
+
+    kwargs = dict(TINY_CONFIGS[family])
+    model_type = kwargs.pop("model_type")
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def auto_class_for(config) -> Any:
+    import transformers
+
+    from .families import adapter_for
+
+    return getattr(transformers, adapter_for(config.to_dict()).auto_class)
+
+
+def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised tiny model of ``family`` in eval mode."""
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    model = auto_class_for(config).from_config(config, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1 and "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    return model.eval()
+
+
+def save_tiny_model(family: str, directory: str | os.PathLike[str], seed: int = 0, **save_kwargs: Any) -> Path:
+    """Build ``family``'s tiny model and save it to ``directory`` with ``save_pretrained``."""
+    model = build_tiny_model(family, seed)
+    model.save_pretrained(directory, **save_kwargs)
+    return Path(directory)

@@ -1,0 +1,129 @@
+"""The adapters understand each family: layout round trips and the MoE view reproduces the stock block."""
+
+import hashlib
+
+import pytest
+import torch
+import transformers
+
+from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
+from moecompress.errors import UserInputError
+from moecompress.families import adapter_for
+from moecompress.synthetic import FAMILIES, build_tiny_model
+
+
+def _load_stock(directory, config_dict):
+    auto = getattr(transformers, adapter_for(config_dict).auto_class)
+    return auto.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _hashes(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_by_layer_round_trip_gives_identical_logits(family, tiny_checkpoints, tmp_path):
+    source = tiny_checkpoints[family]
+    before = _hashes(source)
+    out = rewrite_checkpoint(source, tmp_path / "out", max_shard_bytes=40_000, progress=False)
+    assert _hashes(source) == before, "input directory changed"
+
+    with CheckpointReader(source) as original, CheckpointReader(out) as rewritten:
+        assert set(original.keys()) == set(rewritten.keys()), "keys must stay in the original layout"
+        assert len(rewritten.shard_files) > 1, "the small shard limit should have produced several shards"
+        for key in original.keys():
+            assert torch.equal(original.tensor(key), rewritten.tensor(key)), key
+        config = original.config
+
+    ids = torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = _load_stock(source, config)(input_ids=ids).logits
+        got = _load_stock(out, config)(input_ids=ids).logits
+    assert torch.equal(expected, got)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_view_reproduces_the_stock_router_and_experts(family, tiny_checkpoints):
+    source = tiny_checkpoints[family]
+    model = _load_stock(source, CheckpointReader(source).config)
+    with CheckpointReader(source) as reader:
+        adapter = adapter_for(reader.config)
+        layer = adapter.moe_layers()[-1]
+        prefix = adapter.layer_prefix(layer)
+        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
+
+    hidden = torch.randn(40, adapter.shape().hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, stock_weights, stock_ids = adapter.router_of(model, layer)(hidden)
+        stock_out = adapter.experts_of(model, layer)(hidden, stock_ids, stock_weights)
+        ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
+        ours = adapter.moe_forward(moe, hidden)
+
+    order_stock, order_ours = stock_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(stock_ids.gather(1, order_stock), ids.gather(1, order_ours))
+    torch.testing.assert_close(stock_weights.float().gather(1, order_stock), weights.gather(1, order_ours))
+    torch.testing.assert_close(ours, stock_out, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
+    model = build_tiny_model("qwen3_moe").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "in")
+    out = rewrite_checkpoint(tmp_path / "in", tmp_path / "out", progress=False)
+    with CheckpointReader(out) as reader:
+        assert {info.dtype for info in reader.tensors.values()} == {"BF16"}
+
+
+def test_expert_selection_keeps_original_ids(tiny_checkpoints):
+    with CheckpointReader(tiny_checkpoints["gpt_oss"]) as reader:
+        adapter = adapter_for(reader.config)
+        prefix = adapter.layer_prefix(0)
+        moe, rest, layout = adapter.split_layer(0, reader.read(k for k in reader.keys() if k.startswith(prefix)))
+    kept = moe.select([3, 1])
+    assert kept.expert_ids == [3, 1]
+    assert torch.equal(kept.gate_up[0], moe.gate_up[3]) and torch.equal(kept.down_bias[1], moe.down_bias[1])
+    tensors = adapter.join_layer(0, kept, rest, layout)
+    assert tensors[prefix + "mlp.experts.gate_up_proj"].shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"model_type": "llama", "num_hidden_layers": 2}, "has no MoE layers"),
+        ({"model_type": "jamba", "num_experts": 16}, "unsupported MoE family 'jamba'"),
+        ({"model_type": "qwen2_moe", "num_experts": 0, "num_hidden_layers": 2, "num_experts_per_tok": 2},
+         "no MoE layers"),
+    ],
+)
+def test_unsupported_or_dense_models_are_refused(config, message):
+    with pytest.raises(UserInputError, match=message) as info:
+        adapter_for(config)
+    if "unsupported" in message:
+        assert "mixtral" in str(info.value) and "qwen3_vl_moe" in str(info.value)
+
+
+def test_qwen3_vl_moe_hub_orientation_round_trips(tiny_checkpoints, tmp_path):
+    """Hub Qwen3-VL-MoE checkpoints hold experts as [E, H, 2I] / [E, I, H]; that orientation must survive."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    source = tiny_checkpoints["qwen3_vl_moe"]
+    hub = tmp_path / "hub"
+    shutil.copytree(source, hub)
+    with CheckpointReader(source) as reader:
+        tensors = {k: reader.tensor(k) for k in reader.keys()}
+        config = reader.config
+    transposed = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for key in transposed:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
+
+    out = rewrite_checkpoint(hub, tmp_path / "out", progress=False)
+    with CheckpointReader(out) as reader:
+        for key in transposed:
+            assert torch.equal(reader.tensor(key), tensors[key]), key
+    ids = torch.randint(0, 120, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = _load_stock(source, config)(input_ids=ids).logits
+        assert torch.equal(_load_stock(hub, config)(input_ids=ids).logits, expected)
+        assert torch.equal(_load_stock(out, config)(input_ids=ids).logits, expected)
