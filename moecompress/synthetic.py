@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-_COMMON: dict[str, Any] = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+_COMMON: dict[str, Any] = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
                                max_position_embeddings=128, num_experts_per_tok=2, tie_word_embeddings=False,
                bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -39,7 +39,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                     num_local_experts=4, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     "qwen3_vl_moe": dict(
         model_type="qwen3_vl_moe",
-        text_config=dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+        text_config=dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=384,
                          max_position_embeddings=128, num_hidden_layers=2, intermediate_size=40,
                          moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -47,7 +47,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),
-        image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123,
+        image_token_id=380, video_token_id=381, vision_start_token_id=382, vision_end_token_id=383,
         tie_word_embeddings=False,
     ),
 }

@@ -1,0 +1,1 @@
+"""The ``moecompress`` command line: thin Click commands over the library."""

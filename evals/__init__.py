@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, KL to a reference, routing agreement, footprint, speed."""

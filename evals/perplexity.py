@@ -1,0 +1,117 @@
+"""Perplexity, KL to a reference model and routing agreement over consecutive windows of a source.
+
+Perplexity is ``exp(mean NLL)`` over every predicted token (positions 1..L-1 of each window). KL is the mean over
+those tokens of KL(reference ‖ model) of the next-token distributions. Routing agreement is the mean over MoE
+layers and tokens of |S_ref ∩ S| / k, with pruned models' expert ids mapped back to the original ids.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..calibration.batches import TokenWindows, consecutive_windows, tokenize_documents
+from ..calibration.sources import load_documents
+from ..errors import UserInputError
+from ..families import FamilyAdapter
+from ..loading import load_adapter, load_model, load_tokenizer
+from .routing import RouteRecorder, routing_agreement
+
+
+@dataclass
+class EvalResult:
+    perplexity: float
+    tokens: int
+    tokens_per_second: float
+    seq_len: int
+    windows: int
+    kl: float | None = None
+    routing_agreement: float | None = None
+
+    def to_json(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+def _batch_size(seq_len: int, vocab: int) -> int:
+    """Windows per forward so that a batch's fp32 logits stay near 256 MB."""
+    return max(1, min(16, (64 * 2**20) // (seq_len * vocab)))
+
+
+def evaluate_windows(
+    model: torch.nn.Module,
+    adapter: FamilyAdapter,
+    windows: TokenWindows,
+    reference: tuple[torch.nn.Module, FamilyAdapter] | None = None,
+    progress: bool = True,
+) -> EvalResult:
+    """Evaluate a loaded model on token windows, optionally against a loaded reference model."""
+    seq_len = windows.input_ids.shape[1]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if reference is not None:
+        ref_vocab = reference[0].get_output_embeddings().weight.shape[0]
+        if ref_vocab != vocab:
+            raise UserInputError(f"model and reference vocabularies differ ({vocab} vs {ref_vocab})")
+    nll_sum, predicted, kl_sum = 0.0, 0, 0.0
+    agreement_sum, agreement_count = 0.0, 0
+    model_seconds = 0.0
+    recorder = RouteRecorder(model, adapter) if reference is not None else None
+    ref_recorder = RouteRecorder(*reference) if reference is not None else None
+    batch_size = _batch_size(seq_len, vocab)
+    total_batches = math.ceil(windows.input_ids.shape[0] / batch_size)
+    try:
+        with torch.inference_mode():
+            for input_ids, _ in tqdm(windows.batches(batch_size), total=total_batches, desc="eval", unit="batch",
+                                     disable=not progress):
+                start = time.perf_counter()
+                logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+                model_seconds += time.perf_counter() - start
+                targets = input_ids[:, 1:]
+                log_probs = F.log_softmax(logits, dim=-1)
+                nll_sum += -log_probs.gather(-1, targets[..., None]).sum().item()
+                predicted += targets.numel()
+                if reference is not None:
+                    ref_logits = reference[0](input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+                    ref_log_probs = F.log_softmax(ref_logits, dim=-1)
+                    kl_sum += (ref_log_probs.exp() * (ref_log_probs - log_probs)).sum().item()
+                    total, count = routing_agreement(ref_recorder.routes, recorder.routes)
+                    agreement_sum += total
+                    agreement_count += count
+    finally:
+        for rec in (recorder, ref_recorder):
+            if rec is not None:
+                rec.remove()
+    return EvalResult(
+        perplexity=math.exp(nll_sum / predicted),
+        tokens=predicted,
+        tokens_per_second=windows.num_tokens / model_seconds if model_seconds > 0 else float("nan"),
+        seq_len=seq_len,
+        windows=windows.input_ids.shape[0],
+        kl=kl_sum / predicted if reference is not None else None,
+        routing_agreement=(agreement_sum / agreement_count if agreement_count else None) if reference is not None else None,
+    )
+
+
+def evaluate(
+    model_dir: Path,
+    data: str,
+    *,
+    seq_len: int = 256,
+    max_tokens: int | None = None,
+    reference_dir: Path | None = None,
+    progress: bool = True,
+) -> EvalResult:
+    """Load ``model_dir`` (and ``reference_dir``), tokenise ``data`` with the model's tokenizer, evaluate."""
+    adapter = load_adapter(model_dir)
+    ref_adapter = load_adapter(reference_dir) if reference_dir is not None else None
+    tokenizer = load_tokenizer(model_dir)
+    stream = tokenize_documents(load_documents(data, default_part="heldout"), tokenizer)
+    windows = consecutive_windows(stream, seq_len, max_tokens)
+    model = load_model(model_dir, adapter)
+    reference = (load_model(reference_dir, ref_adapter), ref_adapter) if reference_dir is not None else None
+    return evaluate_windows(model, adapter, windows, reference, progress=progress)

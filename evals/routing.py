@@ -1,0 +1,50 @@
+"""Capture the top-k experts every MoE layer chooses, in the original model's expert ids."""
+
+from __future__ import annotations
+
+import torch
+
+from ..families import FamilyAdapter
+
+
+class RouteRecorder:
+    """Forward hooks on every router; after a forward, ``routes[layer]`` is ``[T, k]`` original expert ids.
+
+    Routers of every supported family return ``(logits, weights, top-k ids)``; ids are positions in the
+    (possibly pruned) layer and are mapped back through the checkpoint's kept-expert table.
+    """
+
+    def __init__(self, model: torch.nn.Module, adapter: FamilyAdapter):
+        self.routes: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for layer in adapter.moe_layers():
+            id_map = torch.tensor(adapter.original_expert_ids(layer), dtype=torch.long)
+            router = adapter.router_of(model, layer)
+            self._handles.append(router.register_forward_hook(self._hook(layer, id_map)))
+
+    def _hook(self, layer: int, id_map: torch.Tensor):
+        def record(module, inputs, output):
+            self.routes[layer] = id_map[output[2].reshape(-1, output[2].shape[-1]).cpu()]
+
+        return record
+
+    def clear(self) -> None:
+        self.routes = {}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def routing_agreement(reference: dict[int, torch.Tensor], routes: dict[int, torch.Tensor]) -> tuple[float, int]:
+    """Sum over layers and tokens of |S_ref ∩ S| / k_ref, and the number of (layer, token) pairs summed."""
+    total, count = 0.0, 0
+    for layer, ref_ids in reference.items():
+        if layer not in routes:
+            continue
+        ids = routes[layer]
+        overlap = (ref_ids[:, :, None] == ids[:, None, :]).any(dim=-1).sum(dim=-1).float()
+        total += (overlap / ref_ids.shape[1]).sum().item()
+        count += ref_ids.shape[0]
+    return total, count

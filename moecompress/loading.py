@@ -1,0 +1,35 @@
+"""Load a model directory with stock transformers classes (never remote code), and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointReader
+from .errors import UserInputError
+from .families import FamilyAdapter, adapter_for
+
+
+def load_adapter(directory: Path) -> FamilyAdapter:
+    """The family adapter of a model directory, validating its weights' headers on the way."""
+    with CheckpointReader(directory) as reader:
+        return adapter_for(reader.config, source=str(directory))
+
+
+def load_model(directory: Path, adapter: FamilyAdapter, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model in eval mode, built by the family's transformers auto class."""
+    import transformers
+
+    auto_class = getattr(transformers, adapter.auto_class)
+    model = auto_class.from_pretrained(directory, dtype=dtype, trust_remote_code=False)
+    return model.eval()
+
+
+def load_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise UserInputError(f"{directory}: no usable tokenizer ({str(error).splitlines()[0]})") from None
