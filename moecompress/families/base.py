@@ -317,6 +317,33 @@ class FamilyAdapter:
     def experts_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
         return self.decoder_layers(model)[layer].get_submodule(self.router_module.rsplit(".", 1)[0] + ".experts")
 
+    def runtime_layer_state(
+        self, layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A layer's tensors named as the stock transformers decoder-layer module's state dict."""
+        prefix = self.layer_prefix(layer)
+        state = {self.runtime_local_name(key[len(prefix):]): tensor for key, tensor in rest.items()}
+        if moe is not None:
+            state.update(self.runtime_moe_state(moe))
+        return state
+
+    def runtime_local_name(self, local_key: str) -> str:
+        """The runtime name of a layer-local on-disk key that is not part of the routed experts."""
+        return local_key
+
+    def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        block = self.router_module.rsplit(".", 1)[0]
+        state = {
+            f"{self.router_module}.weight": moe.router_weight,
+            f"{block}.experts.gate_up_proj": moe.gate_up,
+            f"{block}.experts.down_proj": moe.down,
+        }
+        if moe.router_bias is not None:
+            state[f"{self.router_module}.bias"] = moe.router_bias
+        if moe.correction_bias is not None:
+            state[f"{self.router_module}.e_score_correction_bias"] = moe.correction_bias
+        return state
+
     # ---- computation ----------------------------------------------------------------------------------
     def router_logits(self, moe: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), moe.router_weight.float(), None if moe.router_bias is None else moe.router_bias.float())

@@ -53,6 +53,13 @@ class GptOssAdapter(FamilyAdapter):
             down_bias=down_bias,
         )
 
+    def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        """GPT-OSS's runtime layout is its on-disk layout."""
+        state = {"mlp.router.weight": moe.router_weight, "mlp.router.bias": moe.router_bias}
+        prefix_len = len(self._fused_key(0, ""))
+        state.update({f"mlp.experts.{key[prefix_len:]}": value for key, value in self._expert_tensors(0, moe, "fused").items()})
+        return state
+
     def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
         inter = moe.intermediate_size
         experts, _, hidden = moe.gate_up.shape

@@ -12,6 +12,9 @@ class MixtralAdapter(FamilyAdapter):
     expert_names = ("w1", "w3", "w2")
     num_experts_keys = ("num_local_experts", "num_experts")
 
+    def runtime_local_name(self, local_key: str) -> str:
+        return local_key.replace("block_sparse_moe.", "mlp.", 1)
+
     def routing_rule(self):
         from .routing import RoutingRule
 

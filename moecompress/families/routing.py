@@ -3,7 +3,8 @@
 Each rule reproduces the transformers 5 router of its family exactly (same float32 arithmetic, same
 tie-breaking through ``torch.topk``). ``allowed`` masks experts out of the choice, which is how a removed
 expert's tokens are redistributed: the next best allowed expert enters the top-k and the weights are
-renormalised the way the family renormalises.
+renormalised the way the family renormalises. Softmax rules mask the logits, so the result equals routing in
+a model whose router row for that expert was deleted.
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ class RoutingRule:
         ``allowed`` is a boolean ``[E]`` or ``[T, E]`` mask; disallowed experts are never chosen.
         """
         logits = logits.float()
+        if allowed is not None and self.kind in ("softmax_topk", "softmax_group_topk"):
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if self.kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
-            if allowed is not None:
-                probs = probs.masked_fill(~allowed, -1.0)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
-            weights = weights.clamp_min(0.0)
             if self.normalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         elif self.kind == "topk_softmax":
@@ -74,8 +74,6 @@ class RoutingRule:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         elif self.kind == "softmax_group_topk":
             scores = torch.softmax(logits, dim=-1)
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, 0.0)
             if self.n_group > 1:
                 scores = self._restrict_to_groups(scores, group_size_reduce="max", fill=0.0)
             weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)

@@ -1,0 +1,1 @@
+"""Compression passes: each reads a layer capture and rewrites the layer's MoE view."""

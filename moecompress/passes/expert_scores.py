@@ -1,0 +1,106 @@
+"""Per-expert statistics of one MoE layer from its calibration capture: frequency, REAP and Delta-H.
+
+Delta-H (ΔH) of expert e for token t is ‖H_t − H'_t(e)‖, where H_t is the routed experts' combined output and
+H'_t(e) the output once e is removed *and t is re-routed* among the remaining experts by the family's own rule
+(the next best expert enters the top-k; weights renormalised as the family renormalises). It comes from one pass
+over the layer's tokens: the router is re-evaluated with each expert masked (cheap: logits only), and the only
+new expert outputs computed are those of experts that enter a token's top-k when another leaves it — for
+softmax top-k rules exactly the (k+1)-th choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..families import FamilyAdapter, MoEWeights
+
+
+@dataclass
+class TokenExpertStats:
+    """Per token and expert quantities of one layer (``T`` tokens, ``E`` experts)."""
+
+    frequency: torch.Tensor  # [E] fraction of tokens whose top-k holds e
+    reap: torch.Tensor  # [E] mean over routed tokens of gate weight × ‖f_e(x)‖ (0 if never routed)
+    delta_h: torch.Tensor  # [T, E] ‖ΔH‖ per token and expert
+    output_norm: torch.Tensor  # [T] ‖H_t‖
+    routed_counts: torch.Tensor  # [E]
+
+
+def _expert_outputs(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, pairs_token: torch.Tensor,
+                    pairs_expert: torch.Tensor) -> torch.Tensor:
+    """Unweighted outputs f_j(x_t) for the (t, j) pairs given, ``[P, H]``."""
+    out = torch.empty(pairs_token.numel(), hidden.shape[1], dtype=hidden.dtype)
+    for expert in pairs_expert.unique().tolist():
+        where = (pairs_expert == expert).nonzero().squeeze(1)
+        out[where] = adapter.expert_output(moe, expert, hidden[pairs_token[where]])
+    return out
+
+
+def layer_expert_stats(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor,
+                       chunk_tokens: int = 2048) -> TokenExpertStats:
+    """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]``."""
+    rule = adapter.routing_rule()
+    num_experts = moe.num_experts
+    tokens = hidden.shape[0]
+    counts = torch.zeros(num_experts)
+    reap_sum = torch.zeros(num_experts)
+    delta_h = torch.zeros(tokens, num_experts)
+    output_norm = torch.zeros(tokens)
+    eye = torch.eye(num_experts, dtype=torch.bool)
+    for start in range(0, tokens, chunk_tokens):
+        x = hidden[start:start + chunk_tokens].float()
+        n = x.shape[0]
+        logits = adapter.router_logits(moe, x)
+        ids, weights = rule.route(logits, moe.correction_bias)
+        # every expert removed in turn: [E, n, k] re-routed ids and weights
+        masked = [rule.route(logits, moe.correction_bias, allowed=~eye[e]) for e in range(num_experts)]
+        new_ids = torch.stack([m[0] for m in masked])
+        new_weights = torch.stack([m[1] for m in masked])
+
+        needed = torch.zeros(n, num_experts, dtype=torch.bool)
+        needed.scatter_(1, ids, True)
+        changed = ((new_ids.sort(dim=-1).values != ids.sort(dim=-1).values[None]).any(-1)
+                   | ~torch.isclose(new_weights.sort(dim=-1).values, weights.sort(dim=-1).values[None],
+                                    rtol=1e-6, atol=1e-9).all(-1))  # [E, n]
+        for e in range(num_experts):
+            rows = changed[e].nonzero().squeeze(1)
+            if rows.numel():
+                needed[rows[:, None], new_ids[e, rows]] = True
+        pair_token, pair_expert = needed.nonzero(as_tuple=True)
+        outputs = _expert_outputs(adapter, moe, x, pair_token, pair_expert)
+        index = torch.full((n, num_experts), -1, dtype=torch.long)
+        index[pair_token, pair_expert] = torch.arange(pair_token.numel())
+
+        token_rows = torch.arange(n)[:, None]
+        routed = outputs[index[token_rows, ids]]  # [n, k, H]
+        combined = (weights[..., None] * routed).sum(dim=1)  # H_t
+        output_norm[start:start + n] = combined.norm(dim=-1)
+        gate_norm = weights * routed.norm(dim=-1)  # [n, k]
+        counts += torch.bincount(ids.reshape(-1), minlength=num_experts).float()
+        reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1), minlength=num_experts)
+        for e in range(num_experts):
+            rows = changed[e].nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            rerouted = outputs[index[rows[:, None], new_ids[e, rows]]]  # [r, k, H]
+            new_combined = (new_weights[e, rows][..., None] * rerouted).sum(dim=1)
+            delta_h[start + rows, e] = (combined[rows] - new_combined).norm(dim=-1)
+    return TokenExpertStats(
+        frequency=counts / tokens,
+        reap=torch.where(counts > 0, reap_sum / counts.clamp_min(1), torch.zeros_like(reap_sum)),
+        delta_h=delta_h,
+        output_norm=output_norm,
+        routed_counts=counts,
+    )
+
+
+def brute_force_delta_h(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """ΔH by re-running the whole block once per removed expert (the definition; for tests)."""
+    full = adapter.moe_forward(moe, hidden.float(), allowed=None)
+    eye = torch.eye(moe.num_experts, dtype=torch.bool)
+    return torch.stack(
+        [(full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e])).norm(dim=-1) for e in range(moe.num_experts)],
+        dim=1,
+    )

@@ -1,0 +1,231 @@
+"""The layer-wise calibration sweep: hidden states flow through the decoder one materialised layer at a time.
+
+How the inputs of each layer are obtained without holding the model: the model is built with zero decoder
+layers (embeddings, vision tower, rotary tables are real and loaded from the checkpoint) and given one identity
+*proxy* per layer. One forward of that skeleton per calibration batch records, for every layer, exactly the
+keyword arguments the stock forward passes it (causal or sliding masks, rotary tables, position ids) and anything
+the stock forward adds to the residual stream between layers (Qwen3-VL's deepstack features). The sweep then
+runs the real layers itself, one at a time, so peak memory is the skeleton plus one layer plus the activations.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import CheckpointReader, group_keys_by_layer
+from .families import FamilyAdapter, MoEWeights, adapter_for
+
+
+@dataclass
+class LayerCapture:
+    """What one MoE layer saw during calibration, all tokens of all batches flattened to ``T``."""
+
+    layer: int
+    moe: MoEWeights
+    moe_input: torch.Tensor
+    tags: torch.Tensor
+    tag_names: list[str]
+    attention_received: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _LayerProxy(torch.nn.Module):
+    """Stands in for decoder layer ``index`` in the skeleton: records its call, returns its input."""
+
+    def __init__(self, index: int, recorder: _CallRecorder, attributes: dict[str, Any]):
+        super().__init__()
+        self.index = index
+        self.recorder = recorder
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.recorder.record(self.index, hidden_states, args, kwargs)
+        return hidden_states
+
+
+class _CallRecorder:
+    def __init__(self) -> None:
+        self.calls: dict[int, tuple[tuple, dict]] = {}
+        self.inputs: dict[int, torch.Tensor] = {}
+
+    def record(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "use_cache")}
+        self.calls[index] = (args, kwargs)
+        self.inputs[index] = hidden
+
+
+@dataclass
+class _BatchPlan:
+    """Per calibration batch: the layer-0 input, each layer's call arguments, between-layer additions."""
+
+    hidden: torch.Tensor
+    calls: dict[int, tuple[tuple, dict]]
+    injections: dict[int, torch.Tensor]
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def _layer_attributes(layer: torch.nn.Module) -> dict[str, Any]:
+    """Plain attributes of a decoder layer the stock forward reads from the layer itself (GPT-OSS's
+    ``attention_type``)."""
+    return {name: getattr(layer, name) for name in ("attention_type",) if hasattr(layer, name)}
+
+
+class CalibrationSweep:
+    """Stream calibration batches through a checkpoint's decoder, one layer at a time.
+
+    ``batches`` are keyword arguments of the model's forward (``input_ids``; for vision-language models also
+    ``pixel_values``, ``image_grid_thw``, ``attention_mask``); ``tags`` is ``[N, L]`` tag indices aligned with
+    the concatenated ``input_ids``.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        batches: list[dict[str, torch.Tensor]],
+        tags: torch.Tensor,
+        tag_names: list[str],
+        *,
+        capture_attention: bool = False,
+        dtype: torch.dtype = torch.float32,
+        progress: bool = True,
+    ):
+        import transformers
+
+        self.model_dir = Path(model_dir)
+        self.reader = CheckpointReader(model_dir)
+        self.adapter: FamilyAdapter = adapter_for(self.reader.config, source=str(model_dir))
+        self.tags = tags.reshape(-1)
+        self.tag_names = tag_names
+        self.capture_attention = capture_attention
+        self.dtype = dtype
+        self.progress = progress
+        self.layer_keys, outside_keys = group_keys_by_layer(self.reader, self.adapter)
+
+        config = transformers.AutoConfig.from_pretrained(self.model_dir, trust_remote_code=False)
+        attn = "eager" if capture_attention else "sdpa"
+        config._attn_implementation = attn
+        _text_config(config)._attn_implementation = attn
+        self.config = config
+        auto_class = getattr(transformers, self.adapter.auto_class)
+        with torch.device("meta"):
+            self._meta_model = auto_class.from_config(config, dtype=dtype)
+        meta_layers = self.adapter.decoder_layers(self._meta_model)
+
+        skeleton_config = copy.deepcopy(config)
+        _text_config(skeleton_config).num_hidden_layers = 0
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            skeleton = auto_class.from_config(skeleton_config, dtype=dtype)
+        _text_config(skeleton.config).num_hidden_layers = len(meta_layers)
+        recorder = _CallRecorder()
+        layers_path = self.adapter.layers_prefix.rstrip(".")
+        parent_path, _, attr = layers_path.rpartition(".")
+        parent = skeleton.get_submodule(parent_path)
+        setattr(parent, attr, torch.nn.ModuleList(
+            _LayerProxy(i, recorder, _layer_attributes(layer)) for i, layer in enumerate(meta_layers)
+        ))
+        state = {key: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                 for key, tensor in self.reader.read(outside_keys).items()}
+        missing, unexpected = skeleton.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
+        skeleton.tie_weights()
+        skeleton.eval()
+        self.plans = self._plan(skeleton, recorder, batches)
+        del skeleton
+
+    def _plan(self, skeleton: torch.nn.Module, recorder: _CallRecorder, batches) -> list[_BatchPlan]:
+        plans = []
+        num_layers = self.adapter.num_layers
+        with torch.inference_mode():
+            for batch in batches:
+                recorder.calls, recorder.inputs = {}, {}
+                skeleton(**batch, use_cache=False)
+                injections = {}
+                for i in range(num_layers - 1):
+                    delta = recorder.inputs[i + 1] - recorder.inputs[i]
+                    if torch.count_nonzero(delta):
+                        injections[i] = delta
+                plans.append(_BatchPlan(hidden=recorder.inputs[0], calls=dict(recorder.calls), injections=injections))
+        return plans
+
+    def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
+        tensors = self.reader.read(self.layer_keys.get(layer, []))
+        moe, rest, _ = self.adapter.split_layer(layer, tensors)
+        state = self.adapter.runtime_layer_state(layer, moe, rest)
+        state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
+        module = self.adapter.decoder_layers(self._meta_model)[layer]
+        module.load_state_dict(state, strict=True, assign=True)
+        return module.eval(), moe
+
+    @staticmethod
+    def _release(module: torch.nn.Module) -> None:
+        module.to("meta")
+
+    def run(self) -> Iterator[LayerCapture]:
+        """Yield a :class:`LayerCapture` for every MoE layer, in order (the measuring sweep).
+
+        Each layer's outputs, computed with its original weights, become the next layer's inputs.
+        """
+        hidden = [plan.hidden for plan in self.plans]
+        for layer in tqdm(range(self.adapter.num_layers), desc="calibration", unit="layer", disable=not self.progress):
+            module, moe = self._materialise(layer)
+            captured_inputs: list[torch.Tensor] = []
+            received: list[torch.Tensor] = []
+            handles = []
+            if moe is not None:
+                block = module.get_submodule(self.adapter.router_module.rsplit(".", 1)[0])
+                handles.append(block.register_forward_hook(
+                    lambda mod, args, out: captured_inputs.append(args[0].reshape(-1, args[0].shape[-1]).detach())
+                ))
+                if self.capture_attention:
+                    handles.append(module.self_attn.register_forward_hook(
+                        lambda mod, args, out: received.append(_attention_received(out[1]))
+                    ))
+            outputs = self._forward_layer(module, layer, hidden)
+            for handle in handles:
+                handle.remove()
+            self._release(module)
+            if moe is not None:
+                yield LayerCapture(
+                    layer=layer,
+                    moe=moe,
+                    moe_input=torch.cat(captured_inputs).float(),
+                    tags=self.tags,
+                    tag_names=self.tag_names,
+                    attention_received=torch.cat(received) if received else None,
+                )
+            hidden = [out + plan.injections[layer] if layer in plan.injections else out
+                      for out, plan in zip(outputs, self.plans)]
+        self.reader.close()
+
+    def _forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        outputs = []
+        with torch.inference_mode():
+            for states, plan in zip(hidden, self.plans):
+                args, kwargs = plan.calls[layer]
+                out = module(states, *args, **kwargs)
+                outputs.append(out[0] if isinstance(out, tuple) else out)
+        return outputs
+
+
+def _attention_received(weights: torch.Tensor | None) -> torch.Tensor:
+    """Per key token: the mean, over heads and over the queries that can see it, of the attention it gets."""
+    if weights is None:
+        raise RuntimeError("attention weights were not returned; eager attention is required")
+    batch, _, queries, keys = weights.shape
+    total = weights.float().sum(dim=(1, 2)) / weights.shape[1]
+    seen_by = (weights.float().sum(dim=1) > 0).sum(dim=1).clamp_min(1)
+    return (total / seen_by).reshape(-1)
