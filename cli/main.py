@@ -43,6 +43,9 @@ def app(ctx: click.Context, debug: bool) -> None:
     or a Hugging Face hub id resolved through the local cache.
     """
     ctx.obj = {"debug": debug}
+    from ..loading import quiet_transformers
+
+    quiet_transformers()
 
 
 @app.command("inspect")
@@ -118,6 +121,77 @@ def eval_command(model: str, data: str, seq_len: int, max_tokens: int | None, re
     if result.routing_agreement is not None:
         click.echo(f"routing agreement   {result.routing_agreement:.4f}")
     click.echo(f"speed               {result.tokens_per_second:.0f} tokens/s")
+
+
+@app.command("prune")
+@click.argument("model")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output directory (written atomically; must not exist unless --overwrite).")
+@click.option("--method", type=click.Choice(["maep", "reap", "frequency", "random"]), default="maep",
+              show_default=True, help="How experts are scored: MAEP Delta-H (redistribution-aware output change), "
+                                      "REAP (gate × output norm), routing frequency, or random.")
+@click.option("--ratio", type=float, default=None,
+              help="Fraction of routed experts removed over the whole model (default 0.25).")
+@click.option("--keep", type=click.IntRange(min=1), default=None, help="Experts kept per MoE layer (on average with --scope global).")
+@click.option("--scope", type=click.Choice(["layer", "global"]), default="layer", show_default=True,
+              help="layer: the same count removed from every layer (loads in every stock tool); global: experts "
+                   "ranked across layers, counts differ (loads in transformers after `import moecompress`).")
+@click.option("--min-keep", type=click.IntRange(min=1), default=None, help="Fewest experts any layer keeps (default: top-k).")
+@click.option("--calib", default="builtin:prose", show_default=True,
+              help="Calibration source(s), comma-separated; built-in sources use their calibration part.")
+@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
+@click.option("--preserve-tags", default="", help="MAEP: comma-separated token tags whose outputs must be preserved "
+                                                    "(default: every tag not in --prune-tags).")
+@click.option("--prune-tags", default="", help="MAEP: comma-separated tags whose low-attention tokens are a pruning signal "
+                                                 "(e.g. vision, or prose when preserving code).")
+@click.option("--low-attention-fraction", type=float, default=0.5, show_default=True,
+              help="MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal.")
+@click.option("--prune-weight", type=float, default=0.5, show_default=True,
+              help="MAEP: weight of the pruning signal against the preservation signal.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows and --method random.")
+@click.option("--eval-data", default="builtin:prose", show_default=True,
+              help="Evaluate the pruned model against the input on this source (held-out part for built-ins).")
+@click.option("--eval-tokens", type=click.IntRange(min=2), default=16384, show_default=True)
+@click.option("--no-eval", is_flag=True, help="Skip the evaluation (it loads both models whole; skip it for models "
+                                              "that do not fit in memory).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+def prune_command(model: str, out_dir: Path, method: str, ratio: float | None, keep: int | None, scope: str,
+                  min_keep: int | None, calib: str, calib_tokens: int, seq_len: int, preserve_tags: str,
+                  prune_tags: str, low_attention_fraction: float, prune_weight: float, seed: int,
+                  eval_data: str, eval_tokens: int, no_eval: bool, overwrite: bool) -> None:
+    """Remove routed experts from MODEL and write the smaller checkpoint to --out.
+
+    Calibration tokens are streamed through the model one decoder layer at a time; every expert is scored,
+    the lowest are removed (router rows and biases sliced, shared experts untouched, config rewritten), and
+    moecompress_report.json lists each layer's kept original expert ids and every expert's scores.
+    """
+    from ..checkpoint import resolve_model
+    from ..passes.prune_experts import PruneExpertsConfig, prune_experts
+
+    if ratio is None and keep is None:
+        ratio = 0.25
+    config = PruneExpertsConfig(
+        method=method, ratio=ratio, keep=keep, scope=scope, min_keep=min_keep,
+        preserve_tags=_tags(preserve_tags), prune_tags=_tags(prune_tags),
+        low_attention_fraction=low_attention_fraction, prune_weight=prune_weight, seed=seed,
+    )
+    report = prune_experts(resolve_model(model), out_dir, config, calib=calib, calib_tokens=calib_tokens,
+                           seq_len=seq_len, eval_data=None if no_eval else eval_data, eval_tokens=eval_tokens,
+                           overwrite=overwrite, progress=sys.stderr.isatty())
+    counts = [len(layer["kept"]) for layer in report["layers"].values()]
+    click.echo(f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "
+               f"experts ({method}, scope {scope}); kept per layer: {', '.join(map(str, counts))}")
+    click.echo(f"wrote {out_dir} in {report['seconds']:.1f}s"
+               + ("" if report["uniform"] else "  (per-layer counts differ: load after `import moecompress`)"))
+    if "eval" in report:
+        result = report["eval"]
+        click.echo(f"perplexity {result['reference_perplexity']:.3f} -> {result['perplexity']:.3f} on {eval_data}; "
+                   f"KL {result['kl']:.4f} nats/token; routing agreement {result['routing_agreement']:.4f}")
+
+
+def _tags(value: str) -> tuple[str, ...]:
+    return tuple(tag.strip() for tag in value.split(",") if tag.strip())
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ class EvalResult:
     windows: int
     kl: float | None = None
     routing_agreement: float | None = None
+    reference_perplexity: float | None = None
 
     def to_json(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -57,7 +58,7 @@ def evaluate_windows(
         ref_vocab = reference[0].get_output_embeddings().weight.shape[0]
         if ref_vocab != vocab:
             raise UserInputError(f"model and reference vocabularies differ ({vocab} vs {ref_vocab})")
-    nll_sum, predicted, kl_sum = 0.0, 0, 0.0
+    nll_sum, predicted, kl_sum, ref_nll_sum = 0.0, 0, 0.0, 0.0
     agreement_sum, agreement_count = 0.0, 0
     model_seconds = 0.0
     recorder = RouteRecorder(model, adapter) if reference is not None else None
@@ -78,6 +79,7 @@ def evaluate_windows(
                 if reference is not None:
                     ref_logits = reference[0](input_ids=input_ids, use_cache=False).logits[:, :-1].float()
                     ref_log_probs = F.log_softmax(ref_logits, dim=-1)
+                    ref_nll_sum += -ref_log_probs.gather(-1, targets[..., None]).sum().item()
                     kl_sum += (ref_log_probs.exp() * (ref_log_probs - log_probs)).sum().item()
                     total, count = routing_agreement(ref_recorder.routes, recorder.routes)
                     agreement_sum += total
@@ -94,6 +96,7 @@ def evaluate_windows(
         windows=windows.input_ids.shape[0],
         kl=kl_sum / predicted if reference is not None else None,
         routing_agreement=(agreement_sum / agreement_count if agreement_count else None) if reference is not None else None,
+        reference_perplexity=math.exp(ref_nll_sum / predicted) if reference is not None else None,
     )
 
 

@@ -11,6 +11,15 @@ from .errors import UserInputError
 from .families import FamilyAdapter, adapter_for
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' per-load progress bars and its warning about token streams longer than the
+    model's context (moecompress cuts streams into windows itself)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def load_adapter(directory: Path) -> FamilyAdapter:
     """The family adapter of a model directory, validating its weights' headers on the way."""
     with CheckpointReader(directory) as reader:

@@ -33,7 +33,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", num_hidden_layers=3, intermediate_size=48,
                         moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
                         num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=8, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                         norm_topk_prob=True),
     "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_hidden_layers=2, intermediate_size=16, head_dim=8,
                     num_local_experts=4, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),

@@ -61,8 +61,8 @@ def _permute_experts(source, out, permutation):
 
 def test_reference_metrics_map_pruned_ids_back(tiny_with_tokenizer, tmp_path):
     source = tiny_with_tokenizer["deepseek_v3"]
-    # DeepSeek-V3 routes within groups of 2 consecutive experts: keep each group together.
-    permuted = _permute_experts(source, tmp_path / "perm", [3, 2, 7, 6, 1, 0, 5, 4])
+    # DeepSeek-V3 routes within groups of 4 consecutive experts: keep each group together.
+    permuted = _permute_experts(source, tmp_path / "perm", [6, 4, 7, 5, 1, 3, 0, 2])
     result = evaluate(permuted, "builtin:prose", seq_len=32, max_tokens=512, reference_dir=source, progress=False)
     baseline = evaluate(source, "builtin:prose", seq_len=32, max_tokens=512, progress=False)
     assert result.routing_agreement == pytest.approx(1.0)

@@ -90,7 +90,6 @@ class CheckpointReader:
             for key, entry in header.items():
                 if key != "__metadata__":
                     self.tensors[key] = TensorInfo(shard, entry["dtype"], tuple(entry["shape"]))
-        self._handles: dict[str, Any] = {}
 
     def _shard_files(self) -> list[str]:
         index_path = self.directory / INDEX_NAME
@@ -120,23 +119,27 @@ class CheckpointReader:
         return sum((self.directory / shard).stat().st_size for shard in self.shard_files)
 
     # ---- data -----------------------------------------------------------------------------------------
-    def _handle(self, shard: str):
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.directory / shard), framework="pt")
-        return self._handles[shard]
-
     def tensor(self, key: str) -> torch.Tensor:
-        try:
-            info = self.tensors[key]
-        except KeyError:
-            raise KeyError(f"{self.directory}: no tensor {key!r}") from None
-        return self._handle(info.file).get_tensor(key)
+        return self.read([key])[key]
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        return {key: self.tensor(key) for key in keys}
+        """Materialise ``keys``. Each shard is memory-mapped only for the duration of the call, so pages of
+        layers already processed do not stay resident."""
+        by_shard: dict[str, list[str]] = {}
+        for key in keys:
+            try:
+                by_shard.setdefault(self.tensors[key].file, []).append(key)
+            except KeyError:
+                raise KeyError(f"{self.directory}: no tensor {key!r}") from None
+        out: dict[str, torch.Tensor] = {}
+        for shard, shard_keys in by_shard.items():
+            with safe_open(str(self.directory / shard), framework="pt") as handle:
+                for key in shard_keys:
+                    out[key] = handle.get_tensor(key)
+        return out
 
     def close(self) -> None:
-        self._handles.clear()
+        """Nothing stays open between reads; kept so the reader works as a context manager."""
 
     def __enter__(self) -> CheckpointReader:
         return self

@@ -45,11 +45,13 @@ def rewrite_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
+    extra_json: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
 
     ``layer_fn`` receives each MoE layer's view and returns its replacement; ``config`` replaces the
-    source's config.json. Peak memory is one layer's tensors.
+    source's config.json; ``extra_json`` files (a report) are written inside the same atomic finish.
+    Peak memory is one layer's tensors.
     """
     source = Path(source)
     check_output_is_not_input(source, Path(out_dir))
@@ -65,6 +67,8 @@ def rewrite_checkpoint(
                     moe = layer_fn(layer, moe)
                 writer.add(adapter.join_layer(layer, moe, rest, layout))
             writer.copy_side_files(source)
+            for name, content in (extra_json or {}).items():
+                writer.write_json(name, content)
             return writer.finish(config if config is not None else reader.config)
         except BaseException:
             writer.abort()

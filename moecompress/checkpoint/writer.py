@@ -1,9 +1,11 @@
-"""A sharded safetensors writer that finishes atomically.
+"""A sharded safetensors writer that streams and finishes atomically.
 
-Tensors are added as layers are produced and flushed into shards of at most ``max_shard_bytes``. All work goes
-into a hidden sibling directory marked incomplete; :meth:`CheckpointWriter.finish` names the shards
-``model-0000i-of-0000n.safetensors`` (or ``model.safetensors`` for one), writes the index and config, and renames
-the directory into place in one step. A killed run therefore never leaves something that looks finished.
+Each tensor's bytes go to disk the moment it is added (into the current shard's data file), so memory never holds
+more than the tensor being written, whatever the shard size. When a shard reaches ``max_shard_bytes`` its
+safetensors header is written and the data appended behind it. All work goes into a hidden sibling directory
+marked incomplete; :meth:`CheckpointWriter.finish` names the shards ``model-0000i-of-0000n.safetensors`` (or
+``model.safetensors`` for one), writes the index and config, and renames the directory into place in one step.
+A killed run therefore never leaves something that looks finished.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from ..errors import UserInputError
 from .reader import INDEX_NAME, SINGLE_NAME
@@ -25,8 +26,47 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".onnx")
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+class _ShardFile:
+    """One shard being written: tensor bytes appended to a data file, the header written at close."""
+
+    def __init__(self, data_path: Path):
+        self.data_path = data_path
+        self.handle = open(data_path, "wb")
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.size = 0
+
+    def append(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"{key}: dtype {tensor.dtype} cannot be stored in safetensors")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.handle.write(data.tobytes())
+        nbytes = data.size
+        self.entries[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                             "data_offsets": [self.size, self.size + nbytes]}
+        self.size += nbytes
+
+    def close(self, final_path: Path) -> None:
+        """Write ``final_path`` as header + data and remove the data file."""
+        self.handle.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        with open(final_path, "wb") as out, open(self.data_path, "rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, 16 * 2**20)
+        self.data_path.unlink()
 
 
 class CheckpointWriter:
@@ -49,33 +89,32 @@ class CheckpointWriter:
         self.work_dir.mkdir()
         (self.work_dir / INCOMPLETE_MARKER).write_text("moecompress is still writing this directory\n")
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self._current: _ShardFile | None = None
         self._shards: list[tuple[str, list[str]]] = []
-        self._written: set[str] = set()
+        self._keys: set[str] = set()
         self.total_bytes = 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Queue tensors for writing; a shard is flushed whenever the queue would pass the size limit."""
+        """Write tensors now; a new shard starts whenever the current one would pass the size limit."""
         for key, tensor in tensors.items():
-            if key in self._written or key in self._pending:
+            if key in self._keys:
                 raise ValueError(f"tensor {key!r} written twice")
             size = _tensor_bytes(tensor)
-            if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-                self._flush()
-            self._pending[key] = tensor.detach().contiguous().cpu()
-            self._pending_bytes += size
+            if self._current is not None and self._current.entries and self._current.size + size > self.max_shard_bytes:
+                self._close_shard()
+            if self._current is None:
+                self._current = _ShardFile(self.work_dir / f"shard-{len(self._shards):05d}.data.tmp")
+            self._current.append(key, tensor)
+            self._keys.add(key)
+            self.total_bytes += size
 
-    def _flush(self) -> None:
-        if not self._pending:
+    def _close_shard(self) -> None:
+        if self._current is None:
             return
         name = f"shard-{len(self._shards):05d}.safetensors.tmp"
-        save_file(self._pending, str(self.work_dir / name), metadata={"format": "pt"})
-        self._shards.append((name, list(self._pending)))
-        self._written.update(self._pending)
-        self.total_bytes += self._pending_bytes
-        self._pending = {}
-        self._pending_bytes = 0
+        self._current.close(self.work_dir / name)
+        self._shards.append((name, list(self._current.entries)))
+        self._current = None
 
     def write_json(self, name: str, content: dict[str, Any]) -> None:
         (self.work_dir / name).write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
@@ -95,7 +134,7 @@ class CheckpointWriter:
 
     def finish(self, config: dict[str, Any]) -> Path:
         """Name the shards, write the index and ``config.json``, then move the directory into place."""
-        self._flush()
+        self._close_shard()
         total = len(self._shards)
         weight_map: dict[str, str] = {}
         for number, (tmp_name, keys) in enumerate(self._shards, start=1):
@@ -118,4 +157,6 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         """Remove the work directory (used when a run fails before finishing)."""
+        if self._current is not None:
+            self._current.handle.close()
         shutil.rmtree(self.work_dir, ignore_errors=True)

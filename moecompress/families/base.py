@@ -137,17 +137,21 @@ class FamilyAdapter:
 
     def experts_in_layer(self, layer: int) -> int:
         """Routed experts in ``layer``: the config's count, or a pruned checkpoint's per-layer count."""
-        per_layer = (self.config.get("moecompress") or {}).get("experts_per_layer")
+        per_layer = self.moecompress_section().get("experts_per_layer")
         if per_layer and str(layer) in per_layer:
             return int(per_layer[str(layer)])
         return self.num_experts
 
     def original_expert_ids(self, layer: int) -> list[int]:
         """Original ids of ``layer``'s experts, from a pruned checkpoint's ``moecompress`` section if present."""
-        kept = (self.config.get("moecompress") or {}).get("kept_experts")
+        kept = self.moecompress_section().get("kept_experts")
         if kept and str(layer) in kept:
             return [int(i) for i in kept[str(layer)]]
         return list(range(self.experts_in_layer(layer)))
+
+    def moecompress_section(self) -> dict[str, Any]:
+        """What moecompress recorded in the decoder config about earlier passes (kept expert ids, counts)."""
+        return self.text_config.get("moecompress") or {}
 
     def head_counts(self) -> tuple[int, int, int]:
         """(attention heads, KV heads, head_dim)."""
@@ -381,7 +385,7 @@ class FamilyAdapter:
         config = copy.deepcopy(self.config)
         text = self._text_section(config)
         values = set(counts.values())
-        section = config.setdefault("moecompress", {})
+        section = text.setdefault("moecompress", {})
         section["kept_experts"] = {str(layer): ids for layer, ids in sorted(kept.items())}
         if len(values) == 1:
             text[self.num_experts_key(text)] = values.pop()

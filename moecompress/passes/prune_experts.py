@@ -1,0 +1,337 @@
+"""Expert pruning: score every routed expert on calibration data, choose which to remove, slice the checkpoint.
+
+Methods:
+- ``maep``: Delta-H output importance (the block's output change when the expert is removed and its tokens are
+  re-routed), made modality- or domain-aware with token tags: tokens whose tag is in ``preserve_tags`` give a
+  preservation signal; the ``low_attention_fraction`` of ``prune_tags`` tokens that receive the least attention
+  give a pruning signal. score = mean ΔH over preservation tokens − ``prune_weight`` × mean ΔH over pruning
+  tokens. Without tags every token preserves.
+- ``reap``: mean over routed tokens of gate weight × ‖expert output‖ (REAP).
+- ``frequency``: fraction of tokens whose top-k holds the expert.
+- ``random``: seeded uniform scores.
+
+``scope="layer"`` removes the same number from every MoE layer; ``scope="global"`` ranks all experts of all
+layers together after dividing each layer's scores by the layer's mean expert score, so counts may differ by
+layer, and never goes below ``min_keep`` (at least top-k) in any layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..calibration.batches import TokenWindows, sampled_windows, tokenize_documents
+from ..calibration.sources import load_documents
+from ..checkpoint import rewrite_checkpoint
+from ..errors import UserInputError
+from ..evals.perplexity import evaluate
+from ..families import FamilyAdapter
+from ..loading import load_adapter, load_tokenizer
+from ..sweep import CalibrationSweep, LayerCapture
+from .expert_scores import layer_expert_stats
+
+Method = Literal["maep", "reap", "frequency", "random"]
+METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random")
+
+
+@dataclass(frozen=True)
+class PruneExpertsConfig:
+    method: Method = "maep"
+    ratio: float | None = 0.25
+    keep: int | None = None
+    scope: Literal["layer", "global"] = "layer"
+    min_keep: int | None = None
+    preserve_tags: tuple[str, ...] = ()
+    prune_tags: tuple[str, ...] = ()
+    low_attention_fraction: float = 0.5
+    prune_weight: float = 0.5
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise UserInputError(f"unknown pruning method {self.method!r}; choose from {', '.join(METHODS)}")
+        if (self.ratio is None) == (self.keep is None):
+            raise UserInputError("give exactly one of --ratio and --keep")
+        if self.ratio is not None and not 0.0 < self.ratio < 1.0:
+            raise UserInputError(f"--ratio must be between 0 and 1 (exclusive), got {self.ratio}")
+        if self.scope not in ("layer", "global"):
+            raise UserInputError(f"--scope must be layer or global, got {self.scope!r}")
+        if not 0.0 < self.low_attention_fraction <= 1.0:
+            raise UserInputError("--low-attention-fraction must be in (0, 1]")
+
+
+@dataclass
+class LayerScores:
+    """Everything measured for one layer, kept for the report and for the selection."""
+
+    layer: int
+    expert_ids: list[int]
+    score: torch.Tensor
+    frequency: torch.Tensor
+    reap: torch.Tensor
+    delta_h: torch.Tensor
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _tag_mask(capture: LayerCapture, tags: tuple[str, ...]) -> torch.Tensor:
+    wanted = [i for i, name in enumerate(capture.tag_names) if name in tags]
+    return torch.isin(capture.tags, torch.tensor(wanted, dtype=torch.long))
+
+
+def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpertsConfig) -> LayerScores:
+    """The chosen method's score of every expert in one layer (higher = more important)."""
+    stats = layer_expert_stats(adapter, capture.moe, capture.moe_input)
+    extra: dict[str, Any] = {}
+    if config.method == "frequency":
+        score = stats.frequency
+    elif config.method == "reap":
+        score = stats.reap
+    elif config.method == "random":
+        generator = torch.Generator().manual_seed(config.seed * 100_003 + capture.layer)
+        score = torch.rand(capture.moe.num_experts, generator=generator)
+    else:
+        score, extra = _maep_score(stats.delta_h, capture, config)
+    return LayerScores(
+        layer=capture.layer,
+        expert_ids=list(capture.moe.expert_ids),
+        score=score,
+        frequency=stats.frequency,
+        reap=stats.reap,
+        delta_h=stats.delta_h.mean(dim=0),
+        extra=extra,
+    )
+
+
+def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExpertsConfig):
+    if not config.prune_tags:
+        preserve = _tag_mask(capture, config.preserve_tags) if config.preserve_tags else torch.ones_like(capture.tags, dtype=torch.bool)
+        return delta_h[preserve].mean(dim=0), {"preserve_tokens": int(preserve.sum())}
+    candidates = _tag_mask(capture, config.prune_tags)
+    preserve = _tag_mask(capture, config.preserve_tags) if config.preserve_tags else ~candidates
+    if capture.attention_received is None:
+        raise RuntimeError("MAEP with prune tags needs the attention each token receives")
+    received = capture.attention_received[candidates]
+    count = max(1, int(math.ceil(config.low_attention_fraction * received.numel()))) if received.numel() else 0
+    prune = torch.zeros_like(candidates)
+    if count:
+        lowest = received.argsort()[:count]
+        prune[candidates.nonzero().squeeze(1)[lowest]] = True
+    preserve_signal = delta_h[preserve].mean(dim=0) if preserve.any() else torch.zeros(delta_h.shape[1])
+    prune_signal = delta_h[prune].mean(dim=0) if prune.any() else torch.zeros(delta_h.shape[1])
+    score = preserve_signal - config.prune_weight * prune_signal
+    extra = {
+        "preserve_tokens": int(preserve.sum()),
+        "prune_tokens": int(prune.sum()),
+        "preserve_signal": preserve_signal.tolist(),
+        "prune_signal": prune_signal.tolist(),
+    }
+    return score, extra
+
+
+def _normaliser(scores: LayerScores, method: str) -> float:
+    magnitude = {"frequency": scores.frequency, "reap": scores.reap, "random": torch.ones_like(scores.score)}.get(
+        method, torch.as_tensor(scores.extra.get("preserve_signal", scores.score))
+    )
+    value = float(magnitude.float().mean())
+    return value if value > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class GroupLimit:
+    """A group-limited router's constraint: experts form ``n_group`` equal consecutive groups, the choice is
+    restricted to the best ``topk_group`` groups, and a group's score needs ``min_per_group`` members."""
+
+    n_group: int
+    topk_group: int
+    min_per_group: int
+
+
+def group_limit(adapter: FamilyAdapter) -> GroupLimit | None:
+    rule = adapter.routing_rule()
+    if rule.n_group <= 1:
+        return None
+    return GroupLimit(rule.n_group, rule.topk_group, 2 if rule.kind == "sigmoid_group_topk" else 1)
+
+
+def choose_removals(
+    layer_scores: list[LayerScores],
+    config: PruneExpertsConfig,
+    top_k: int,
+    groups: GroupLimit | None = None,
+) -> dict[int, list[int]]:
+    """Positions (within each layer) of the experts to remove."""
+    sizes = {s.layer: len(s.expert_ids) for s in layer_scores}
+    total = sum(sizes.values())
+    if config.keep is not None:
+        remove_total = total - config.keep * len(sizes)
+    else:
+        remove_total = round(config.ratio * total)
+    min_keep = max(top_k, config.min_keep or top_k)
+    if remove_total <= 0:
+        raise UserInputError("nothing to remove: --ratio or --keep leaves every expert")
+    if config.scope == "layer":
+        per_layer = {layer: remove_total / len(sizes) for layer in sizes}
+        if any(not n.is_integer() for n in per_layer.values()):
+            raise UserInputError(
+                f"--scope layer removes the same number from each of {len(sizes)} MoE layers; "
+                f"{remove_total} experts do not split evenly (use another --ratio, --keep, or --scope global)"
+            )
+        removals = {}
+        for scores in layer_scores:
+            count = int(per_layer[scores.layer])
+            if sizes[scores.layer] - count < min_keep:
+                raise UserInputError(f"layer {scores.layer}: would keep {sizes[scores.layer] - count} experts, "
+                                     f"fewer than the minimum {min_keep}")
+            removals[scores.layer] = _lowest(scores.score, count, groups, top_k)
+        return removals
+    if groups is not None:
+        raise UserInputError("--scope global is not supported for group-limited routers (n_group > 1); use --scope layer")
+    ranked = sorted(
+        ((float(s.score[e]) / _normaliser(s, config.method), s.layer, e) for s in layer_scores for e in range(sizes[s.layer])),
+    )
+    removals: dict[int, list[int]] = {layer: [] for layer in sizes}
+    removed = 0
+    for _, layer, expert in ranked:
+        if removed == remove_total:
+            break
+        if sizes[layer] - len(removals[layer]) > min_keep:
+            removals[layer].append(expert)
+            removed += 1
+    if removed < remove_total:
+        raise UserInputError(f"cannot remove {remove_total} experts while keeping at least {min_keep} per layer")
+    return {layer: sorted(pos) for layer, pos in removals.items()}
+
+
+def _lowest(score: torch.Tensor, count: int, groups: GroupLimit | None, top_k: int) -> list[int]:
+    """The ``count`` lowest-scored positions; with expert groups, the same number from every group, so the
+    pruned model's groups are again equal and consecutive."""
+    if groups is None:
+        order = sorted(range(score.numel()), key=lambda e: (float(score[e]), e))
+        return sorted(order[:count])
+    size = score.numel() // groups.n_group
+    keep_per_group = size - count // groups.n_group
+    if count % groups.n_group or keep_per_group < groups.min_per_group or keep_per_group * groups.topk_group < top_k:
+        raise UserInputError(
+            f"group-limited routing (n_group={groups.n_group}, topk_group={groups.topk_group}): remove a multiple of "
+            f"{groups.n_group} experts per layer, keeping at least {groups.min_per_group} per group and "
+            f"{top_k} within the {groups.topk_group} chosen group(s); {count} of {score.numel()} does not"
+        )
+    chosen = []
+    for group in range(groups.n_group):
+        members = range(group * size, (group + 1) * size)
+        chosen += sorted(members, key=lambda e: (float(score[e]), e))[: count // groups.n_group]
+    return sorted(chosen)
+
+
+def calibration_windows(model_dir: Path, calib: str, calib_tokens: int, seq_len: int, seed: int) -> TokenWindows:
+    tokenizer = load_tokenizer(model_dir)
+    stream = tokenize_documents(load_documents(calib, default_part="calib"), tokenizer)
+    return sampled_windows(stream, seq_len, calib_tokens, seed)
+
+
+def prune_experts(
+    model_dir: Path,
+    out_dir: Path,
+    config: PruneExpertsConfig,
+    *,
+    calib: str = "builtin:prose",
+    calib_tokens: int = 16384,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    eval_data: str | None = None,
+    eval_tokens: int | None = 16384,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score, choose and write a pruned checkpoint; returns the report also saved as moecompress_report.json.
+
+    With ``eval_data`` the written checkpoint is evaluated against the input (perplexity, KL, routing
+    agreement) and the results join the report.
+    """
+    config.validate()
+    started = time.time()
+    adapter = load_adapter(model_dir)
+    windows = calibration_windows(model_dir, calib, calib_tokens, seq_len, config.seed)
+    batches = [{"input_ids": ids} for ids, _ in windows.batches(batch_size)]
+    needs_attention = config.method == "maep" and bool(config.prune_tags)
+    sweep = CalibrationSweep(model_dir, batches, windows.tags, windows.tag_names,
+                             capture_attention=needs_attention, progress=progress)
+    layer_scores = [score_layer(adapter, capture, config) for capture in sweep.run()]
+    report = write_pruned(model_dir, out_dir, adapter, layer_scores, config, overwrite=overwrite, progress=progress,
+                          calibration={"source": calib, "tokens": windows.num_tokens, "seq_len": seq_len,
+                                       "seed": config.seed, "tags": windows.tag_names})
+    report["seconds"] = round(time.time() - started, 2)
+    if eval_data:
+        result = evaluate(Path(out_dir), eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir,
+                          progress=progress)
+        report["eval"] = {"data": eval_data, **result.to_json()}
+    update_report(Path(out_dir), report)
+    return report
+
+
+def update_report(out_dir: Path, report: dict[str, Any]) -> None:
+    """Replace the output's moecompress_report.json in one step."""
+    target = out_dir / "moecompress_report.json"
+    temporary = target.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(temporary, target)
+
+
+def write_pruned(
+    model_dir: Path,
+    out_dir: Path,
+    adapter: FamilyAdapter,
+    layer_scores: list[LayerScores],
+    config: PruneExpertsConfig,
+    *,
+    calibration: dict[str, Any],
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Apply the selection to the checkpoint and write it with its report."""
+    removals = choose_removals(layer_scores, config, adapter.top_k, group_limit(adapter))
+    by_layer = {s.layer: s for s in layer_scores}
+    keep_positions = {
+        layer: [e for e in range(len(by_layer[layer].expert_ids)) if e not in set(removed)]
+        for layer, removed in removals.items()
+    }
+    kept_ids = {layer: [by_layer[layer].expert_ids[e] for e in pos] for layer, pos in keep_positions.items()}
+    new_config = adapter.with_expert_counts({layer: len(pos) for layer, pos in keep_positions.items()}, kept_ids)
+    before = sum(len(s.expert_ids) for s in layer_scores)
+    after = sum(len(pos) for pos in keep_positions.values())
+    report = {
+        "pass": "prune_experts",
+        "config": asdict(config),
+        "calibration": calibration,
+        "source": str(model_dir),
+        "family": adapter.family,
+        "experts_before": before,
+        "experts_after": after,
+        "uniform": len({len(p) for p in keep_positions.values()}) == 1,
+        "layers": {
+            str(s.layer): {
+                "kept": kept_ids[s.layer],
+                "removed": [s.expert_ids[e] for e in removals[s.layer]],
+                "expert_ids": s.expert_ids,
+                "score": s.score.tolist(),
+                "frequency": s.frequency.tolist(),
+                "reap": s.reap.tolist(),
+                "delta_h": s.delta_h.tolist(),
+                **({"maep": s.extra} if s.extra else {}),
+            }
+            for s in layer_scores
+        },
+    }
+    rewrite_checkpoint(
+        model_dir, out_dir, lambda layer, moe: moe.select(keep_positions[layer]) if layer in keep_positions else moe,
+        config=new_config, overwrite=overwrite, progress=progress,
+        extra_json={"moecompress_report.json": report},
+    )
+    return report
