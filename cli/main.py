@@ -138,8 +138,13 @@ def eval_command(model: str, data: str, seq_len: int, max_tokens: int | None, re
                    "ranked across layers, counts differ (loads in transformers after `import moecompress`).")
 @click.option("--min-keep", type=click.IntRange(min=1), default=None, help="Fewest experts any layer keeps (default: top-k).")
 @click.option("--calib", default="builtin:prose", show_default=True,
-              help="Calibration source(s), comma-separated; built-in sources use their calibration part.")
-@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
+              help="Calibration source(s), comma-separated; built-in sources use their calibration part. "
+                   "Vision-language models also take image+caption sources: builtin:shapes[:N], "
+                   "builtin:stripes[:N], or hf:NAME with an image column (tokens tagged vision/text).")
+@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="Calibration tokens for text sources (image sources: builtin:shapes:N takes N images).")
+@click.option("--image-size", type=click.IntRange(min=8), default=224, show_default=True,
+              help="Side in pixels that calibration images are drawn or resized to.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
 @click.option("--preserve-tags", default="", help="MAEP: comma-separated token tags whose outputs must be preserved "
                                                     "(default: every tag not in --prune-tags).")
@@ -159,7 +164,7 @@ def eval_command(model: str, data: str, seq_len: int, max_tokens: int | None, re
 def prune_command(model: str, out_dir: Path, method: str, ratio: float | None, keep: int | None, scope: str,
                   min_keep: int | None, calib: str, calib_tokens: int, seq_len: int, preserve_tags: str,
                   prune_tags: str, low_attention_fraction: float, prune_weight: float, seed: int,
-                  eval_data: str, eval_tokens: int, no_eval: bool, overwrite: bool) -> None:
+                  image_size: int, eval_data: str, eval_tokens: int, no_eval: bool, overwrite: bool) -> None:
     """Remove routed experts from MODEL and write the smaller checkpoint to --out.
 
     Calibration tokens are streamed through the model one decoder layer at a time; every expert is scored,
@@ -177,7 +182,8 @@ def prune_command(model: str, out_dir: Path, method: str, ratio: float | None, k
         low_attention_fraction=low_attention_fraction, prune_weight=prune_weight, seed=seed,
     )
     report = prune_experts(resolve_model(model), out_dir, config, calib=calib, calib_tokens=calib_tokens,
-                           seq_len=seq_len, eval_data=None if no_eval else eval_data, eval_tokens=eval_tokens,
+                           seq_len=seq_len, image_size=image_size,
+                           eval_data=None if no_eval else eval_data, eval_tokens=eval_tokens,
                            overwrite=overwrite, progress=sys.stderr.isatty())
     counts = [len(layer["kept"]) for layer in report["layers"].values()]
     click.echo(f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "

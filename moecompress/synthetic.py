@@ -95,3 +95,20 @@ def save_tiny_model(family: str, directory: str | os.PathLike[str], seed: int = 
     model = build_tiny_model(family, seed)
     model.save_pretrained(directory, **save_kwargs)
     return Path(directory)
+
+
+def tiny_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer with the tiny models' 384-token vocabulary, trained on built-in prose."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from moecompress.calibration.builtin_corpus import builtin_documents
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((doc.text for doc in builtin_documents("prose", "calib")[:10]), trainer=trainer)
+    assert tokenizer.get_vocab_size() == vocab_size
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")

@@ -183,3 +183,42 @@ def test_bad_ratio_is_a_one_line_error(tmp_path):
     assert result.returncode == 2 and "--ratio must be between 0 and 1" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def _image_dataset(directory):
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from moecompress.calibration.vision import builtin_image_captions
+
+    items = builtin_image_captions("stripes", count=4, size=32, seed=5)
+    dataset = datasets.Dataset.from_dict({"image": [Image.fromarray(i.image) for i in items],
+                                          "caption": [i.caption for i in items]})
+    dataset = dataset.cast_column("image", datasets.Image())
+    (directory / "data").mkdir(parents=True)
+    dataset.to_parquet(str(directory / "data" / "train-00000-of-00001.parquet"))
+    return np
+
+
+@pytest.mark.parametrize("calib", ["builtin:shapes:6", "hf-local"])
+def test_vision_language_pruning_with_images(calib, tiny_with_tokenizer, tmp_path):
+    source = tiny_with_tokenizer["qwen3_vl_moe"]
+    if calib == "hf-local":
+        _image_dataset(tmp_path / "images")
+        calib = f"hf:{tmp_path / 'images'}"
+    out = tmp_path / "vl"
+    result = CliRunner().invoke(app, ["prune", str(source), "--out", str(out), "--ratio", "0.5", "--calib", calib,
+                                      "--image-size", "32", "--prune-tags", "vision", "--eval-tokens", "512",
+                                      "--seq-len", "64"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "moecompress_report.json").read_text())
+    assert report["calibration"]["tags"] == ["text", "vision"]
+    assert report["calibration"]["tag_counts"][1] > 0
+    for entry in report["layers"].values():
+        assert entry["maep"]["prune_tokens"] > 0 and entry["maep"]["preserve_tokens"] > 0
+        assert len(entry["kept"]) == 2
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(out)
+    assert model.config.text_config.num_experts == 2

@@ -41,3 +41,33 @@ def test_sweep_matches_stock_forward(family, tiny_checkpoints):
         assert capture.attention_received.shape == (96,)
         assert torch.all(capture.attention_received > 0)
         assert capture.moe.num_experts == adapter.num_experts
+
+
+def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
+    """Vision tokens, M-RoPE positions and deepstack features injected between layers are all reproduced."""
+    from moecompress.calibration.vision import builtin_image_captions, image_processor_for, vision_batches
+    from moecompress.synthetic import tiny_tokenizer
+
+    source = tiny_checkpoints["qwen3_vl_moe"]
+    config = CheckpointReader(source).config
+    adapter = adapter_for(config)
+    model = getattr(transformers, adapter.auto_class).from_pretrained(source, dtype=torch.float32).eval()
+    items = builtin_image_captions("shapes", count=3, size=32)
+    batches, tags, names = vision_batches(items, tiny_tokenizer(), image_processor_for(source, config["vision_config"]),
+                                          **adapter.vision_token_ids())
+    assert names == ["text", "vision"] and (tags == 1).sum() == 3 * 16
+
+    expected = {}
+    for layer in adapter.moe_layers():
+        block = adapter.decoder_layers(model)[layer].mlp
+        block.register_forward_hook(
+            lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(args[0].reshape(-1, args[0].shape[-1]))
+        )
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch, use_cache=False)
+    sweep = CalibrationSweep(source, batches, tags, names, progress=False)
+    plans_with_injections = sum(bool(plan.injections) for plan in sweep.plans)
+    assert plans_with_injections == len(batches), "deepstack features should be injected after layer 0"
+    for capture in sweep.run():
+        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=1e-5)

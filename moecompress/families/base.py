@@ -102,6 +102,7 @@ class FamilyAdapter:
     num_experts_keys: ClassVar[tuple[str, ...]] = ("num_experts", "num_local_experts")
     shared_expert_markers: ClassVar[tuple[str, ...]] = ("shared_expert",)
     has_correction_bias: ClassVar[bool] = False
+    accepts_images: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any]):
         self.config = config

@@ -21,6 +21,16 @@ class Qwen3VLMoeAdapter(_QwenStyleAdapter):
     model_types = ("qwen3_vl_moe",)
     auto_class = "AutoModelForImageTextToText"
     layers_prefix = "model.language_model.layers."
+    accepts_images = True
+
+    def vision_token_ids(self) -> dict[str, int]:
+        """The placeholder ids a calibration sequence needs around an image, and the vision merge size."""
+        return {
+            "image_token_id": int(self.config["image_token_id"]),
+            "vision_start_id": int(self.config["vision_start_token_id"]),
+            "vision_end_id": int(self.config["vision_end_token_id"]),
+            "merge_size": int(self.config.get("vision_config", {}).get("spatial_merge_size", 2)),
+        }
 
     @property
     def text_config(self) -> dict[str, Any]:

@@ -27,8 +27,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..calibration.batches import TokenWindows, sampled_windows, tokenize_documents
+from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
+from ..calibration.vision import image_processor_for, is_image_source, load_image_captions, vision_batches
 from ..checkpoint import rewrite_checkpoint
 from ..errors import UserInputError
 from ..evals.perplexity import evaluate
@@ -230,10 +231,22 @@ def _lowest(score: torch.Tensor, count: int, groups: GroupLimit | None, top_k: i
     return sorted(chosen)
 
 
-def calibration_windows(model_dir: Path, calib: str, calib_tokens: int, seq_len: int, seed: int) -> TokenWindows:
+def calibration_batches(
+    adapter: FamilyAdapter, model_dir: Path, calib: str, calib_tokens: int, seq_len: int, batch_size: int,
+    seed: int, image_size: int,
+) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, list[str]]:
+    """Model-input batches, the flat tag index of every token, and the tag names, for text or image sources."""
     tokenizer = load_tokenizer(model_dir)
+    if is_image_source(calib):
+        if not adapter.accepts_images:
+            raise UserInputError(f"{calib}: image calibration needs a vision-language model; {adapter.family} is text-only")
+        items = load_image_captions(calib, seed=seed, size=image_size)
+        processor = image_processor_for(model_dir, adapter.config.get("vision_config", {}))
+        return vision_batches(items, tokenizer, processor, **adapter.vision_token_ids())
     stream = tokenize_documents(load_documents(calib, default_part="calib"), tokenizer)
-    return sampled_windows(stream, seq_len, calib_tokens, seed)
+    windows = sampled_windows(stream, seq_len, calib_tokens, seed)
+    batches = [{"input_ids": ids} for ids, _ in windows.batches(batch_size)]
+    return batches, windows.tags.reshape(-1), windows.tag_names
 
 
 def prune_experts(
@@ -245,6 +258,7 @@ def prune_experts(
     calib_tokens: int = 16384,
     seq_len: int = 256,
     batch_size: int = 8,
+    image_size: int = 224,
     eval_data: str | None = None,
     eval_tokens: int | None = 16384,
     overwrite: bool = False,
@@ -258,15 +272,15 @@ def prune_experts(
     config.validate()
     started = time.time()
     adapter = load_adapter(model_dir)
-    windows = calibration_windows(model_dir, calib, calib_tokens, seq_len, config.seed)
-    batches = [{"input_ids": ids} for ids, _ in windows.batches(batch_size)]
+    batches, tags, tag_names = calibration_batches(adapter, model_dir, calib, calib_tokens, seq_len, batch_size,
+                                                   config.seed, image_size)
     needs_attention = config.method == "maep" and bool(config.prune_tags)
-    sweep = CalibrationSweep(model_dir, batches, windows.tags, windows.tag_names,
-                             capture_attention=needs_attention, progress=progress)
+    sweep = CalibrationSweep(model_dir, batches, tags, tag_names, capture_attention=needs_attention, progress=progress)
     layer_scores = [score_layer(adapter, capture, config) for capture in sweep.run()]
     report = write_pruned(model_dir, out_dir, adapter, layer_scores, config, overwrite=overwrite, progress=progress,
-                          calibration={"source": calib, "tokens": windows.num_tokens, "seq_len": seq_len,
-                                       "seed": config.seed, "tags": windows.tag_names})
+                          calibration={"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len,
+                                       "seed": config.seed, "tags": tag_names,
+                                       "tag_counts": torch.bincount(tags, minlength=len(tag_names)).tolist()})
     report["seconds"] = round(time.time() - started, 2)
     if eval_data:
         result = evaluate(Path(out_dir), eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir,
