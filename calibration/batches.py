@@ -43,7 +43,7 @@ class TokenWindows:
 
     def batches(self, batch_size: int):
         for start in range(0, self.input_ids.shape[0], batch_size):
-            yield self.input_ids[start:start + batch_size], self.tags[start:start + batch_size]
+            yield self.input_ids[start : start + batch_size], self.tags[start : start + batch_size]
 
 
 def tokenize_documents(documents: Sequence[Document], tokenizer) -> TokenStream:
@@ -52,7 +52,9 @@ def tokenize_documents(documents: Sequence[Document], tokenizer) -> TokenStream:
     tag_index = {name: i for i, name in enumerate(tag_names)}
     encoded = tokenizer([doc.text + DOCUMENT_SEPARATOR for doc in documents], add_special_tokens=False)["input_ids"]
     ids = torch.tensor([token for row in encoded for token in row], dtype=torch.long)
-    tags = torch.tensor([tag_index[doc.tag] for doc, row in zip(documents, encoded) for _ in row], dtype=torch.long)
+    tags = torch.tensor(
+        [tag_index[doc.tag] for doc, row in zip(documents, encoded, strict=True) for _ in row], dtype=torch.long
+    )
     return TokenStream(ids=ids, tags=tags, tag_names=tag_names)
 
 

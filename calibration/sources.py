@@ -74,7 +74,9 @@ def _file_documents(path: Path, text_field: str) -> list[Document]:
                     raise UserInputError(f"{path}:{number}: invalid JSON ({error.msg})") from None
                 if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                     raise UserInputError(f"{path}:{number}: no string field {text_field!r}")
-                documents.append(Document(text=record[text_field], tag=str(record.get("tag", tag)), id=f"{path}:{number}"))
+                documents.append(
+                    Document(text=record[text_field], tag=str(record.get("tag", tag)), id=f"{path}:{number}")
+                )
         return documents
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -89,7 +91,7 @@ def _file_documents(path: Path, text_field: str) -> list[Document]:
 
 def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     """``hf:NAME[:CONFIG][:SPLIT]`` → (name, config, split)."""
-    pieces = re.split(r":(?![^\[]*\])", spec[len("hf:"):])
+    pieces = re.split(r":(?![^\[]*\])", spec[len("hf:") :])
     name, config, split = pieces[0], None, "train"
     if not name:
         raise UserInputError(f"{spec}: hf: needs a dataset name")
@@ -112,7 +114,9 @@ def _hf_documents(spec: str, text_field: str) -> list[Document]:
     try:
         dataset = datasets.load_dataset(name, config, split=split)
     except Exception as error:  # datasets raises many types for a missing or unreachable dataset
-        raise UserInputError(f"{spec}: could not load dataset ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+        raise UserInputError(
+            f"{spec}: could not load dataset ({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
     if text_field not in dataset.column_names:
         raise UserInputError(f"{spec}: no column {text_field!r} (columns: {', '.join(dataset.column_names)})")
     return [

@@ -20,8 +20,14 @@ from ..errors import UserInputError
 
 BUILTIN_IMAGE_SOURCES = ("shapes", "stripes")
 _COLOURS = {
-    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (235, 220, 50),
-    "purple": (140, 60, 180), "orange": (240, 140, 30), "white": (245, 245, 245), "black": (15, 15, 15),
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 220, 50),
+    "purple": (140, 60, 180),
+    "orange": (240, 140, 30),
+    "white": (245, 245, 245),
+    "black": (15, 15, 15),
     "grey": (128, 128, 128),
 }
 _SHAPES = ("circle", "square", "triangle")
@@ -115,8 +121,11 @@ def load_image_captions(spec: str, *, seed: int = 0, size: int = 64, count: int 
         if "image" not in dataset.column_names or caption_column is None:
             raise UserInputError(f"{spec}: needs an 'image' column and a 'caption' or 'text' column")
         return [
-            ImageCaption(image=np.asarray(row["image"].convert("RGB").resize((size, size))),
-                         caption=str(row[caption_column]), id=f"{spec}:{i}")
+            ImageCaption(
+                image=np.asarray(row["image"].convert("RGB").resize((size, size))),
+                caption=str(row[caption_column]),
+                id=f"{spec}:{i}",
+            )
             for i, row in enumerate(dataset)
         ]
     raise UserInputError(f"{spec}: not an image source (use builtin:shapes, builtin:stripes or hf:NAME)")
@@ -130,9 +139,13 @@ def image_processor_for(model_dir: Path, vision_config: dict):
         return Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     patch = int(vision_config.get("patch_size", 16))
     merge = int(vision_config.get("spatial_merge_size", 2))
-    return Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge,
-                                    temporal_patch_size=int(vision_config.get("temporal_patch_size", 2)),
-                                    min_pixels=(patch * merge) ** 2, max_pixels=(patch * merge * 32) ** 2)
+    return Qwen2VLImageProcessorPil(
+        patch_size=patch,
+        merge_size=merge,
+        temporal_patch_size=int(vision_config.get("temporal_patch_size", 2)),
+        min_pixels=(patch * merge) ** 2,
+        max_pixels=(patch * merge * 32) ** 2,
+    )
 
 
 def vision_batches(
@@ -158,7 +171,13 @@ def vision_batches(
         caption = tokenizer(" " + item.caption, add_special_tokens=False)["input_ids"]
         ids = torch.tensor([[vision_start_id] + [image_token_id] * image_tokens + [vision_end_id] + caption])
         is_image = ids == image_token_id
-        batches.append({"input_ids": ids, "pixel_values": pixels["pixel_values"], "image_grid_thw": grid,
-                        "mm_token_type_ids": is_image.long()})
+        batches.append(
+            {
+                "input_ids": ids,
+                "pixel_values": pixels["pixel_values"],
+                "image_grid_thw": grid,
+                "mm_token_type_ids": is_image.long(),
+            }
+        )
         tags.append(is_image.long().reshape(-1))
     return batches, torch.cat(tags), tag_names

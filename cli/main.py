@@ -70,7 +70,8 @@ def inspect_command(model: str, as_json: bool) -> None:
         f"family       {summary['family']} (model_type {summary['model_type']})",
         f"layers       {summary['num_layers']} decoder layers, {len(summary['moe_layers'])} MoE",
         f"experts      {experts} routed per MoE layer, top-{summary['top_k']}",
-        f"attention    {summary['attention_heads']} heads, {summary['kv_heads']} KV heads, head_dim {summary['head_dim']}",
+        f"attention    {summary['attention_heads']} heads, {summary['kv_heads']} KV heads, "
+        f"head_dim {summary['head_dim']}",
         f"hidden size  {summary['hidden_size']}",
         f"on disk      {_human_bytes(summary['bytes_on_disk'])} in {summary['shards']} shard(s)",
         "dtypes       " + ", ".join(f"{k} {_human_int(v)}" for k, v in summary["dtypes"].items()),
@@ -85,18 +86,33 @@ def inspect_command(model: str, as_json: bool) -> None:
 
 @app.command("eval")
 @click.argument("model")
-@click.option("--data", default="builtin:prose", show_default=True,
-              help="Evaluation source: builtin:prose|code[:heldout], a .txt/.jsonl/.parquet file, or "
-                   "hf:NAME[:CONFIG][:SPLIT]. Built-in sources default to their held-out part.")
-@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2),
-              help="Tokens per window; windows are consecutive and do not overlap.")
-@click.option("--max-tokens", type=click.IntRange(min=2), default=None,
-              help="Evaluate at most this many tokens (whole windows).")
+@click.option(
+    "--data",
+    default="builtin:prose",
+    show_default=True,
+    help="Evaluation source: builtin:prose|code[:heldout], a .txt/.jsonl/.parquet file, or "
+    "hf:NAME[:CONFIG][:SPLIT]. Built-in sources default to their held-out part.",
+)
+@click.option(
+    "--seq-len",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=2),
+    help="Tokens per window; windows are consecutive and do not overlap.",
+)
+@click.option(
+    "--max-tokens", type=click.IntRange(min=2), default=None, help="Evaluate at most this many tokens (whole windows)."
+)
 @click.option("--reference", default=None, help=f"Reference model for KL and routing agreement ({MODEL_HELP}).")
-@click.option("--json-out", type=click.Path(dir_okay=False, writable=True, path_type=Path), default=None,
-              help="Also write the results to this JSON file.")
-def eval_command(model: str, data: str, seq_len: int, max_tokens: int | None, reference: str | None,
-                 json_out: Path | None) -> None:
+@click.option(
+    "--json-out",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    default=None,
+    help="Also write the results to this JSON file.",
+)
+def eval_command(
+    model: str, data: str, seq_len: int, max_tokens: int | None, reference: str | None, json_out: Path | None
+) -> None:
     """Perplexity of MODEL on DATA; with --reference, also KL(reference‖model) and routing agreement.
 
     Perplexity is exp(mean negative log-likelihood) over every predicted token of consecutive,
@@ -107,15 +123,23 @@ def eval_command(model: str, data: str, seq_len: int, max_tokens: int | None, re
 
     model_dir = resolve_model(model)
     reference_dir = resolve_model(reference) if reference else None
-    result = evaluate(model_dir, data, seq_len=seq_len, max_tokens=max_tokens, reference_dir=reference_dir,
-                      progress=sys.stderr.isatty())
+    result = evaluate(
+        model_dir,
+        data,
+        seq_len=seq_len,
+        max_tokens=max_tokens,
+        reference_dir=reference_dir,
+        progress=sys.stderr.isatty(),
+    )
     payload = {"model": str(model_dir), "data": data, **result.to_json()}
     if reference_dir is not None:
         payload["reference"] = str(reference_dir)
     if json_out is not None:
         json_out.write_text(json.dumps(payload, indent=2) + "\n")
-    click.echo(f"perplexity          {result.perplexity:.4f}  ({result.tokens} predicted tokens, "
-               f"{result.windows} windows of {result.seq_len})")
+    click.echo(
+        f"perplexity          {result.perplexity:.4f}  ({result.tokens} predicted tokens, "
+        f"{result.windows} windows of {result.seq_len})"
+    )
     if result.kl is not None:
         click.echo(f"KL(ref‖model)       {result.kl:.6f} nats/token")
     if result.routing_agreement is not None:
@@ -125,46 +149,127 @@ def eval_command(model: str, data: str, seq_len: int, max_tokens: int | None, re
 
 @app.command("prune")
 @click.argument("model")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output directory (written atomically; must not exist unless --overwrite).")
-@click.option("--method", type=click.Choice(["maep", "reap", "frequency", "random"]), default="maep",
-              show_default=True, help="How experts are scored: MAEP Delta-H (redistribution-aware output change), "
-                                      "REAP (gate × output norm), routing frequency, or random.")
-@click.option("--ratio", type=float, default=None,
-              help="Fraction of routed experts removed over the whole model (default 0.25).")
-@click.option("--keep", type=click.IntRange(min=1), default=None, help="Experts kept per MoE layer (on average with --scope global).")
-@click.option("--scope", type=click.Choice(["layer", "global"]), default="layer", show_default=True,
-              help="layer: the same count removed from every layer (loads in every stock tool); global: experts "
-                   "ranked across layers, counts differ (loads in transformers after `import moecompress`).")
-@click.option("--min-keep", type=click.IntRange(min=1), default=None, help="Fewest experts any layer keeps (default: top-k).")
-@click.option("--calib", default="builtin:prose", show_default=True,
-              help="Calibration source(s), comma-separated; built-in sources use their calibration part. "
-                   "Vision-language models also take image+caption sources: builtin:shapes[:N], "
-                   "builtin:stripes[:N], or hf:NAME with an image column (tokens tagged vision/text).")
-@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True,
-              help="Calibration tokens for text sources (image sources: builtin:shapes:N takes N images).")
-@click.option("--image-size", type=click.IntRange(min=8), default=224, show_default=True,
-              help="Side in pixels that calibration images are drawn or resized to.")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output directory (written atomically; must not exist unless --overwrite).",
+)
+@click.option(
+    "--method",
+    type=click.Choice(["maep", "reap", "frequency", "random"]),
+    default="maep",
+    show_default=True,
+    help="How experts are scored: MAEP Delta-H (redistribution-aware output change), "
+    "REAP (gate × output norm), routing frequency, or random.",
+)
+@click.option(
+    "--ratio", type=float, default=None, help="Fraction of routed experts removed over the whole model (default 0.25)."
+)
+@click.option(
+    "--keep",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Experts kept per MoE layer (on average with --scope global).",
+)
+@click.option(
+    "--scope",
+    type=click.Choice(["layer", "global"]),
+    default="layer",
+    show_default=True,
+    help="layer: the same count removed from every layer (loads in every stock tool); global: experts "
+    "ranked across layers, counts differ (loads in transformers after `import moecompress`).",
+)
+@click.option(
+    "--min-keep", type=click.IntRange(min=1), default=None, help="Fewest experts any layer keeps (default: top-k)."
+)
+@click.option(
+    "--calib",
+    default="builtin:prose",
+    show_default=True,
+    help="Calibration source(s), comma-separated; built-in sources use their calibration part. "
+    "Vision-language models also take image+caption sources: builtin:shapes[:N], "
+    "builtin:stripes[:N], or hf:NAME with an image column (tokens tagged vision/text).",
+)
+@click.option(
+    "--calib-tokens",
+    type=click.IntRange(min=1),
+    default=16384,
+    show_default=True,
+    help="Calibration tokens for text sources (image sources: builtin:shapes:N takes N images).",
+)
+@click.option(
+    "--image-size",
+    type=click.IntRange(min=8),
+    default=224,
+    show_default=True,
+    help="Side in pixels that calibration images are drawn or resized to.",
+)
 @click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
-@click.option("--preserve-tags", default="", help="MAEP: comma-separated token tags whose outputs must be preserved "
-                                                    "(default: every tag not in --prune-tags).")
-@click.option("--prune-tags", default="", help="MAEP: comma-separated tags whose low-attention tokens are a pruning signal "
-                                                 "(e.g. vision, or prose when preserving code).")
-@click.option("--low-attention-fraction", type=float, default=0.5, show_default=True,
-              help="MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal.")
-@click.option("--prune-weight", type=float, default=0.5, show_default=True,
-              help="MAEP: weight of the pruning signal against the preservation signal.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows and --method random.")
-@click.option("--eval-data", default="builtin:prose", show_default=True,
-              help="Evaluate the pruned model against the input on this source (held-out part for built-ins).")
+@click.option(
+    "--preserve-tags",
+    default="",
+    help="MAEP: comma-separated token tags whose outputs must be preserved (default: every tag not in --prune-tags).",
+)
+@click.option(
+    "--prune-tags",
+    default="",
+    help="MAEP: comma-separated tags whose low-attention tokens are a pruning signal "
+    "(e.g. vision, or prose when preserving code).",
+)
+@click.option(
+    "--low-attention-fraction",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal.",
+)
+@click.option(
+    "--prune-weight",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="MAEP: weight of the pruning signal against the preservation signal.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed for calibration windows and --method random."
+)
+@click.option(
+    "--eval-data",
+    default="builtin:prose",
+    show_default=True,
+    help="Evaluate the pruned model against the input on this source (held-out part for built-ins).",
+)
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=16384, show_default=True)
-@click.option("--no-eval", is_flag=True, help="Skip the evaluation (it loads both models whole; skip it for models "
-                                              "that do not fit in memory).")
+@click.option(
+    "--no-eval",
+    is_flag=True,
+    help="Skip the evaluation (it loads both models whole; skip it for models that do not fit in memory).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-def prune_command(model: str, out_dir: Path, method: str, ratio: float | None, keep: int | None, scope: str,
-                  min_keep: int | None, calib: str, calib_tokens: int, seq_len: int, preserve_tags: str,
-                  prune_tags: str, low_attention_fraction: float, prune_weight: float, seed: int,
-                  image_size: int, eval_data: str, eval_tokens: int, no_eval: bool, overwrite: bool) -> None:
+def prune_command(
+    model: str,
+    out_dir: Path,
+    method: str,
+    ratio: float | None,
+    keep: int | None,
+    scope: str,
+    min_keep: int | None,
+    calib: str,
+    calib_tokens: int,
+    seq_len: int,
+    preserve_tags: str,
+    prune_tags: str,
+    low_attention_fraction: float,
+    prune_weight: float,
+    seed: int,
+    image_size: int,
+    eval_data: str,
+    eval_tokens: int,
+    no_eval: bool,
+    overwrite: bool,
+) -> None:
     """Remove routed experts from MODEL and write the smaller checkpoint to --out.
 
     Calibration tokens are streamed through the model one decoder layer at a time; every expert is scored,
@@ -177,23 +282,45 @@ def prune_command(model: str, out_dir: Path, method: str, ratio: float | None, k
     if ratio is None and keep is None:
         ratio = 0.25
     config = PruneExpertsConfig(
-        method=method, ratio=ratio, keep=keep, scope=scope, min_keep=min_keep,
-        preserve_tags=_tags(preserve_tags), prune_tags=_tags(prune_tags),
-        low_attention_fraction=low_attention_fraction, prune_weight=prune_weight, seed=seed,
+        method=method,
+        ratio=ratio,
+        keep=keep,
+        scope=scope,
+        min_keep=min_keep,
+        preserve_tags=_tags(preserve_tags),
+        prune_tags=_tags(prune_tags),
+        low_attention_fraction=low_attention_fraction,
+        prune_weight=prune_weight,
+        seed=seed,
     )
-    report = prune_experts(resolve_model(model), out_dir, config, calib=calib, calib_tokens=calib_tokens,
-                           seq_len=seq_len, image_size=image_size,
-                           eval_data=None if no_eval else eval_data, eval_tokens=eval_tokens,
-                           overwrite=overwrite, progress=sys.stderr.isatty())
+    report = prune_experts(
+        resolve_model(model),
+        out_dir,
+        config,
+        calib=calib,
+        calib_tokens=calib_tokens,
+        seq_len=seq_len,
+        image_size=image_size,
+        eval_data=None if no_eval else eval_data,
+        eval_tokens=eval_tokens,
+        overwrite=overwrite,
+        progress=sys.stderr.isatty(),
+    )
     counts = [len(layer["kept"]) for layer in report["layers"].values()]
-    click.echo(f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "
-               f"experts ({method}, scope {scope}); kept per layer: {', '.join(map(str, counts))}")
-    click.echo(f"wrote {out_dir} in {report['seconds']:.1f}s"
-               + ("" if report["uniform"] else "  (per-layer counts differ: load after `import moecompress`)"))
+    click.echo(
+        f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "
+        f"experts ({method}, scope {scope}); kept per layer: {', '.join(map(str, counts))}"
+    )
+    click.echo(
+        f"wrote {out_dir} in {report['seconds']:.1f}s"
+        + ("" if report["uniform"] else "  (per-layer counts differ: load after `import moecompress`)")
+    )
     if "eval" in report:
         result = report["eval"]
-        click.echo(f"perplexity {result['reference_perplexity']:.3f} -> {result['perplexity']:.3f} on {eval_data}; "
-                   f"KL {result['kl']:.4f} nats/token; routing agreement {result['routing_agreement']:.4f}")
+        click.echo(
+            f"perplexity {result['reference_perplexity']:.3f} -> {result['perplexity']:.3f} on {eval_data}; "
+            f"KL {result['kl']:.4f} nats/token; routing agreement {result['routing_agreement']:.4f}"
+        )
 
 
 def _tags(value: str) -> tuple[str, ...]:

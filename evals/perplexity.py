@@ -67,8 +67,9 @@ def evaluate_windows(
     total_batches = math.ceil(windows.input_ids.shape[0] / batch_size)
     try:
         with torch.inference_mode():
-            for input_ids, _ in tqdm(windows.batches(batch_size), total=total_batches, desc="eval", unit="batch",
-                                     disable=not progress):
+            for input_ids, _ in tqdm(
+                windows.batches(batch_size), total=total_batches, desc="eval", unit="batch", disable=not progress
+            ):
                 start = time.perf_counter()
                 logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
                 model_seconds += time.perf_counter() - start
@@ -95,7 +96,9 @@ def evaluate_windows(
         seq_len=seq_len,
         windows=windows.input_ids.shape[0],
         kl=kl_sum / predicted if reference is not None else None,
-        routing_agreement=(agreement_sum / agreement_count if agreement_count else None) if reference is not None else None,
+        routing_agreement=(agreement_sum / agreement_count if agreement_count else None)
+        if reference is not None
+        else None,
         reference_perplexity=math.exp(ref_nll_sum / predicted) if reference is not None else None,
     )
 

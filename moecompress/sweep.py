@@ -133,12 +133,18 @@ class CalibrationSweep:
         layers_path = self.adapter.layers_prefix.rstrip(".")
         parent_path, _, attr = layers_path.rpartition(".")
         parent = skeleton.get_submodule(parent_path)
-        setattr(parent, attr, torch.nn.ModuleList(
-            _LayerProxy(i, recorder, _layer_attributes(layer)) for i, layer in enumerate(meta_layers)
-        ))
-        state = {key: tensor.to(dtype) if tensor.is_floating_point() else tensor
-                 for key, tensor in self.reader.read(outside_keys).items()}
-        missing, unexpected = skeleton.load_state_dict(state, strict=False)
+        setattr(
+            parent,
+            attr,
+            torch.nn.ModuleList(
+                _LayerProxy(i, recorder, _layer_attributes(layer)) for i, layer in enumerate(meta_layers)
+            ),
+        )
+        state = {
+            key: tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for key, tensor in self.reader.read(outside_keys).items()
+        }
+        _, unexpected = skeleton.load_state_dict(state, strict=False)
         if unexpected:
             raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
         skeleton.tie_weights()
@@ -187,13 +193,17 @@ class CalibrationSweep:
             handles = []
             if moe is not None:
                 block = module.get_submodule(self.adapter.router_module.rsplit(".", 1)[0])
-                handles.append(block.register_forward_hook(
-                    lambda mod, args, out: captured_inputs.append(args[0].reshape(-1, args[0].shape[-1]).detach())
-                ))
+                handles.append(
+                    block.register_forward_hook(
+                        lambda mod, args, out, into=captured_inputs: into.append(args[0].reshape(-1, args[0].shape[-1]))
+                    )
+                )
                 if self.capture_attention:
-                    handles.append(module.self_attn.register_forward_hook(
-                        lambda mod, args, out: received.append(_attention_received(out[1]))
-                    ))
+                    handles.append(
+                        module.self_attn.register_forward_hook(
+                            lambda mod, args, out, into=received: into.append(_attention_received(out[1]))
+                        )
+                    )
             outputs = self._forward_layer(module, layer, hidden)
             for handle in handles:
                 handle.remove()
@@ -207,14 +217,16 @@ class CalibrationSweep:
                     tag_names=self.tag_names,
                     attention_received=torch.cat(received) if received else None,
                 )
-            hidden = [out + plan.injections[layer] if layer in plan.injections else out
-                      for out, plan in zip(outputs, self.plans)]
+            hidden = [
+                out + plan.injections[layer] if layer in plan.injections else out
+                for out, plan in zip(outputs, self.plans, strict=True)
+            ]
         self.reader.close()
 
     def _forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         outputs = []
         with torch.inference_mode():
-            for states, plan in zip(hidden, self.plans):
+            for states, plan in zip(hidden, self.plans, strict=True):
                 args, kwargs = plan.calls[layer]
                 out = module(states, *args, **kwargs)
                 outputs.append(out[0] if isinstance(out, tuple) else out)
@@ -225,7 +237,6 @@ def _attention_received(weights: torch.Tensor | None) -> torch.Tensor:
     """Per key token: the mean, over heads and over the queries that can see it, of the attention it gets."""
     if weights is None:
         raise RuntimeError("attention weights were not returned; eager attention is required")
-    batch, _, queries, keys = weights.shape
     total = weights.float().sum(dim=(1, 2)) / weights.shape[1]
     seen_by = (weights.float().sum(dim=1) > 0).sum(dim=1).clamp_min(1)
     return (total / seen_by).reshape(-1)

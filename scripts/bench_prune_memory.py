@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,9 +44,18 @@ def synthesise(directory: Path, layers: int, hidden: int, experts: int, inter: i
 
     heads, kv_heads, head_dim = 8, 4, hidden // 8
     config = Qwen3MoeConfig(
-        vocab_size=2048, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, moe_intermediate_size=inter, intermediate_size=4 * hidden,
-        num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True,
+        vocab_size=2048,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        moe_intermediate_size=inter,
+        intermediate_size=4 * hidden,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
         max_position_embeddings=512,
     ).to_dict()
     config["architectures"] = ["Qwen3MoeForCausalLM"]
@@ -59,7 +66,9 @@ def synthesise(directory: Path, layers: int, hidden: int, experts: int, inter: i
         return (scale * torch.randn(*shape, generator=generator)).to(torch.bfloat16)
 
     writer = CheckpointWriter(directory, max_shard_bytes=512 * 2**20)
-    writer.add({"model.embed_tokens.weight": rand(2048, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
+    writer.add(
+        {"model.embed_tokens.weight": rand(2048, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    )
     layer_bytes = 0
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -111,30 +120,48 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "synthetic"
-        shapes = synthesise(source, args.layers, args.hidden, args.experts, args.intermediate,
-                            resolve_model("builtin:tiny-moe"))
+        shapes = synthesise(
+            source, args.layers, args.hidden, args.experts, args.intermediate, resolve_model("builtin:tiny-moe")
+        )
         checkpoint_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
         baseline_rss, _ = run_measured([sys.executable, "-c", BASELINE, str(source), str(args.calib_tokens)])
-        prune_rss, seconds = run_measured([
-            sys.executable, "-m", "moecompress.cli.main", "prune", str(source), "--out", str(Path(tmp) / "out"),
-            "--ratio", "0.25", "--calib-tokens", str(args.calib_tokens), "--no-eval",
-        ])
+        prune_rss, seconds = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "moecompress.cli.main",
+                "prune",
+                str(source),
+                "--out",
+                str(Path(tmp) / "out"),
+                "--ratio",
+                "0.25",
+                "--calib-tokens",
+                str(args.calib_tokens),
+                "--no-eval",
+            ]
+        )
         out_bytes = sum(p.stat().st_size for p in (Path(tmp) / "out").glob("*.safetensors"))
     layer_bytes = shapes["layer_bytes"]
-    print(json.dumps({
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "layers": args.layers,
-        "layer_bytes_bf16": layer_bytes,
-        "checkpoint_bytes": checkpoint_bytes,
-        "pruned_bytes": out_bytes,
-        "baseline_rss_bytes": baseline_rss,
-        "prune_peak_rss_bytes": prune_rss,
-        "prune_rss_above_baseline_bytes": prune_rss - baseline_rss,
-        "above_baseline_in_layers": round((prune_rss - baseline_rss) / layer_bytes, 2),
-        "checkpoint_in_layers": round(checkpoint_bytes / layer_bytes, 2),
-        "prune_seconds": round(seconds, 1),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                "layers": args.layers,
+                "layer_bytes_bf16": layer_bytes,
+                "checkpoint_bytes": checkpoint_bytes,
+                "pruned_bytes": out_bytes,
+                "baseline_rss_bytes": baseline_rss,
+                "prune_peak_rss_bytes": prune_rss,
+                "prune_rss_above_baseline_bytes": prune_rss - baseline_rss,
+                "above_baseline_in_layers": round((prune_rss - baseline_rss) / layer_bytes, 2),
+                "checkpoint_in_layers": round(checkpoint_bytes / layer_bytes, 2),
+                "prune_seconds": round(seconds, 1),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((rank_a * rank_b).sum() / (rank_a.norm() * rank_b.norm()))
 
 
-def signals(model_dir: Path, source: str, seed: int, image_size: int, fraction: float) -> dict[int, dict[str, torch.Tensor]]:
+def signals(
+    model_dir: Path, source: str, seed: int, image_size: int, fraction: float
+) -> dict[int, dict[str, torch.Tensor]]:
     adapter = load_adapter(model_dir)
     config = PruneExpertsConfig(method="maep", prune_tags=("vision",), low_attention_fraction=fraction, seed=seed)
     batches, tags, names = calibration_batches(adapter, model_dir, source, 0, 0, 1, seed, image_size)
@@ -38,14 +40,15 @@ def signals(model_dir: Path, source: str, seed: int, image_size: int, fraction: 
     out = {}
     for capture in sweep.run():
         scores = score_layer(adapter, capture, config)
-        out[capture.layer] = {"prune": torch.tensor(scores.extra["prune_signal"]),
-                              "preserve": torch.tensor(scores.extra["preserve_signal"])}
+        out[capture.layer] = {
+            "prune": torch.tensor(scores.extra["prune_signal"]),
+            "preserve": torch.tensor(scores.extra["preserve_signal"]),
+        }
     return out
 
 
 def build_default_model(directory: Path) -> Path:
-    from moecompress.synthetic import TINY_CONFIGS, save_tiny_model
-    from moecompress.synthetic import tiny_tokenizer
+    from moecompress.synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
 
     TINY_CONFIGS["qwen3_vl_moe"]["text_config"].update(num_experts=16, num_hidden_layers=3)
     path = save_tiny_model("qwen3_vl_moe", directory, seed=0)
@@ -65,9 +68,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or build_default_model(Path(tmp) / "tiny-vl")
         runs = {
-            "shapes_seed0": signals(model_dir, f"builtin:shapes:{args.images}", 0, args.image_size, args.low_attention_fraction),
-            "shapes_seed1": signals(model_dir, f"builtin:shapes:{args.images}", 1, args.image_size, args.low_attention_fraction),
-            "stripes_seed0": signals(model_dir, f"builtin:stripes:{args.images}", 0, args.image_size, args.low_attention_fraction),
+            "shapes_seed0": signals(
+                model_dir, f"builtin:shapes:{args.images}", 0, args.image_size, args.low_attention_fraction
+            ),
+            "shapes_seed1": signals(
+                model_dir, f"builtin:shapes:{args.images}", 1, args.image_size, args.low_attention_fraction
+            ),
+            "stripes_seed0": signals(
+                model_dir, f"builtin:stripes:{args.images}", 0, args.image_size, args.low_attention_fraction
+            ),
         }
     generator = torch.Generator().manual_seed(0)
     layers = {}
@@ -81,10 +90,20 @@ def main() -> None:
             "prune_signal_vs_shuffled": round(spearman(a["prune"], shuffled), 4),
         }
     mean = {key: round(sum(v[key] for v in layers.values()) / len(layers), 4) for key in next(iter(layers.values()))}
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": str(args.model or "tiny random Qwen3-VL-MoE, 16 experts"),
-                      "images_per_source": args.images, "image_size": args.image_size,
-                      "low_attention_fraction": args.low_attention_fraction, "spearman_by_layer": layers,
-                      "spearman_mean": mean}, indent=2))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "model": str(args.model or "tiny random Qwen3-VL-MoE, 16 experts"),
+                "images_per_source": args.images,
+                "image_size": args.image_size,
+                "low_attention_fraction": args.low_attention_fraction,
+                "spearman_by_layer": layers,
+                "spearman_mean": mean,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

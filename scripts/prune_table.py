@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import torch
+from moecompress.evals.perplexity import evaluate
 
 from moecompress.checkpoint import CheckpointReader, resolve_model
-from moecompress.evals.perplexity import evaluate
 from moecompress.loading import quiet_transformers
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 
@@ -54,30 +54,52 @@ def main() -> None:
                         out = Path(tmp) / f"{method}-{ratio}-{scope}-{seed}"
                         config = PruneExpertsConfig(method=method, ratio=ratio, scope=scope, seed=seed)
                         start = time.time()
-                        report = prune_experts(model_dir, out, config, calib=args.calib,
-                                               calib_tokens=args.calib_tokens, progress=False)
+                        report = prune_experts(
+                            model_dir, out, config, calib=args.calib, calib_tokens=args.calib_tokens, progress=False
+                        )
                         seconds = time.time() - start
                         result = evaluate(out, args.data, reference_dir=model_dir, progress=False)
                         with CheckpointReader(out) as reader:
                             size = reader.total_bytes()
-                        runs.append(dict(perplexity=result.perplexity, routing_agreement=result.routing_agreement,
-                                         kl=result.kl, bytes=size, prune_seconds=seconds,
-                                         kept_per_layer=[len(v["kept"]) for v in report["layers"].values()]))
-                    row = dict(method=method, ratio=ratio, scope=scope, seeds=len(runs),
-                               perplexity=statistics.mean(r["perplexity"] for r in runs),
-                               perplexity_runs=[r["perplexity"] for r in runs],
-                               routing_agreement=statistics.mean(r["routing_agreement"] for r in runs),
-                               kl=statistics.mean(r["kl"] for r in runs),
-                               bytes=runs[0]["bytes"], kept_per_layer=runs[0]["kept_per_layer"],
-                               prune_seconds=statistics.mean(r["prune_seconds"] for r in runs))
+                        runs.append(
+                            dict(
+                                perplexity=result.perplexity,
+                                routing_agreement=result.routing_agreement,
+                                kl=result.kl,
+                                bytes=size,
+                                prune_seconds=seconds,
+                                kept_per_layer=[len(v["kept"]) for v in report["layers"].values()],
+                            )
+                        )
+                    row = dict(
+                        method=method,
+                        ratio=ratio,
+                        scope=scope,
+                        seeds=len(runs),
+                        perplexity=statistics.mean(r["perplexity"] for r in runs),
+                        perplexity_runs=[r["perplexity"] for r in runs],
+                        routing_agreement=statistics.mean(r["routing_agreement"] for r in runs),
+                        kl=statistics.mean(r["kl"] for r in runs),
+                        bytes=runs[0]["bytes"],
+                        kept_per_layer=runs[0]["kept_per_layer"],
+                        prune_seconds=statistics.mean(r["prune_seconds"] for r in runs),
+                    )
                     rows.append(row)
-                    print(f"{method:9s} ratio {ratio:.2f} {scope:6s} ppl {row['perplexity']:8.3f} "
-                          f"agree {row['routing_agreement']:.4f} kl {row['kl']:.4f} kept {row['kept_per_layer']}",
-                          flush=True)
+                    print(
+                        f"{method:9s} ratio {ratio:.2f} {scope:6s} ppl {row['perplexity']:8.3f} "
+                        f"agree {row['routing_agreement']:.4f} kl {row['kl']:.4f} kept {row['kept_per_layer']}",
+                        flush=True,
+                    )
     results = dict(
-        date=time.strftime("%Y-%m-%d"), machine=f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        torch=torch.__version__, model=args.model, calib=args.calib, calib_tokens=args.calib_tokens,
-        data=args.data, baseline=dict(perplexity=base.perplexity, bytes=base_bytes, tokens=base.tokens), rows=rows,
+        date=time.strftime("%Y-%m-%d"),
+        machine=f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
+        torch=torch.__version__,
+        model=args.model,
+        calib=args.calib,
+        calib_tokens=args.calib_tokens,
+        data=args.data,
+        baseline=dict(perplexity=base.perplexity, bytes=base_bytes, tokens=base.tokens),
+        rows=rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -87,16 +109,18 @@ def main() -> None:
 
 def render_markdown(results: dict) -> str:
     lines = [
-        f"| method | removed | scope | perplexity | routing agreement | KL (nats/token) | kept per layer | bytes |",
+        "| method | removed | scope | perplexity | routing agreement | KL (nats/token) | kept per layer | bytes |",
         "|---|---|---|---|---|---|---|---|",
         f"| none (original) | 0% | — | {results['baseline']['perplexity']:.2f} | 1.0000 | 0 | 8, 8, 8, 8 | "
         f"{results['baseline']['bytes']:,} |",
     ]
     for row in results["rows"]:
         name = row["method"] + (f" (mean of {row['seeds']} seeds)" if row["seeds"] > 1 else "")
-        lines.append(f"| {name} | {row['ratio']:.0%} | {row['scope']} | {row['perplexity']:.2f} | "
-                     f"{row['routing_agreement']:.4f} | {row['kl']:.4f} | "
-                     f"{', '.join(map(str, row['kept_per_layer']))} | {row['bytes']:,} |")
+        lines.append(
+            f"| {name} | {row['ratio']:.0%} | {row['scope']} | {row['perplexity']:.2f} | "
+            f"{row['routing_agreement']:.4f} | {row['kl']:.4f} | "
+            f"{', '.join(map(str, row['kept_per_layer']))} | {row['bytes']:,} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,13 +1,14 @@
 import os
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(2)
+from moecompress.synthetic import FAMILIES, save_tiny_model, tiny_tokenizer
 
-from moecompress.synthetic import FAMILIES, save_tiny_model, tiny_tokenizer  # noqa: E402
+torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-
 from moecompress.calibration.batches import consecutive_windows, sampled_windows, tokenize_documents
 from moecompress.calibration.builtin_corpus import builtin_documents
 from moecompress.calibration.sources import load_documents, parse_hf_spec
+
 from moecompress.errors import UserInputError
 
 
@@ -34,7 +34,9 @@ def test_spec_parts_and_combinations():
 
 def test_local_files(tmp_path):
     (tmp_path / "a.txt").write_text("plain text file")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one", "tag": "vision"}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"text": "one", "tag": "vision"}) + "\n\n" + json.dumps({"text": "two"}) + "\n"
+    )
     import pyarrow as pa
     import pyarrow.parquet as pq
 

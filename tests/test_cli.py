@@ -12,14 +12,18 @@ from moecompress.synthetic import FAMILIES, TINY_CONFIGS
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "moecompress.cli.main", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "moecompress.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inspect_every_family(family, tiny_checkpoints):
     from click.testing import CliRunner
-
     from moecompress.cli.main import app
 
     result = CliRunner().invoke(app, ["inspect", str(tiny_checkpoints[family]), "--json"])

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-
 from moecompress.calibration.builtin_corpus import builtin_documents
-from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.cli.main import app
 from moecompress.evals.perplexity import evaluate
+
+from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.families import adapter_for
 from moecompress.loading import load_model, load_tokenizer
 
@@ -27,7 +27,7 @@ def plain_transformers_perplexity(model_dir, seq_len, max_tokens):
     losses = []
     with torch.no_grad():
         for i in range(count):
-            window = torch.tensor([ids[i * seq_len:(i + 1) * seq_len]])
+            window = torch.tensor([ids[i * seq_len : (i + 1) * seq_len]])
             losses.append(model(input_ids=window, labels=window).loss.item())
     return math.exp(sum(losses) / len(losses)), count * (seq_len - 1)
 
@@ -36,8 +36,21 @@ def plain_transformers_perplexity(model_dir, seq_len, max_tokens):
 def test_eval_perplexity_matches_plain_transformers(family, tiny_with_tokenizer, tmp_path):
     model_dir = tiny_with_tokenizer[family]
     out = tmp_path / "result.json"
-    result = CliRunner().invoke(app, ["eval", str(model_dir), "--data", "builtin:prose", "--seq-len", "64",
-                                      "--max-tokens", "2048", "--json-out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(model_dir),
+            "--data",
+            "builtin:prose",
+            "--seq-len",
+            "64",
+            "--max-tokens",
+            "2048",
+            "--json-out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     expected, predicted = plain_transformers_perplexity(model_dir, 64, 2048)

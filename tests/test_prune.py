@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
+from moecompress.cli.main import app
 
 from moecompress.checkpoint import CheckpointReader
-from moecompress.cli.main import app
 from moecompress.families import MoEWeights, adapter_for
 from moecompress.passes.prune_experts import PruneExpertsConfig, choose_removals, score_layer
 from moecompress.sweep import LayerCapture
@@ -19,42 +19,33 @@ PLAIN_PERPLEXITY = r"""
 import json, math, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-{imports}
-from moecompress.calibration.builtin_corpus import builtin_documents
+if sys.argv[5] == "plugin":
+    import moecompress
+assert ("moecompress" in sys.modules) == (sys.argv[5] == "plugin")
 path, seq_len, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-assert ("moecompress.plugin" in sys.modules) == {expect_plugin}
+texts = json.load(open(sys.argv[4]))
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-ids = []
-for doc in builtin_documents("prose", "heldout"):
-    ids.extend(tokenizer(doc.text + "\n\n", add_special_tokens=False)["input_ids"])
+ids = [token for text in texts for token in tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]]
 count = min(len(ids) // seq_len, max_tokens // seq_len)
+losses = []
 with torch.no_grad():
-    losses = [model(input_ids=torch.tensor([ids[i*seq_len:(i+1)*seq_len]]), labels=torch.tensor([ids[i*seq_len:(i+1)*seq_len]])).loss.item() for i in range(count)]
-print(json.dumps({{"perplexity": math.exp(sum(losses) / len(losses))}}))
+    for i in range(count):
+        window = torch.tensor([ids[i * seq_len:(i + 1) * seq_len]])
+        losses.append(model(input_ids=window, labels=window).loss.item())
+print(json.dumps({"perplexity": math.exp(sum(losses) / len(losses))}))
 """
 
 
-def _stock_perplexity(path, with_plugin):
-    """Perplexity computed in a fresh interpreter with plain transformers (builtin_corpus is only data)."""
-    code = PLAIN_PERPLEXITY.format(imports="import moecompress" if with_plugin else "import importlib.util",
-                                   expect_plugin=with_plugin)
-    if not with_plugin:
-        # reading the built-in corpus must not pull in the plugin: load the module file directly
-        code = code.replace(
-            "from moecompress.calibration.builtin_corpus import builtin_documents",
-            "spec = importlib.util.spec_from_file_location('bc', __import__('pathlib').Path(sys.argv[4]) / 'builtin_corpus.py')\n"
-            "import types; pkg = types.ModuleType('calibration_pkg'); pkg.__path__ = [sys.argv[4]]; sys.modules['calibration_pkg'] = pkg\n"
-            "spec = importlib.util.spec_from_file_location('calibration_pkg.builtin_corpus', sys.argv[4] + '/builtin_corpus.py')\n"
-            "bc = importlib.util.module_from_spec(spec); sys.modules[spec.name] = bc; spec.loader.exec_module(bc)\n"
-            "builtin_documents = bc.builtin_documents",
-        )
-    import moecompress.calibration as calibration
+def _stock_perplexity(path, with_plugin, tmp_path):
+    """Perplexity of held-out prose computed in a fresh interpreter with plain transformers."""
+    from moecompress.calibration.builtin_corpus import builtin_documents
 
-    calibration_dir = calibration.__path__[0]
-    result = subprocess.run([sys.executable, "-c", code, str(path), "256", "4096", calibration_dir],
-                            capture_output=True, text=True, timeout=300)
-    return result
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps([doc.text for doc in builtin_documents("prose", "heldout")]))
+    mode = "plugin" if with_plugin else "stock"
+    return subprocess.run([sys.executable, "-c", PLAIN_PERPLEXITY, str(path), "256", "4096", str(texts), mode],
+                          capture_output=True, text=True, timeout=300)
 
 
 def _hash_tree(path):
@@ -71,34 +62,49 @@ def pruned_outputs(tmp_path_factory):
     outputs = {}
     for scope in ("layer", "global"):
         out = root / scope
-        result = CliRunner().invoke(app, ["prune", "builtin:tiny-moe", "--out", str(out), "--ratio", "0.25",
-                                          "--scope", scope, "--calib-tokens", "4096", "--eval-tokens", "4096"])
+        result = CliRunner().invoke(
+            app,
+            [
+                "prune",
+                "builtin:tiny-moe",
+                "--out",
+                str(out),
+                "--ratio",
+                "0.25",
+                "--scope",
+                scope,
+                "--calib-tokens",
+                "4096",
+                "--eval-tokens",
+                "4096",
+            ],
+        )
         assert result.exit_code == 0, result.output
         outputs[scope] = out
     assert _hash_tree(source) == before, "the input checkpoint must not change"
     return source, outputs
 
 
-def test_layer_scope_loads_in_stock_transformers_with_the_claimed_perplexity(pruned_outputs):
+def test_layer_scope_loads_in_stock_transformers_with_the_claimed_perplexity(pruned_outputs, tmp_path):
     _, outputs = pruned_outputs
     report = json.loads((outputs["layer"] / "moecompress_report.json").read_text())
     config = json.loads((outputs["layer"] / "config.json").read_text())
     assert config["num_local_experts"] == 6 and report["uniform"]
-    result = _stock_perplexity(outputs["layer"], with_plugin=False)
+    result = _stock_perplexity(outputs["layer"], False, tmp_path)
     assert result.returncode == 0, result.stderr
     stock = json.loads(result.stdout)["perplexity"]
     assert stock == pytest.approx(report["eval"]["perplexity"], rel=0.005)
 
 
-def test_global_scope_loads_after_import_moecompress(pruned_outputs):
+def test_global_scope_loads_after_import_moecompress(pruned_outputs, tmp_path):
     _, outputs = pruned_outputs
     report = json.loads((outputs["global"] / "moecompress_report.json").read_text())
     counts = [len(layer["kept"]) for layer in report["layers"].values()]
     assert sum(counts) == 24 and len(set(counts)) > 1 and not report["uniform"]
-    with_plugin = _stock_perplexity(outputs["global"], with_plugin=True)
+    with_plugin = _stock_perplexity(outputs["global"], True, tmp_path)
     assert with_plugin.returncode == 0, with_plugin.stderr
     assert json.loads(with_plugin.stdout)["perplexity"] == pytest.approx(report["eval"]["perplexity"], rel=0.005)
-    without = _stock_perplexity(outputs["global"], with_plugin=False)
+    without = _stock_perplexity(outputs["global"], False, tmp_path)
     assert without.returncode != 0, "stock transformers must refuse the non-uniform checkpoint, not misload it"
 
 
@@ -107,7 +113,6 @@ def test_report_and_tensors_agree(pruned_outputs):
     out = outputs["global"]
     report = json.loads((out / "moecompress_report.json").read_text())
     with CheckpointReader(source) as original, CheckpointReader(out) as pruned:
-        adapter = adapter_for(original.config)
         for layer, entry in report["layers"].items():
             layer = int(layer)
             assert sorted(entry["kept"] + entry["removed"]) == list(range(8))
@@ -124,19 +129,64 @@ def test_report_and_tensors_agree(pruned_outputs):
 
 def test_group_limited_router_prunes_evenly_per_group(tiny_with_tokenizer, tmp_path):
     out = tmp_path / "ds3"
-    result = CliRunner().invoke(app, ["prune", str(tiny_with_tokenizer["deepseek_v3"]), "--out", str(out),
-                                      "--ratio", "0.5", "--calib-tokens", "512", "--seq-len", "64",
-                                      "--eval-tokens", "512", "--method", "reap"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "prune",
+            str(tiny_with_tokenizer["deepseek_v3"]),
+            "--out",
+            str(out),
+            "--ratio",
+            "0.5",
+            "--calib-tokens",
+            "512",
+            "--seq-len",
+            "64",
+            "--eval-tokens",
+            "512",
+            "--method",
+            "reap",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "moecompress_report.json").read_text())
     for entry in report["layers"].values():
         assert sorted(e // 4 for e in entry["kept"]) == [0, 0, 1, 1], "two experts of each 4-expert group kept"
-    too_many = CliRunner().invoke(app, ["prune", str(tiny_with_tokenizer["deepseek_v3"]), "--out", str(tmp_path / "t"),
-                                        "--ratio", "0.75", "--calib-tokens", "512", "--seq-len", "64", "--no-eval"])
+    too_many = CliRunner().invoke(
+        app,
+        [
+            "prune",
+            str(tiny_with_tokenizer["deepseek_v3"]),
+            "--out",
+            str(tmp_path / "t"),
+            "--ratio",
+            "0.75",
+            "--calib-tokens",
+            "512",
+            "--seq-len",
+            "64",
+            "--no-eval",
+        ],
+    )
     assert too_many.exit_code != 0 and "at least 2 per group" in str(too_many.exception)
-    refused = CliRunner().invoke(app, ["prune", str(tiny_with_tokenizer["deepseek_v3"]), "--out", str(tmp_path / "g"),
-                                       "--ratio", "0.5", "--scope", "global", "--calib-tokens", "512",
-                                       "--seq-len", "64", "--no-eval"])
+    refused = CliRunner().invoke(
+        app,
+        [
+            "prune",
+            str(tiny_with_tokenizer["deepseek_v3"]),
+            "--out",
+            str(tmp_path / "g"),
+            "--ratio",
+            "0.5",
+            "--scope",
+            "global",
+            "--calib-tokens",
+            "512",
+            "--seq-len",
+            "64",
+            "--no-eval",
+        ],
+    )
     assert refused.exit_code != 0 and "group-limited" in str(refused.exception)
 
 
@@ -146,24 +196,37 @@ def _vision_capture():
     from moecompress.families.qwen_moe import Qwen3MoeAdapter
 
     hidden_size, inter = 8, 4
-    adapter = Qwen3MoeAdapter({"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 4,
-                               "num_experts_per_tok": 2, "hidden_size": hidden_size, "num_attention_heads": 2,
-                               "norm_topk_prob": True})
+    adapter = Qwen3MoeAdapter(
+        {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "hidden_size": hidden_size,
+            "num_attention_heads": 2,
+            "norm_topk_prob": True,
+        }
+    )
     generator = torch.Generator().manual_seed(0)
     router = torch.zeros(4, hidden_size)
     router[0, 0] = router[1, 0] = 4.0
     router[2, 1] = router[3, 1] = 4.0
     router[:, 2:] = 0.1 * torch.randn(4, hidden_size - 2, generator=generator)
-    moe = MoEWeights(router_weight=router, gate_up=torch.randn(4, 2 * inter, hidden_size, generator=generator),
-                     down=torch.randn(4, hidden_size, inter, generator=generator), expert_ids=[0, 1, 2, 3])
+    moe = MoEWeights(
+        router_weight=router,
+        gate_up=torch.randn(4, 2 * inter, hidden_size, generator=generator),
+        down=torch.randn(4, hidden_size, inter, generator=generator),
+        expert_ids=[0, 1, 2, 3],
+    )
     vision, text = 300, 100
     x = 0.3 * torch.randn(vision + text, hidden_size, generator=generator)
     x[:vision, 0] += 2.0
     x[vision:, 1] += 2.0
     tags = torch.tensor([1] * vision + [0] * text)
     attention = torch.cat([0.01 * torch.rand(vision, generator=generator), 0.5 + torch.rand(text, generator=generator)])
-    capture = LayerCapture(layer=0, moe=moe, moe_input=x, tags=tags, tag_names=["text", "vision"],
-                           attention_received=attention)
+    capture = LayerCapture(
+        layer=0, moe=moe, moe_input=x, tags=tags, tag_names=["text", "vision"], attention_received=attention
+    )
     return adapter, capture
 
 
@@ -178,8 +241,22 @@ def test_maep_ranks_low_attention_vision_experts_prunable():
 
 
 def test_bad_ratio_is_a_one_line_error(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "moecompress.cli.main", "prune", "builtin:tiny-moe", "--out",
-                             str(tmp_path / "x"), "--ratio", "1.5"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moecompress.cli.main",
+            "prune",
+            "builtin:tiny-moe",
+            "--out",
+            str(tmp_path / "x"),
+            "--ratio",
+            "1.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "--ratio must be between 0 and 1" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
@@ -188,13 +265,13 @@ def test_bad_ratio_is_a_one_line_error(tmp_path):
 def _image_dataset(directory):
     import datasets
     import numpy as np
+    from moecompress.calibration.vision import builtin_image_captions
     from PIL import Image
 
-    from moecompress.calibration.vision import builtin_image_captions
-
     items = builtin_image_captions("stripes", count=4, size=32, seed=5)
-    dataset = datasets.Dataset.from_dict({"image": [Image.fromarray(i.image) for i in items],
-                                          "caption": [i.caption for i in items]})
+    dataset = datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(i.image) for i in items], "caption": [i.caption for i in items]}
+    )
     dataset = dataset.cast_column("image", datasets.Image())
     (directory / "data").mkdir(parents=True)
     dataset.to_parquet(str(directory / "data" / "train-00000-of-00001.parquet"))
@@ -208,9 +285,27 @@ def test_vision_language_pruning_with_images(calib, tiny_with_tokenizer, tmp_pat
         _image_dataset(tmp_path / "images")
         calib = f"hf:{tmp_path / 'images'}"
     out = tmp_path / "vl"
-    result = CliRunner().invoke(app, ["prune", str(source), "--out", str(out), "--ratio", "0.5", "--calib", calib,
-                                      "--image-size", "32", "--prune-tags", "vision", "--eval-tokens", "512",
-                                      "--seq-len", "64"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "prune",
+            str(source),
+            "--out",
+            str(out),
+            "--ratio",
+            "0.5",
+            "--calib",
+            calib,
+            "--image-size",
+            "32",
+            "--prune-tags",
+            "vision",
+            "--eval-tokens",
+            "512",
+            "--seq-len",
+            "64",
+        ],
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((out / "moecompress_report.json").read_text())
     assert report["calibration"]["tags"] == ["text", "vision"]

@@ -23,9 +23,13 @@ def test_sweep_matches_stock_forward(family, tiny_checkpoints):
     handles = []
     for layer in adapter.moe_layers():
         block = adapter.decoder_layers(model)[layer].get_submodule(adapter.router_module.rsplit(".", 1)[0])
-        handles.append(block.register_forward_hook(
-            lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(args[0].reshape(-1, args[0].shape[-1]))
-        ))
+        handles.append(
+            block.register_forward_hook(
+                lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(
+                    args[0].reshape(-1, args[0].shape[-1])
+                )
+            )
+        )
     with torch.no_grad():
         for batch in batches:
             model(**batch, use_cache=False)
@@ -46,6 +50,7 @@ def test_sweep_matches_stock_forward(family, tiny_checkpoints):
 def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
     """Vision tokens, M-RoPE positions and deepstack features injected between layers are all reproduced."""
     from moecompress.calibration.vision import builtin_image_captions, image_processor_for, vision_batches
+
     from moecompress.synthetic import tiny_tokenizer
 
     source = tiny_checkpoints["qwen3_vl_moe"]
@@ -53,15 +58,18 @@ def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
     adapter = adapter_for(config)
     model = getattr(transformers, adapter.auto_class).from_pretrained(source, dtype=torch.float32).eval()
     items = builtin_image_captions("shapes", count=3, size=32)
-    batches, tags, names = vision_batches(items, tiny_tokenizer(), image_processor_for(source, config["vision_config"]),
-                                          **adapter.vision_token_ids())
+    batches, tags, names = vision_batches(
+        items, tiny_tokenizer(), image_processor_for(source, config["vision_config"]), **adapter.vision_token_ids()
+    )
     assert names == ["text", "vision"] and (tags == 1).sum() == 3 * 16
 
     expected = {}
     for layer in adapter.moe_layers():
         block = adapter.decoder_layers(model)[layer].mlp
         block.register_forward_hook(
-            lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(args[0].reshape(-1, args[0].shape[-1]))
+            lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(
+                args[0].reshape(-1, args[0].shape[-1])
+            )
         )
     with torch.no_grad():
         for batch in batches:

@@ -23,7 +23,9 @@ def resolve_model(spec: str, *, revision: str | None = None) -> Path:
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
         if name not in BUILTIN_MODELS:
-            raise UserInputError(f"unknown built-in model {spec!r}; available: builtin:{', builtin:'.join(BUILTIN_MODELS)}")
+            raise UserInputError(
+                f"unknown built-in model {spec!r}; available: builtin:{', builtin:'.join(BUILTIN_MODELS)}"
+            )
         path = BUILTIN_MODELS[name]
         if not (path / "config.json").is_file():
             raise UserInputError(f"{spec}: the built-in model is missing from this install ({path})")

@@ -55,8 +55,8 @@ __all__ = [
     "PARAM_CLASSES",
     "SUPPORTED_FAMILIES",
     "FamilyAdapter",
-    "ModelShape",
     "MoEWeights",
+    "ModelShape",
     "RoutingRule",
     "adapter_for",
 ]

@@ -20,7 +20,14 @@ from .routing import RoutingRule
 Layout = Literal["per_expert", "fused", "fused_transposed"]
 ParamClass = Literal["experts", "shared_experts", "router", "attention", "embeddings", "norms", "vision", "other"]
 PARAM_CLASSES: tuple[str, ...] = (
-    "experts", "shared_experts", "router", "attention", "embeddings", "norms", "vision", "other",
+    "experts",
+    "shared_experts",
+    "router",
+    "attention",
+    "embeddings",
+    "norms",
+    "vision",
+    "other",
 )
 
 
@@ -179,7 +186,9 @@ class FamilyAdapter:
         )
 
     def routing_rule(self) -> RoutingRule:
-        return RoutingRule("softmax_topk", top_k=self.top_k, normalize=bool(self.text_config.get("norm_topk_prob", True)))
+        return RoutingRule(
+            "softmax_topk", top_k=self.top_k, normalize=bool(self.text_config.get("norm_topk_prob", True))
+        )
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The expert's gated activation of the gate and up projections."""
@@ -196,7 +205,7 @@ class FamilyAdapter:
         """The decoder layer a key belongs to, or None for embeddings, final norm, head, vision tower."""
         if not key.startswith(self.layers_prefix):
             return None
-        rest = key[len(self.layers_prefix):]
+        rest = key[len(self.layers_prefix) :]
         head = rest.split(".", 1)[0]
         return int(head) if head.isdigit() else None
 
@@ -209,7 +218,7 @@ class FamilyAdapter:
         layer = self.layer_of_key(key)
         if layer is None:
             return "norms" if "norm" in key else "other"
-        local = key[len(self.layer_prefix(layer)):]
+        local = key[len(self.layer_prefix(layer)) :]
         if any(marker in local for marker in self.shared_expert_markers):
             return "shared_experts"
         moe = self.moe_disk_prefix
@@ -241,7 +250,9 @@ class FamilyAdapter:
             return "per_expert"
         if self._fused_key(layer, "gate_up_proj") in keys:
             return "fused"
-        raise KeyError(f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}{self.moe_disk_prefix}experts")
+        raise KeyError(
+            f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}{self.moe_disk_prefix}experts"
+        )
 
     def split_layer(
         self, layer: int, tensors: dict[str, torch.Tensor]
@@ -327,7 +338,7 @@ class FamilyAdapter:
     ) -> dict[str, torch.Tensor]:
         """A layer's tensors named as the stock transformers decoder-layer module's state dict."""
         prefix = self.layer_prefix(layer)
-        state = {self.runtime_local_name(key[len(prefix):]): tensor for key, tensor in rest.items()}
+        state = {self.runtime_local_name(key[len(prefix) :]): tensor for key, tensor in rest.items()}
         if moe is not None:
             state.update(self.runtime_moe_state(moe))
         return state
@@ -351,7 +362,9 @@ class FamilyAdapter:
 
     # ---- computation ----------------------------------------------------------------------------------
     def router_logits(self, moe: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), moe.router_weight.float(), None if moe.router_bias is None else moe.router_bias.float())
+        return F.linear(
+            hidden.float(), moe.router_weight.float(), None if moe.router_bias is None else moe.router_bias.float()
+        )
 
     def expert_output(self, moe: MoEWeights, expert: int, hidden: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s (a position in ``moe``) output for tokens ``hidden`` ``[T, H]``, unweighted."""

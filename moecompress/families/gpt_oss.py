@@ -57,7 +57,9 @@ class GptOssAdapter(FamilyAdapter):
         """GPT-OSS's runtime layout is its on-disk layout."""
         state = {"mlp.router.weight": moe.router_weight, "mlp.router.bias": moe.router_bias}
         prefix_len = len(self._fused_key(0, ""))
-        state.update({f"mlp.experts.{key[prefix_len:]}": value for key, value in self._expert_tensors(0, moe, "fused").items()})
+        state.update(
+            {f"mlp.experts.{key[prefix_len:]}": value for key, value in self._expert_tensors(0, moe, "fused").items()}
+        )
         return state
 
     def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:

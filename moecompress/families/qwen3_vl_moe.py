@@ -51,7 +51,9 @@ class Qwen3VLMoeAdapter(_QwenStyleAdapter):
         inter = int(self.text_config["moe_intermediate_size"])
         down_shape = tuple(keys[self._fused_key(layer, "down_proj")].shape[1:])
         gate_up_shape = tuple(keys[self._fused_key(layer, "gate_up_proj")].shape[1:])
-        if (hidden != inter and down_shape == (inter, hidden)) or (hidden != 2 * inter and gate_up_shape == (hidden, 2 * inter)):
+        if (hidden != inter and down_shape == (inter, hidden)) or (
+            hidden != 2 * inter and gate_up_shape == (hidden, 2 * inter)
+        ):
             return "fused_transposed"
         return "fused"
 

@@ -28,8 +28,9 @@ class TokenExpertStats:
     routed_counts: torch.Tensor  # [E]
 
 
-def _expert_outputs(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, pairs_token: torch.Tensor,
-                    pairs_expert: torch.Tensor) -> torch.Tensor:
+def _expert_outputs(
+    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, pairs_token: torch.Tensor, pairs_expert: torch.Tensor
+) -> torch.Tensor:
     """Unweighted outputs f_j(x_t) for the (t, j) pairs given, ``[P, H]``."""
     out = torch.empty(pairs_token.numel(), hidden.shape[1], dtype=hidden.dtype)
     for expert in pairs_expert.unique().tolist():
@@ -38,8 +39,9 @@ def _expert_outputs(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tenso
     return out
 
 
-def layer_expert_stats(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor,
-                       chunk_tokens: int = 2048) -> TokenExpertStats:
+def layer_expert_stats(
+    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, chunk_tokens: int = 2048
+) -> TokenExpertStats:
     """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]``."""
     rule = adapter.routing_rule()
     num_experts = moe.num_experts
@@ -50,7 +52,7 @@ def layer_expert_stats(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Te
     output_norm = torch.zeros(tokens)
     eye = torch.eye(num_experts, dtype=torch.bool)
     for start in range(0, tokens, chunk_tokens):
-        x = hidden[start:start + chunk_tokens].float()
+        x = hidden[start : start + chunk_tokens].float()
         n = x.shape[0]
         logits = adapter.router_logits(moe, x)
         ids, weights = rule.route(logits, moe.correction_bias)
@@ -61,9 +63,9 @@ def layer_expert_stats(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Te
 
         needed = torch.zeros(n, num_experts, dtype=torch.bool)
         needed.scatter_(1, ids, True)
-        changed = ((new_ids.sort(dim=-1).values != ids.sort(dim=-1).values[None]).any(-1)
-                   | ~torch.isclose(new_weights.sort(dim=-1).values, weights.sort(dim=-1).values[None],
-                                    rtol=1e-6, atol=1e-9).all(-1))  # [E, n]
+        changed = (new_ids.sort(dim=-1).values != ids.sort(dim=-1).values[None]).any(-1) | ~torch.isclose(
+            new_weights.sort(dim=-1).values, weights.sort(dim=-1).values[None], rtol=1e-6, atol=1e-9
+        ).all(-1)  # [E, n]
         for e in range(num_experts):
             rows = changed[e].nonzero().squeeze(1)
             if rows.numel():
@@ -76,7 +78,7 @@ def layer_expert_stats(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Te
         token_rows = torch.arange(n)[:, None]
         routed = outputs[index[token_rows, ids]]  # [n, k, H]
         combined = (weights[..., None] * routed).sum(dim=1)  # H_t
-        output_norm[start:start + n] = combined.norm(dim=-1)
+        output_norm[start : start + n] = combined.norm(dim=-1)
         gate_norm = weights * routed.norm(dim=-1)  # [n, k]
         counts += torch.bincount(ids.reshape(-1), minlength=num_experts).float()
         reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1), minlength=num_experts)
@@ -101,6 +103,9 @@ def brute_force_delta_h(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.T
     full = adapter.moe_forward(moe, hidden.float(), allowed=None)
     eye = torch.eye(moe.num_experts, dtype=torch.bool)
     return torch.stack(
-        [(full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e])).norm(dim=-1) for e in range(moe.num_experts)],
+        [
+            (full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e])).norm(dim=-1)
+            for e in range(moe.num_experts)
+        ],
         dim=1,
     )

@@ -112,14 +112,18 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
 
 def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExpertsConfig):
     if not config.prune_tags:
-        preserve = _tag_mask(capture, config.preserve_tags) if config.preserve_tags else torch.ones_like(capture.tags, dtype=torch.bool)
+        preserve = (
+            _tag_mask(capture, config.preserve_tags)
+            if config.preserve_tags
+            else torch.ones_like(capture.tags, dtype=torch.bool)
+        )
         return delta_h[preserve].mean(dim=0), {"preserve_tokens": int(preserve.sum())}
     candidates = _tag_mask(capture, config.prune_tags)
     preserve = _tag_mask(capture, config.preserve_tags) if config.preserve_tags else ~candidates
     if capture.attention_received is None:
         raise RuntimeError("MAEP with prune tags needs the attention each token receives")
     received = capture.attention_received[candidates]
-    count = max(1, int(math.ceil(config.low_attention_fraction * received.numel()))) if received.numel() else 0
+    count = max(1, math.ceil(config.low_attention_fraction * received.numel())) if received.numel() else 0
     prune = torch.zeros_like(candidates)
     if count:
         lowest = received.argsort()[:count]
@@ -188,14 +192,22 @@ def choose_removals(
         for scores in layer_scores:
             count = int(per_layer[scores.layer])
             if sizes[scores.layer] - count < min_keep:
-                raise UserInputError(f"layer {scores.layer}: would keep {sizes[scores.layer] - count} experts, "
-                                     f"fewer than the minimum {min_keep}")
+                raise UserInputError(
+                    f"layer {scores.layer}: would keep {sizes[scores.layer] - count} experts, "
+                    f"fewer than the minimum {min_keep}"
+                )
             removals[scores.layer] = _lowest(scores.score, count, groups, top_k)
         return removals
     if groups is not None:
-        raise UserInputError("--scope global is not supported for group-limited routers (n_group > 1); use --scope layer")
+        raise UserInputError(
+            "--scope global is not supported for group-limited routers (n_group > 1); use --scope layer"
+        )
     ranked = sorted(
-        ((float(s.score[e]) / _normaliser(s, config.method), s.layer, e) for s in layer_scores for e in range(sizes[s.layer])),
+        (
+            (float(s.score[e]) / _normaliser(s, config.method), s.layer, e)
+            for s in layer_scores
+            for e in range(sizes[s.layer])
+        ),
     )
     removals: dict[int, list[int]] = {layer: [] for layer in sizes}
     removed = 0
@@ -232,14 +244,22 @@ def _lowest(score: torch.Tensor, count: int, groups: GroupLimit | None, top_k: i
 
 
 def calibration_batches(
-    adapter: FamilyAdapter, model_dir: Path, calib: str, calib_tokens: int, seq_len: int, batch_size: int,
-    seed: int, image_size: int,
+    adapter: FamilyAdapter,
+    model_dir: Path,
+    calib: str,
+    calib_tokens: int,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    image_size: int,
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, list[str]]:
     """Model-input batches, the flat tag index of every token, and the tag names, for text or image sources."""
     tokenizer = load_tokenizer(model_dir)
     if is_image_source(calib):
         if not adapter.accepts_images:
-            raise UserInputError(f"{calib}: image calibration needs a vision-language model; {adapter.family} is text-only")
+            raise UserInputError(
+                f"{calib}: image calibration needs a vision-language model; {adapter.family} is text-only"
+            )
         items = load_image_captions(calib, seed=seed, size=image_size)
         processor = image_processor_for(model_dir, adapter.config.get("vision_config", {}))
         return vision_batches(items, tokenizer, processor, **adapter.vision_token_ids())
@@ -272,19 +292,39 @@ def prune_experts(
     config.validate()
     started = time.time()
     adapter = load_adapter(model_dir)
-    batches, tags, tag_names = calibration_batches(adapter, model_dir, calib, calib_tokens, seq_len, batch_size,
-                                                   config.seed, image_size)
+    batches, tags, tag_names = calibration_batches(
+        adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size
+    )
     needs_attention = config.method == "maep" and bool(config.prune_tags)
     sweep = CalibrationSweep(model_dir, batches, tags, tag_names, capture_attention=needs_attention, progress=progress)
     layer_scores = [score_layer(adapter, capture, config) for capture in sweep.run()]
-    report = write_pruned(model_dir, out_dir, adapter, layer_scores, config, overwrite=overwrite, progress=progress,
-                          calibration={"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len,
-                                       "seed": config.seed, "tags": tag_names,
-                                       "tag_counts": torch.bincount(tags, minlength=len(tag_names)).tolist()})
+    report = write_pruned(
+        model_dir,
+        out_dir,
+        adapter,
+        layer_scores,
+        config,
+        overwrite=overwrite,
+        progress=progress,
+        calibration={
+            "source": calib,
+            "tokens": int(tags.numel()),
+            "seq_len": seq_len,
+            "seed": config.seed,
+            "tags": tag_names,
+            "tag_counts": torch.bincount(tags, minlength=len(tag_names)).tolist(),
+        },
+    )
     report["seconds"] = round(time.time() - started, 2)
     if eval_data:
-        result = evaluate(Path(out_dir), eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir,
-                          progress=progress)
+        result = evaluate(
+            Path(out_dir),
+            eval_data,
+            seq_len=seq_len,
+            max_tokens=eval_tokens,
+            reference_dir=model_dir,
+            progress=progress,
+        )
         report["eval"] = {"data": eval_data, **result.to_json()}
     update_report(Path(out_dir), report)
     return report
@@ -344,8 +384,12 @@ def write_pruned(
         },
     }
     rewrite_checkpoint(
-        model_dir, out_dir, lambda layer, moe: moe.select(keep_positions[layer]) if layer in keep_positions else moe,
-        config=new_config, overwrite=overwrite, progress=progress,
+        model_dir,
+        out_dir,
+        lambda layer, moe: moe.select(keep_positions[layer]) if layer in keep_positions else moe,
+        config=new_config,
+        overwrite=overwrite,
+        progress=progress,
         extra_json={"moecompress_report.json": report},
     )
     return report
