@@ -233,6 +233,18 @@ def eval_command(
     help="MAEP: weight of the pruning signal against the preservation signal.",
 )
 @click.option(
+    "--aggregate",
+    type=click.Choice(["mean_sq", "mean"]),
+    default="mean_sq",
+    show_default=True,
+    help="MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens.",
+)
+@click.option(
+    "--greedy",
+    is_flag=True,
+    help="MAEP: remove experts step by step, re-scoring the survivors with the removed ones gone (slower).",
+)
+@click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed for calibration windows and --method random."
 )
 @click.option(
@@ -263,6 +275,8 @@ def prune_command(
     prune_tags: str,
     low_attention_fraction: float,
     prune_weight: float,
+    aggregate: str,
+    greedy: bool,
     seed: int,
     image_size: int,
     eval_data: str,
@@ -291,6 +305,8 @@ def prune_command(
         prune_tags=_tags(prune_tags),
         low_attention_fraction=low_attention_fraction,
         prune_weight=prune_weight,
+        aggregate=aggregate,
+        greedy=greedy,
         seed=seed,
     )
     report = prune_experts(

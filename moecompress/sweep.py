@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointReader, group_keys_by_layer
 from .families import FamilyAdapter, MoEWeights, adapter_for
+from .memory import release_freed_memory
 
 
 @dataclass
@@ -179,6 +180,7 @@ class CalibrationSweep:
     @staticmethod
     def _release(module: torch.nn.Module) -> None:
         module.to("meta")
+        release_freed_memory()
 
     def run(self) -> Iterator[LayerCapture]:
         """Yield a :class:`LayerCapture` for every MoE layer, in order (the measuring sweep).

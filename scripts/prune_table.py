@@ -22,6 +22,8 @@ from moecompress.loading import quiet_transformers
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 
 METHODS = ("maep", "reap", "frequency", "random")
+# MAEP ablations shown beside the default: the plain mean of ‖ΔH‖, and greedy re-scored removal.
+VARIANTS = {"maep": {}, "maep (mean ‖ΔH‖)": {"aggregate": "mean"}, "maep (greedy)": {"greedy": True}}
 
 
 def main() -> None:
@@ -30,6 +32,8 @@ def main() -> None:
     parser.add_argument("--calib", default="builtin:prose")
     parser.add_argument("--calib-tokens", type=int, default=16384)
     parser.add_argument("--data", default="builtin:prose:heldout")
+    parser.add_argument("--second-data", default="builtin:code:heldout", help="a second, out-of-domain check")
+    parser.add_argument("--second-tokens", type=int, default=32768)
     parser.add_argument("--ratios", default="0.25,0.5")
     parser.add_argument("--scopes", default="layer,global")
     parser.add_argument("--random-seeds", type=int, default=3)
@@ -41,29 +45,34 @@ def main() -> None:
 
     model_dir = resolve_model(args.model)
     base = evaluate(model_dir, args.data, progress=False)
+    base_second = evaluate(model_dir, args.second_data, max_tokens=args.second_tokens, progress=False)
     with CheckpointReader(model_dir) as reader:
         base_bytes = reader.total_bytes()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ratio in map(float, args.ratios.split(",")):
             for scope in args.scopes.split(","):
-                for method in METHODS:
+                for name in [*VARIANTS, *METHODS[1:]]:
+                    method = "maep" if name in VARIANTS else name
+                    options = VARIANTS.get(name, {})
                     seeds = range(args.random_seeds) if method == "random" else [0]
                     runs = []
                     for seed in seeds:
-                        out = Path(tmp) / f"{method}-{ratio}-{scope}-{seed}"
-                        config = PruneExpertsConfig(method=method, ratio=ratio, scope=scope, seed=seed)
+                        out = Path(tmp) / f"{len(rows)}-{seed}"
+                        config = PruneExpertsConfig(method=method, ratio=ratio, scope=scope, seed=seed, **options)
                         start = time.time()
                         report = prune_experts(
                             model_dir, out, config, calib=args.calib, calib_tokens=args.calib_tokens, progress=False
                         )
                         seconds = time.time() - start
                         result = evaluate(out, args.data, reference_dir=model_dir, progress=False)
+                        second = evaluate(out, args.second_data, max_tokens=args.second_tokens, progress=False)
                         with CheckpointReader(out) as reader:
                             size = reader.total_bytes()
                         runs.append(
                             dict(
                                 perplexity=result.perplexity,
+                                second_perplexity=second.perplexity,
                                 routing_agreement=result.routing_agreement,
                                 kl=result.kl,
                                 bytes=size,
@@ -72,12 +81,13 @@ def main() -> None:
                             )
                         )
                     row = dict(
-                        method=method,
+                        method=name,
                         ratio=ratio,
                         scope=scope,
                         seeds=len(runs),
                         perplexity=statistics.mean(r["perplexity"] for r in runs),
                         perplexity_runs=[r["perplexity"] for r in runs],
+                        second_perplexity=statistics.mean(r["second_perplexity"] for r in runs),
                         routing_agreement=statistics.mean(r["routing_agreement"] for r in runs),
                         kl=statistics.mean(r["kl"] for r in runs),
                         bytes=runs[0]["bytes"],
@@ -86,7 +96,7 @@ def main() -> None:
                     )
                     rows.append(row)
                     print(
-                        f"{method:9s} ratio {ratio:.2f} {scope:6s} ppl {row['perplexity']:8.3f} "
+                        f"{name:18s} ratio {ratio:.2f} {scope:6s} ppl {row['perplexity']:8.3f} "
                         f"agree {row['routing_agreement']:.4f} kl {row['kl']:.4f} kept {row['kept_per_layer']}",
                         flush=True,
                     )
@@ -98,7 +108,10 @@ def main() -> None:
         calib=args.calib,
         calib_tokens=args.calib_tokens,
         data=args.data,
-        baseline=dict(perplexity=base.perplexity, bytes=base_bytes, tokens=base.tokens),
+        second_data=args.second_data,
+        baseline=dict(
+            perplexity=base.perplexity, second_perplexity=base_second.perplexity, bytes=base_bytes, tokens=base.tokens
+        ),
         rows=rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,17 +121,19 @@ def main() -> None:
 
 
 def render_markdown(results: dict) -> str:
+    base = results["baseline"]
     lines = [
-        "| method | removed | scope | perplexity | routing agreement | KL (nats/token) | kept per layer | bytes |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| none (original) | 0% | — | {results['baseline']['perplexity']:.2f} | 1.0000 | 0 | 8, 8, 8, 8 | "
-        f"{results['baseline']['bytes']:,} |",
+        "| method | removed | scope | prose perplexity | code perplexity | routing agreement | KL (nats/token) "
+        "| kept per layer | bytes |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| none (original) | 0% | — | {base['perplexity']:.2f} | {base['second_perplexity']:.2f} | 1.0000 | 0 "
+        f"| 8, 8, 8, 8 | {base['bytes']:,} |",
     ]
     for row in results["rows"]:
         name = row["method"] + (f" (mean of {row['seeds']} seeds)" if row["seeds"] > 1 else "")
         lines.append(
             f"| {name} | {row['ratio']:.0%} | {row['scope']} | {row['perplexity']:.2f} | "
-            f"{row['routing_agreement']:.4f} | {row['kl']:.4f} | "
+            f"{row['second_perplexity']:.2f} | {row['routing_agreement']:.4f} | {row['kl']:.4f} | "
             f"{', '.join(map(str, row['kept_per_layer']))} | {row['bytes']:,} |"
         )
     return "\n".join(lines) + "\n"

@@ -49,3 +49,36 @@ def test_masked_route_equals_route_without_the_expert(family, tiny_checkpoints):
     mapped = torch.tensor(keep)[pruned_ids]
     torch.testing.assert_close(ids.sort(-1).values, mapped.sort(-1).values)
     torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), pruned_weights.gather(1, mapped.argsort(-1)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_delta_h_with_experts_already_removed_matches_brute_force(family, tiny_checkpoints):
+    """The greedy order re-scores survivors against the reduced block; check that ΔH too."""
+    adapter, moe = _layer_view(tiny_checkpoints[family])
+    hidden = torch.randn(200, moe.router_weight.shape[1], generator=torch.Generator().manual_seed(2))
+    removed = torch.zeros(moe.num_experts, dtype=torch.bool)
+    removed[[1, 6]] = True
+    stats = layer_expert_stats(adapter, moe, hidden, chunk_tokens=64, removed=removed)
+    present = ~removed
+    full = adapter.moe_forward(moe, hidden, allowed=present)
+    for e in range(moe.num_experts):
+        if removed[e]:
+            assert torch.all(stats.delta_h[:, e] == 0)
+            continue
+        without = present.clone()
+        without[e] = False
+        expected = (full - adapter.moe_forward(moe, hidden, allowed=without)).norm(dim=-1)
+        torch.testing.assert_close(stats.delta_h[:, e], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_order_removes_down_to_top_k():
+    from test_prune import _vision_capture
+
+    from moecompress.passes.prune_experts import PruneExpertsConfig, choose_removals, score_layer
+
+    adapter, capture = _vision_capture()
+    config = PruneExpertsConfig(method="maep", ratio=0.5, prune_tags=("vision",), greedy=True, greedy_step=1)
+    scores = score_layer(adapter, capture, config)
+    assert len(scores.removal_order) == 2 and len(set(scores.removal_order)) == 2
+    assert choose_removals([scores], config, top_k=2) == {0: sorted(scores.removal_order)}
+    assert sorted(scores.removal_order) == [0, 1]

@@ -44,8 +44,12 @@ def _stock_perplexity(path, with_plugin, tmp_path):
     texts = tmp_path / "texts.json"
     texts.write_text(json.dumps([doc.text for doc in builtin_documents("prose", "heldout")]))
     mode = "plugin" if with_plugin else "stock"
-    return subprocess.run([sys.executable, "-c", PLAIN_PERPLEXITY, str(path), "256", "4096", str(texts), mode],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", PLAIN_PERPLEXITY, str(path), "256", "4096", str(texts), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _hash_tree(path):
@@ -122,8 +126,9 @@ def test_report_and_tensors_agree(pruned_outputs):
             for position, expert in enumerate(entry["kept"]):
                 key = f"model.layers.{layer}.mlp.experts.{{}}.down_proj.weight"
                 assert torch.equal(pruned.tensor(key.format(position)), original.tensor(key.format(expert)))
-            removed_score = max(entry["score"][e] for e in entry["removed"])
-            assert removed_score <= max(entry["score"][e] for e in entry["kept"])
+            if entry["removed"]:
+                removed_score = max(entry["score"][e] for e in entry["removed"])
+                assert removed_score <= max(entry["score"][e] for e in entry["kept"])
         assert adapter_for(pruned.config).original_expert_ids(1) == report["layers"]["1"]["kept"]
 
 
@@ -191,7 +196,7 @@ def test_group_limited_router_prunes_evenly_per_group(tiny_with_tokenizer, tmp_p
 
 
 def _vision_capture():
-    """A layer where experts 0 and 1 serve only vision tokens (75% of tokens, all receiving little attention)
+    """A layer where experts 0 and 1 serve only vision tokens (92% of tokens, all receiving little attention)
     and experts 2 and 3 serve the text tokens."""
     from moecompress.families.qwen_moe import Qwen3MoeAdapter
 
@@ -218,7 +223,7 @@ def _vision_capture():
         down=torch.randn(4, hidden_size, inter, generator=generator),
         expert_ids=[0, 1, 2, 3],
     )
-    vision, text = 300, 100
+    vision, text = 1200, 100
     x = 0.3 * torch.randn(vision + text, hidden_size, generator=generator)
     x[:vision, 0] += 2.0
     x[vision:, 1] += 2.0

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from ..errors import UserInputError
 from ..families import FamilyAdapter, MoEWeights, adapter_for
+from ..memory import release_freed_memory
 from .reader import CheckpointReader
 from .writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
 
@@ -66,6 +67,8 @@ def rewrite_checkpoint(
                 if moe is not None and layer_fn is not None:
                     moe = layer_fn(layer, moe)
                 writer.add(adapter.join_layer(layer, moe, rest, layout))
+                del moe, rest
+                release_freed_memory()
             writer.copy_side_files(source)
             for name, content in (extra_json or {}).items():
                 writer.write_json(name, content)

@@ -40,9 +40,17 @@ def _expert_outputs(
 
 
 def layer_expert_stats(
-    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, chunk_tokens: int = 2048
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    hidden: torch.Tensor,
+    chunk_tokens: int = 2048,
+    removed: torch.Tensor | None = None,
 ) -> TokenExpertStats:
-    """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]``."""
+    """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]``.
+
+    ``removed`` (bool ``[E]``) marks experts already taken out: routing avoids them, and ΔH of the others is the
+    change from that reduced block. Removed experts get ΔH 0.
+    """
     rule = adapter.routing_rule()
     num_experts = moe.num_experts
     tokens = hidden.shape[0]
@@ -51,13 +59,18 @@ def layer_expert_stats(
     delta_h = torch.zeros(tokens, num_experts)
     output_norm = torch.zeros(tokens)
     eye = torch.eye(num_experts, dtype=torch.bool)
+    present = torch.ones(num_experts, dtype=torch.bool) if removed is None else ~removed
+    base_allowed = None if removed is None else present
     for start in range(0, tokens, chunk_tokens):
         x = hidden[start : start + chunk_tokens].float()
         n = x.shape[0]
         logits = adapter.router_logits(moe, x)
-        ids, weights = rule.route(logits, moe.correction_bias)
-        # every expert removed in turn: [E, n, k] re-routed ids and weights
-        masked = [rule.route(logits, moe.correction_bias, allowed=~eye[e]) for e in range(num_experts)]
+        ids, weights = rule.route(logits, moe.correction_bias, allowed=base_allowed)
+        # every present expert removed in turn: [E, n, k] re-routed ids and weights
+        masked = [
+            rule.route(logits, moe.correction_bias, allowed=present & ~eye[e]) if present[e] else (ids, weights)
+            for e in range(num_experts)
+        ]
         new_ids = torch.stack([m[0] for m in masked])
         new_weights = torch.stack([m[1] for m in masked])
 

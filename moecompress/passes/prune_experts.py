@@ -53,6 +53,9 @@ class PruneExpertsConfig:
     prune_tags: tuple[str, ...] = ()
     low_attention_fraction: float = 0.5
     prune_weight: float = 0.5
+    aggregate: Literal["mean_sq", "mean"] = "mean_sq"
+    greedy: bool = False
+    greedy_step: int | None = None
     seed: int = 0
 
     def validate(self) -> None:
@@ -64,6 +67,8 @@ class PruneExpertsConfig:
             raise UserInputError(f"--ratio must be between 0 and 1 (exclusive), got {self.ratio}")
         if self.scope not in ("layer", "global"):
             raise UserInputError(f"--scope must be layer or global, got {self.scope!r}")
+        if self.aggregate not in ("mean_sq", "mean"):
+            raise UserInputError(f"--aggregate must be mean_sq or mean, got {self.aggregate!r}")
         if not 0.0 < self.low_attention_fraction <= 1.0:
             raise UserInputError("--low-attention-fraction must be in (0, 1]")
 
@@ -79,6 +84,8 @@ class LayerScores:
     reap: torch.Tensor
     delta_h: torch.Tensor
     extra: dict[str, Any] = field(default_factory=dict)
+    removal_order: list[int] | None = None
+    removal_scores: list[float] | None = None
 
 
 def _tag_mask(capture: LayerCapture, tags: tuple[str, ...]) -> torch.Tensor:
@@ -99,7 +106,7 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         score = torch.rand(capture.moe.num_experts, generator=generator)
     else:
         score, extra = _maep_score(stats.delta_h, capture, config)
-    return LayerScores(
+    scores = LayerScores(
         layer=capture.layer,
         expert_ids=list(capture.moe.expert_ids),
         score=score,
@@ -108,6 +115,43 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         delta_h=stats.delta_h.mean(dim=0),
         extra=extra,
     )
+    if config.method == "maep" and config.greedy:
+        scores.removal_order, scores.removal_scores = _greedy_removal_order(adapter, capture, config, score)
+    return scores
+
+
+def _greedy_removal_order(
+    adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpertsConfig, first_scores: torch.Tensor
+) -> tuple[list[int], list[float]]:
+    """Remove experts one step at a time, re-scoring the survivors against the reduced block each time.
+
+    One-shot ΔH scores each expert as if it alone were removed; removing several at once can take away a
+    token's replacement expert too. The greedy order accounts for that: each step's ΔH is measured with the
+    experts removed so far already gone. Returns the removal order (down to the layer minimum) and each
+    removal's score at the time it was removed.
+    """
+    num_experts = capture.moe.num_experts
+    step = config.greedy_step or max(1, num_experts // 16)
+    floor = max(adapter.top_k, config.min_keep or adapter.top_k)
+    removed = torch.zeros(num_experts, dtype=torch.bool)
+    order: list[int] = []
+    marginal: list[float] = []
+    score = first_scores
+    while num_experts - len(order) > floor:
+        candidates = sorted((float(score[e]), e) for e in range(num_experts) if not removed[e])
+        for value, expert in candidates[: min(step, num_experts - len(order) - floor)]:
+            order.append(expert)
+            marginal.append(value)
+            removed[expert] = True
+        if num_experts - len(order) > floor:
+            stats = layer_expert_stats(adapter, capture.moe, capture.moe_input, removed=removed)
+            score, _ = _maep_score(stats.delta_h, capture, config)
+    return order, marginal
+
+
+def _aggregate(delta_h: torch.Tensor, config: PruneExpertsConfig) -> torch.Tensor:
+    """Per expert, the mean over tokens of ‖ΔH‖² (the expected squared output error; default) or of ‖ΔH‖."""
+    return (delta_h**2).mean(dim=0) if config.aggregate == "mean_sq" else delta_h.mean(dim=0)
 
 
 def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExpertsConfig):
@@ -117,7 +161,7 @@ def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExper
             if config.preserve_tags
             else torch.ones_like(capture.tags, dtype=torch.bool)
         )
-        return delta_h[preserve].mean(dim=0), {"preserve_tokens": int(preserve.sum())}
+        return _aggregate(delta_h[preserve], config), {"preserve_tokens": int(preserve.sum())}
     candidates = _tag_mask(capture, config.prune_tags)
     preserve = _tag_mask(capture, config.preserve_tags) if config.preserve_tags else ~candidates
     if capture.attention_received is None:
@@ -128,8 +172,8 @@ def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExper
     if count:
         lowest = received.argsort()[:count]
         prune[candidates.nonzero().squeeze(1)[lowest]] = True
-    preserve_signal = delta_h[preserve].mean(dim=0) if preserve.any() else torch.zeros(delta_h.shape[1])
-    prune_signal = delta_h[prune].mean(dim=0) if prune.any() else torch.zeros(delta_h.shape[1])
+    preserve_signal = _aggregate(delta_h[preserve], config) if preserve.any() else torch.zeros(delta_h.shape[1])
+    prune_signal = _aggregate(delta_h[prune], config) if prune.any() else torch.zeros(delta_h.shape[1])
     score = preserve_signal - config.prune_weight * prune_signal
     extra = {
         "preserve_tokens": int(preserve.sum()),
@@ -196,27 +240,46 @@ def choose_removals(
                     f"layer {scores.layer}: would keep {sizes[scores.layer] - count} experts, "
                     f"fewer than the minimum {min_keep}"
                 )
-            removals[scores.layer] = _lowest(scores.score, count, groups, top_k)
+            if scores.removal_order is not None and groups is None:
+                removals[scores.layer] = sorted(scores.removal_order[:count])
+            else:
+                removals[scores.layer] = _lowest(scores.score, count, groups, top_k)
         return removals
     if groups is not None:
         raise UserInputError(
             "--scope global is not supported for group-limited routers (n_group > 1); use --scope layer"
         )
-    ranked = sorted(
-        (
+    removals: dict[int, list[int]] = {layer: [] for layer in sizes}
+    removed = 0
+    if all(s.removal_order is not None for s in layer_scores):
+        # merge the layers' greedy orders: always take the cheapest next removal over all layers
+        cursor = {s.layer: 0 for s in layer_scores}
+        norm = {s.layer: _normaliser(s, config.method) for s in layer_scores}
+        by_layer = {s.layer: s for s in layer_scores}
+        while removed < remove_total:
+            options = [
+                (by_layer[layer].removal_scores[i] / norm[layer], layer)
+                for layer, i in cursor.items()
+                if i < len(by_layer[layer].removal_order) and sizes[layer] - len(removals[layer]) > min_keep
+            ]
+            if not options:
+                break
+            _, layer = min(options)
+            removals[layer].append(by_layer[layer].removal_order[cursor[layer]])
+            cursor[layer] += 1
+            removed += 1
+    else:
+        ranked = sorted(
             (float(s.score[e]) / _normaliser(s, config.method), s.layer, e)
             for s in layer_scores
             for e in range(sizes[s.layer])
-        ),
-    )
-    removals: dict[int, list[int]] = {layer: [] for layer in sizes}
-    removed = 0
-    for _, layer, expert in ranked:
-        if removed == remove_total:
-            break
-        if sizes[layer] - len(removals[layer]) > min_keep:
-            removals[layer].append(expert)
-            removed += 1
+        )
+        for _, layer, expert in ranked:
+            if removed == remove_total:
+                break
+            if sizes[layer] - len(removals[layer]) > min_keep:
+                removals[layer].append(expert)
+                removed += 1
     if removed < remove_total:
         raise UserInputError(f"cannot remove {remove_total} experts while keeping at least {min_keep} per layer")
     return {layer: sorted(pos) for layer, pos in removals.items()}
