@@ -194,7 +194,7 @@ class CalibrationSweep:
             received: list[torch.Tensor] = []
             handles = []
             if moe is not None:
-                block = module.get_submodule(self.adapter.router_module.rsplit(".", 1)[0])
+                block = module.get_submodule(self.adapter.moe_block_name)
                 handles.append(
                     block.register_forward_hook(
                         lambda mod, args, out, into=captured_inputs: into.append(args[0].reshape(-1, args[0].shape[-1]))

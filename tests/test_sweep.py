@@ -10,6 +10,25 @@ from moecompress.sweep import CalibrationSweep
 from moecompress.synthetic import FAMILIES
 
 
+def _stock_moe_inputs(model, adapter, batches) -> dict:
+    """What every MoE block receives inside the stock model's own forward, per layer, all batches."""
+    expected: dict = {}
+    handles = [
+        adapter.moe_block_of(model, layer).register_forward_hook(
+            lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(
+                args[0].reshape(-1, args[0].shape[-1])
+            )
+        )
+        for layer in adapter.moe_layers()
+    ]
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    return expected
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sweep_matches_stock_forward(family, tiny_checkpoints):
     source = tiny_checkpoints[family]
@@ -19,22 +38,7 @@ def test_sweep_matches_stock_forward(family, tiny_checkpoints):
     generator = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, 300, (2, 24), generator=generator)} for _ in range(2)]
 
-    expected = {}
-    handles = []
-    for layer in adapter.moe_layers():
-        block = adapter.decoder_layers(model)[layer].get_submodule(adapter.router_module.rsplit(".", 1)[0])
-        handles.append(
-            block.register_forward_hook(
-                lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(
-                    args[0].reshape(-1, args[0].shape[-1])
-                )
-            )
-        )
-    with torch.no_grad():
-        for batch in batches:
-            model(**batch, use_cache=False)
-    for handle in handles:
-        handle.remove()
+    expected = _stock_moe_inputs(model, adapter, batches)
 
     tags = torch.zeros(2 * 2 * 24, dtype=torch.long)
     sweep = CalibrationSweep(source, batches, tags, ["text"], capture_attention=True, progress=False)
@@ -63,17 +67,7 @@ def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
     )
     assert names == ["text", "vision"] and (tags == 1).sum() == 3 * 16
 
-    expected = {}
-    for layer in adapter.moe_layers():
-        block = adapter.decoder_layers(model)[layer].mlp
-        block.register_forward_hook(
-            lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(
-                args[0].reshape(-1, args[0].shape[-1])
-            )
-        )
-    with torch.no_grad():
-        for batch in batches:
-            model(**batch, use_cache=False)
+    expected = _stock_moe_inputs(model, adapter, batches)
     sweep = CalibrationSweep(source, batches, tags, names, progress=False)
     plans_with_injections = sum(bool(plan.injections) for plan in sweep.plans)
     assert plans_with_injections == len(batches), "deepstack features should be injected after layer 0"

@@ -330,8 +330,16 @@ class FamilyAdapter:
         """Layer ``layer``'s router module; its forward returns ``(logits, weights, top-k ids)``."""
         return self.decoder_layers(model)[layer].get_submodule(self.router_module)
 
+    @property
+    def moe_block_name(self) -> str:
+        """The MoE block's name inside a runtime decoder layer (the router's parent): ``mlp`` for every family."""
+        return self.router_module.rsplit(".", 1)[0]
+
+    def moe_block_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
+        return self.decoder_layers(model)[layer].get_submodule(self.moe_block_name)
+
     def experts_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
-        return self.decoder_layers(model)[layer].get_submodule(self.router_module.rsplit(".", 1)[0] + ".experts")
+        return self.moe_block_of(model, layer).get_submodule("experts")
 
     def runtime_layer_state(
         self, layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor]
@@ -348,7 +356,7 @@ class FamilyAdapter:
         return local_key
 
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
-        block = self.router_module.rsplit(".", 1)[0]
+        block = self.moe_block_name
         state = {
             f"{self.router_module}.weight": moe.router_weight,
             f"{block}.experts.gate_up_proj": moe.gate_up,
