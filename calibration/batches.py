@@ -80,11 +80,15 @@ def consecutive_windows(stream: TokenStream, seq_len: int, max_tokens: int | Non
 
 def sampled_windows(stream: TokenStream, seq_len: int, num_tokens: int, seed: int) -> TokenWindows:
     """Windows of ``seq_len`` tokens at distinct random window-aligned offsets, ``num_tokens`` tokens in all
-    (fewer if the stream is shorter), reproducible from ``seed``."""
+    (rounded down to whole windows), reproducible from ``seed``. A source too short for that is an error, not a
+    silently smaller calibration set."""
     available = len(stream) // seq_len
-    count = min(available, max(1, num_tokens // seq_len))
-    if available == 0:
-        raise UserInputError(f"the data holds {len(stream)} tokens, fewer than one window of {seq_len}")
+    count = max(1, num_tokens // seq_len)
+    if available < count:
+        raise UserInputError(
+            f"the calibration data holds {available * seq_len} tokens in whole windows of {seq_len}, fewer than the "
+            f"{count * seq_len} asked for; lower --calib-tokens or add data"
+        )
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randperm(available, generator=generator)[:count].sort().values * seq_len
     offsets = starts[:, None] + torch.arange(seq_len)[None, :]

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointReader, group_keys_by_layer
+from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights, adapter_for
 from .memory import release_freed_memory
 
@@ -174,7 +175,13 @@ class CalibrationSweep:
         state = self.adapter.runtime_layer_state(layer, moe, rest)
         state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         module = self.adapter.decoder_layers(self._meta_model)[layer]
-        module.load_state_dict(state, strict=True, assign=True)
+        try:
+            module.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as error:
+            detail = " ".join(str(error).split())[:300]
+            raise UserInputError(
+                f"{self.model_dir}: layer {layer} weights do not match config.json ({detail})"
+            ) from None
         return module.eval(), moe
 
     @staticmethod

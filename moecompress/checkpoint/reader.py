@@ -135,9 +135,10 @@ class CheckpointReader:
     def tensor(self, key: str) -> torch.Tensor:
         return self.read([key])[key]
 
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    def read(self, keys: Iterable[str], check_finite: bool = True) -> dict[str, torch.Tensor]:
         """Materialise ``keys``. Each shard is memory-mapped only for the duration of the call, so pages of
-        layers already processed do not stay resident."""
+        layers already processed do not stay resident. A floating-point tensor holding NaN or Inf is refused,
+        naming the tensor and its shard."""
         by_shard: dict[str, list[str]] = {}
         for key in keys:
             try:
@@ -148,7 +149,10 @@ class CheckpointReader:
         for shard, shard_keys in by_shard.items():
             with safe_open(str(self.directory / shard), framework="pt") as handle:
                 for key in shard_keys:
-                    out[key] = handle.get_tensor(key)
+                    tensor = handle.get_tensor(key)
+                    if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                        raise UserInputError(f"{self.directory / shard}: tensor {key!r} holds NaN or Inf values")
+                    out[key] = tensor
         return out
 
     def close(self) -> None:

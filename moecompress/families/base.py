@@ -271,11 +271,29 @@ class FamilyAdapter:
         if self.has_correction_bias:
             moe.correction_bias = rest.pop(self._router_key(layer, "e_score_correction_bias"), None)
         moe.expert_ids = self.original_expert_ids(layer)
-        if len(moe.expert_ids) != moe.num_experts:
-            raise ValueError(
-                f"layer {layer}: config says {len(moe.expert_ids)} experts, checkpoint holds {moe.num_experts}"
-            )
+        self._check_shapes(layer, moe)
         return moe, rest, layout
+
+    def _check_shapes(self, layer: int, moe: MoEWeights) -> None:
+        """Config and weights must agree before any pass trusts either."""
+        from ..errors import UserInputError
+
+        where = f"layer {layer} ({self.layer_prefix(layer)}{self.moe_disk_prefix})"
+        if len(moe.expert_ids) != moe.num_experts:
+            raise UserInputError(
+                f"{where}: config.json says {len(moe.expert_ids)} experts, weights hold {moe.num_experts}"
+            )
+        hidden = int(self.text_config["hidden_size"])
+        shapes = {
+            "router": (tuple(moe.router_weight.shape), (moe.num_experts, hidden)),
+            "gate_up": (tuple(moe.gate_up.shape), (moe.num_experts, 2 * moe.intermediate_size, hidden)),
+            "down": (tuple(moe.down.shape), (moe.num_experts, hidden, moe.intermediate_size)),
+        }
+        for name, (got, want) in shapes.items():
+            if got != want:
+                raise UserInputError(
+                    f"{where}: {name} weights have shape {list(got)}, config.json implies {list(want)}"
+                )
 
     def join_layer(
         self, layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], layout: Layout | None

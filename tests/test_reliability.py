@@ -1,0 +1,144 @@
+"""Bad input is refused with one line and exit code 2, nothing is written, and reruns are byte-identical."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+from safetensors.torch import load_file, save_file
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "moecompress.cli.main", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def _refused(result, fragment, out=None):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    if out is not None:
+        assert not out.exists() and not any(out.parent.glob(f".{out.name}*")), "nothing may be written"
+
+
+def _copy_with(tmp_path, source, name, edit):
+    target = tmp_path / name
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def test_nan_weights_are_named(tiny_with_tokenizer, tmp_path):
+    def poison(tensors):
+        tensors["model.layers.1.mlp.experts.3.up_proj.weight"][0, 0] = float("nan")
+
+    broken = _copy_with(tmp_path, tiny_with_tokenizer["qwen3_moe"], "nan", poison)
+    out = tmp_path / "out"
+    result = run_cli("prune", str(broken), "--out", str(out), "--calib-tokens", "256", "--seq-len", "64", "--no-eval")
+    _refused(result, "'model.layers.1.mlp.experts.3.up_proj.weight' holds NaN or Inf", out)
+
+
+def test_config_and_weights_that_disagree(tiny_with_tokenizer, tmp_path):
+    broken = tmp_path / "shapes"
+    shutil.copytree(tiny_with_tokenizer["qwen3_moe"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    key = "num_local_experts" if "num_local_experts" in config else "num_experts"
+    config[key] = 6
+    (broken / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = run_cli("prune", str(broken), "--out", str(out), "--calib-tokens", "256", "--seq-len", "64", "--no-eval")
+    _refused(result, "config.json says 6 experts, weights hold 8", out)
+
+
+def test_too_little_calibration_data(tiny_with_tokenizer, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("only a few words of calibration text")
+    out = tmp_path / "out"
+    result = run_cli(
+        "prune",
+        str(tiny_with_tokenizer["qwen3_moe"]),
+        "--out",
+        str(out),
+        "--calib",
+        str(text),
+        "--calib-tokens",
+        "4096",
+        "--seq-len",
+        "8",
+        "--no-eval",
+    )
+    _refused(result, "fewer than the 4096 asked for", out)
+
+
+def test_ratio_leaving_fewer_than_top_k(tiny_with_tokenizer, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(
+        "prune",
+        str(tiny_with_tokenizer["qwen3_moe"]),
+        "--out",
+        str(out),
+        "--keep",
+        "1",
+        "--calib-tokens",
+        "256",
+        "--seq-len",
+        "64",
+        "--no-eval",
+    )
+    _refused(result, "fewer than the minimum 2", out)
+
+
+def test_existing_output_needs_overwrite(tiny_with_tokenizer, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli(
+        "prune",
+        str(tiny_with_tokenizer["qwen3_moe"]),
+        "--out",
+        str(out),
+        "--calib-tokens",
+        "256",
+        "--seq-len",
+        "64",
+        "--no-eval",
+    )
+    assert result.returncode == 2 and "output directory exists" in result.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def _tree_hashes(path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_rerun_is_byte_identical(tmp_path):
+    outputs = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        result = run_cli(
+            "prune",
+            "builtin:tiny-moe",
+            "--out",
+            str(out),
+            "--ratio",
+            "0.25",
+            "--scope",
+            "global",
+            "--calib-tokens",
+            "2048",
+            "--no-eval",
+        )
+        assert result.returncode == 0, result.stderr
+        outputs.append(out)
+    first, second = (_tree_hashes(out) for out in outputs)
+    report_a, report_b = (json.loads((out / "moecompress_report.json").read_text()) for out in outputs)
+    for report in (report_a, report_b):
+        report.pop("seconds")
+    assert report_a == report_b
+    first.pop("moecompress_report.json")
+    second.pop("moecompress_report.json")
+    assert first == second, "weights, config and tokenizer files must be byte-identical"
