@@ -1,24 +1,12 @@
 """The command line: inspect on every family, one-line errors with exit code 2, hub ids through the cache."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from helpers import run_cli
 
 from moecompress.synthetic import FAMILIES, TINY_CONFIGS
-
-
-def run_cli(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "moecompress.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=300,
-    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

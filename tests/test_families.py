@@ -1,10 +1,9 @@
 """The adapters understand each family: layout round trips and the MoE view reproduces the stock block."""
 
-import hashlib
-
 import pytest
 import torch
 import transformers
+from helpers import tree_hashes
 
 from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.errors import UserInputError
@@ -17,16 +16,12 @@ def _load_stock(directory, config_dict):
     return auto.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-def _hashes(directory):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layer_by_layer_round_trip_gives_identical_logits(family, tiny_checkpoints, tmp_path):
     source = tiny_checkpoints[family]
-    before = _hashes(source)
+    before = tree_hashes(source)
     out = rewrite_checkpoint(source, tmp_path / "out", max_shard_bytes=40_000, progress=False)
-    assert _hashes(source) == before, "input directory changed"
+    assert tree_hashes(source) == before, "input directory changed"
 
     with CheckpointReader(source) as original, CheckpointReader(out) as rewritten:
         assert set(original.keys()) == set(rewritten.keys()), "keys must stay in the original layout"

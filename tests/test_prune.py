@@ -1,6 +1,5 @@
 """`moecompress prune`: outputs load where they should, claim honest numbers, and MAEP uses its signals."""
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import tree_hashes
 from moecompress.cli.main import app
 
 from moecompress.checkpoint import CheckpointReader
@@ -52,16 +52,12 @@ def _stock_perplexity(path, with_plugin, tmp_path):
     )
 
 
-def _hash_tree(path):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def pruned_outputs(tmp_path_factory):
     from moecompress.checkpoint import resolve_model
 
     source = resolve_model("builtin:tiny-moe")
-    before = _hash_tree(source)
+    before = tree_hashes(source)
     root = tmp_path_factory.mktemp("pruned")
     outputs = {}
     for scope in ("layer", "global"):
@@ -85,7 +81,7 @@ def pruned_outputs(tmp_path_factory):
         )
         assert result.exit_code == 0, result.output
         outputs[scope] = out
-    assert _hash_tree(source) == before, "the input checkpoint must not change"
+    assert tree_hashes(source) == before, "the input checkpoint must not change"
     return source, outputs
 
 

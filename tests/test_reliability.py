@@ -1,18 +1,10 @@
 """Bad input is refused with one line and exit code 2, nothing is written, and reruns are byte-identical."""
 
-import hashlib
 import json
 import shutil
-import subprocess
-import sys
 
+from helpers import run_cli, tree_hashes
 from safetensors.torch import load_file, save_file
-
-
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "moecompress.cli.main", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def _refused(result, fragment, out=None):
@@ -111,10 +103,6 @@ def test_existing_output_needs_overwrite(tiny_with_tokenizer, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
-def _tree_hashes(path):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
-
-
 def test_rerun_is_byte_identical(tmp_path):
     outputs = []
     for name in ("first", "second"):
@@ -134,7 +122,7 @@ def test_rerun_is_byte_identical(tmp_path):
         )
         assert result.returncode == 0, result.stderr
         outputs.append(out)
-    first, second = (_tree_hashes(out) for out in outputs)
+    first, second = (tree_hashes(out) for out in outputs)
     report_a, report_b = (json.loads((out / "moecompress_report.json").read_text()) for out in outputs)
     for report in (report_a, report_b):
         report.pop("seconds")
