@@ -82,16 +82,6 @@ def builtin_image_captions(name: str, count: int = 64, seed: int = 0, size: int 
     return [draw(rng, size, i) for i in range(count)]
 
 
-def is_image_source(spec: str) -> bool:
-    """Whether ``spec`` names image+caption data (built-in image sets, or a hub dataset with an image column)."""
-    if spec.startswith("builtin:"):
-        return spec.split(":")[1] in BUILTIN_IMAGE_SOURCES
-    if spec.startswith("hf:"):
-        dataset = _hf_dataset(spec)
-        return dataset is not None and any(isinstance(f, _datasets().Image) for f in dataset.features.values())
-    return False
-
-
 def _datasets():
     import datasets
 
@@ -109,26 +99,32 @@ def _hf_dataset(spec: str):
         return None
 
 
-def load_image_captions(spec: str, *, seed: int = 0, size: int = 64, count: int = 64) -> list[ImageCaption]:
+def load_image_captions(spec: str, *, seed: int = 0, size: int = 64, count: int = 64) -> list[ImageCaption] | None:
+    """The image+caption items ``spec`` names, or None when it is not an image source (text goes elsewhere).
+
+    An ``hf:`` dataset is loaded once and counts as an image source when it has an ``Image`` column.
+    """
     if spec.startswith("builtin:"):
         pieces = spec.split(":")
+        if pieces[1] not in BUILTIN_IMAGE_SOURCES:
+            return None
         return builtin_image_captions(pieces[1], int(pieces[2]) if len(pieces) > 2 else count, seed, size)
-    if spec.startswith("hf:"):
-        dataset = _hf_dataset(spec)
-        if dataset is None:
-            raise UserInputError(f"{spec}: could not load dataset")
-        caption_column = next((c for c in ("caption", "text") if c in dataset.column_names), None)
-        if "image" not in dataset.column_names or caption_column is None:
-            raise UserInputError(f"{spec}: needs an 'image' column and a 'caption' or 'text' column")
-        return [
-            ImageCaption(
-                image=np.asarray(row["image"].convert("RGB").resize((size, size))),
-                caption=str(row[caption_column]),
-                id=f"{spec}:{i}",
-            )
-            for i, row in enumerate(dataset)
-        ]
-    raise UserInputError(f"{spec}: not an image source (use builtin:shapes, builtin:stripes or hf:NAME)")
+    if not spec.startswith("hf:"):
+        return None
+    dataset = _hf_dataset(spec)
+    if dataset is None or not any(isinstance(f, _datasets().Image) for f in dataset.features.values()):
+        return None
+    caption_column = next((c for c in ("caption", "text") if c in dataset.column_names), None)
+    if "image" not in dataset.column_names or caption_column is None:
+        raise UserInputError(f"{spec}: needs an 'image' column and a 'caption' or 'text' column")
+    return [
+        ImageCaption(
+            image=np.asarray(row["image"].convert("RGB").resize((size, size))),
+            caption=str(row[caption_column]),
+            id=f"{spec}:{i}",
+        )
+        for i, row in enumerate(dataset)
+    ]
 
 
 def image_processor_for(model_dir: Path, vision_config: dict):

@@ -118,7 +118,6 @@ class CalibrationSweep:
         attn = "eager" if capture_attention else "sdpa"
         config._attn_implementation = attn
         _text_config(config)._attn_implementation = attn
-        self.config = config
         auto_class = getattr(transformers, self.adapter.auto_class)
         with torch.device("meta"):
             self._meta_model = auto_class.from_config(config, dtype=dtype)
@@ -148,7 +147,9 @@ class CalibrationSweep:
         }
         _, unexpected = skeleton.load_state_dict(state, strict=False)
         if unexpected:
-            raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
+            raise UserInputError(
+                f"{model_dir}: tensors the {self.adapter.family} model does not have: {unexpected[:5]}"
+            )
         skeleton.tie_weights()
         skeleton.eval()
         self.plans = self._plan(skeleton, recorder, batches)

@@ -15,6 +15,14 @@ def _refused(result, fragment, out=None):
         assert not out.exists() and not any(out.parent.glob(f".{out.name}*")), "nothing may be written"
 
 
+def _quick_prune(model, out, *options):
+    """``moecompress prune`` with a small calibration set and no evaluation; ``options`` override or add."""
+    defaults = {"--calib-tokens": "256", "--seq-len": "64"}
+    given = dict(zip(options[::2], options[1::2], strict=True))
+    args = [arg for key, value in {**defaults, **given}.items() for arg in (key, value)]
+    return run_cli("prune", str(model), "--out", str(out), *args, "--no-eval")
+
+
 def _copy_with(tmp_path, source, name, edit):
     target = tmp_path / name
     shutil.copytree(source, target)
@@ -30,7 +38,7 @@ def test_nan_weights_are_named(tiny_with_tokenizer, tmp_path):
 
     broken = _copy_with(tmp_path, tiny_with_tokenizer["qwen3_moe"], "nan", poison)
     out = tmp_path / "out"
-    result = run_cli("prune", str(broken), "--out", str(out), "--calib-tokens", "256", "--seq-len", "64", "--no-eval")
+    result = _quick_prune(broken, out)
     _refused(result, "'model.layers.1.mlp.experts.3.up_proj.weight' holds NaN or Inf", out)
 
 
@@ -42,7 +50,7 @@ def test_config_and_weights_that_disagree(tiny_with_tokenizer, tmp_path):
     config[key] = 6
     (broken / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    result = run_cli("prune", str(broken), "--out", str(out), "--calib-tokens", "256", "--seq-len", "64", "--no-eval")
+    result = _quick_prune(broken, out)
     _refused(result, "config.json says 6 experts, weights hold 8", out)
 
 
@@ -50,37 +58,15 @@ def test_too_little_calibration_data(tiny_with_tokenizer, tmp_path):
     text = tmp_path / "short.txt"
     text.write_text("only a few words of calibration text")
     out = tmp_path / "out"
-    result = run_cli(
-        "prune",
-        str(tiny_with_tokenizer["qwen3_moe"]),
-        "--out",
-        str(out),
-        "--calib",
-        str(text),
-        "--calib-tokens",
-        "4096",
-        "--seq-len",
-        "8",
-        "--no-eval",
+    result = _quick_prune(
+        tiny_with_tokenizer["qwen3_moe"], out, "--calib", str(text), "--calib-tokens", "4096", "--seq-len", "8"
     )
     _refused(result, "fewer than the 4096 asked for", out)
 
 
 def test_ratio_leaving_fewer_than_top_k(tiny_with_tokenizer, tmp_path):
     out = tmp_path / "out"
-    result = run_cli(
-        "prune",
-        str(tiny_with_tokenizer["qwen3_moe"]),
-        "--out",
-        str(out),
-        "--keep",
-        "1",
-        "--calib-tokens",
-        "256",
-        "--seq-len",
-        "64",
-        "--no-eval",
-    )
+    result = _quick_prune(tiny_with_tokenizer["qwen3_moe"], out, "--keep", "1")
     _refused(result, "fewer than the minimum 2", out)
 
 
@@ -88,17 +74,7 @@ def test_existing_output_needs_overwrite(tiny_with_tokenizer, tmp_path):
     out = tmp_path / "exists"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    result = run_cli(
-        "prune",
-        str(tiny_with_tokenizer["qwen3_moe"]),
-        "--out",
-        str(out),
-        "--calib-tokens",
-        "256",
-        "--seq-len",
-        "64",
-        "--no-eval",
-    )
+    result = _quick_prune(tiny_with_tokenizer["qwen3_moe"], out)
     assert result.returncode == 2 and "output directory exists" in result.stderr
     assert (out / "keep.txt").read_text() == "mine"
 
@@ -107,18 +83,17 @@ def test_rerun_is_byte_identical(tmp_path):
     outputs = []
     for name in ("first", "second"):
         out = tmp_path / name
-        result = run_cli(
-            "prune",
+        result = _quick_prune(
             "builtin:tiny-moe",
-            "--out",
-            str(out),
+            out,
             "--ratio",
             "0.25",
             "--scope",
             "global",
             "--calib-tokens",
             "2048",
-            "--no-eval",
+            "--seq-len",
+            "256",
         )
         assert result.returncode == 0, result.stderr
         outputs.append(out)

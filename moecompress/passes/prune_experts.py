@@ -29,7 +29,7 @@ import torch
 
 from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
-from ..calibration.vision import image_processor_for, is_image_source, load_image_captions, vision_batches
+from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
 from ..checkpoint import rewrite_checkpoint
 from ..errors import UserInputError
 from ..evals.perplexity import evaluate
@@ -318,12 +318,12 @@ def calibration_batches(
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, list[str]]:
     """Model-input batches, the flat tag index of every token, and the tag names, for text or image sources."""
     tokenizer = load_tokenizer(model_dir)
-    if is_image_source(calib):
+    items = load_image_captions(calib, seed=seed, size=image_size)
+    if items is not None:
         if not adapter.accepts_images:
             raise UserInputError(
                 f"{calib}: image calibration needs a vision-language model; {adapter.family} is text-only"
             )
-        items = load_image_captions(calib, seed=seed, size=image_size)
         processor = image_processor_for(model_dir, adapter.config.get("vision_config", {}))
         return vision_batches(items, tokenizer, processor, **adapter.vision_token_ids())
     stream = tokenize_documents(load_documents(calib, default_part="calib"), tokenizer)
