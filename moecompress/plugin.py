@@ -1,4 +1,6 @@
-"""Let stock transformers classes load checkpoints whose MoE layers hold different numbers of experts.
+"""Let stock transformers classes load moecompress outputs: MoE layers with different numbers of experts, and
+the native quantised format (registered as ``quant_method: "moecompress"``, see
+:mod:`moecompress.quantization.hf_quantizer`).
 
 A globally pruned checkpoint records its per-layer counts in the ``moecompress.experts_per_layer`` section of
 the decoder's config. Importing moecompress wraps ``PreTrainedModel.post_init`` (which every transformers model
@@ -54,4 +56,7 @@ def install() -> None:
         return original(self, *args, **kwargs)
 
     PreTrainedModel.post_init = post_init
+    from .quantization.hf_quantizer import register
+
+    register()
     _INSTALLED = True

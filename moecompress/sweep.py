@@ -36,6 +36,10 @@ class LayerCapture:
     tag_names: list[str]
     attention_received: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    replacement: MoEWeights | None = None
+    """Set by the consumer before it asks for the next layer: the block's new weights (e.g. quantised), through
+    which the sweep then recomputes this layer's outputs, so later layers calibrate on what they will really
+    receive (sequential calibration)."""
 
 
 class _LayerProxy(torch.nn.Module):
@@ -185,6 +189,15 @@ class CalibrationSweep:
             ) from None
         return module.eval(), moe
 
+    def _load_moe(self, module: torch.nn.Module, layer: int, moe: MoEWeights) -> None:
+        state = {
+            key: value.to(self.dtype) if value.is_floating_point() else value
+            for key, value in self.adapter.runtime_moe_state(moe).items()
+        }
+        _, unexpected = module.load_state_dict(state, strict=False, assign=True)
+        if unexpected:
+            raise RuntimeError(f"layer {layer}: replacement tensors the layer lacks: {unexpected[:5]}")
+
     @staticmethod
     def _release(module: torch.nn.Module) -> None:
         module.to("meta")
@@ -193,7 +206,8 @@ class CalibrationSweep:
     def run(self) -> Iterator[LayerCapture]:
         """Yield a :class:`LayerCapture` for every MoE layer, in order (the measuring sweep).
 
-        Each layer's outputs, computed with its original weights, become the next layer's inputs.
+        Each layer's outputs, computed with its original weights (or with the ``replacement`` the consumer set on
+        the capture), become the next layer's inputs.
         """
         hidden = [plan.hidden for plan in self.plans]
         for layer in tqdm(range(self.adapter.num_layers), desc="calibration", unit="layer", disable=not self.progress):
@@ -217,9 +231,8 @@ class CalibrationSweep:
             outputs = self._forward_layer(module, layer, hidden)
             for handle in handles:
                 handle.remove()
-            self._release(module)
             if moe is not None:
-                yield LayerCapture(
+                capture = LayerCapture(
                     layer=layer,
                     moe=moe,
                     moe_input=torch.cat(captured_inputs).float(),
@@ -227,6 +240,13 @@ class CalibrationSweep:
                     tag_names=self.tag_names,
                     attention_received=torch.cat(received) if received else None,
                 )
+                del captured_inputs, received
+                yield capture
+                if capture.replacement is not None:
+                    self._load_moe(module, layer, capture.replacement)
+                    outputs = self._forward_layer(module, layer, hidden)
+                del capture
+            self._release(module)
             hidden = [
                 out + plan.injections[layer] if layer in plan.injections else out
                 for out, plan in zip(outputs, self.plans, strict=True)

@@ -7,15 +7,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from ..errors import UserInputError
 from ..families import FamilyAdapter, MoEWeights, adapter_for
+from ..families.base import Layout
 from ..memory import release_freed_memory
 from .reader import CheckpointReader
 from .writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
 
 LayerFn = Callable[[int, MoEWeights], MoEWeights]
+LayerWriter = Callable[
+    [int, "MoEWeights | None", dict[str, "torch.Tensor"], "Layout | None"], dict[str, "torch.Tensor"]
+]
+TensorsFn = Callable[[dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
 
 
 def group_keys_by_layer(reader: CheckpointReader, adapter: FamilyAdapter) -> tuple[dict[int, list[str]], list[str]]:
@@ -42,7 +48,9 @@ def rewrite_checkpoint(
     out_dir: str | os.PathLike[str],
     layer_fn: LayerFn | None = None,
     *,
-    config: dict[str, Any] | None = None,
+    layer_writer: LayerWriter | None = None,
+    outside_fn: TensorsFn | None = None,
+    config: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
@@ -50,8 +58,11 @@ def rewrite_checkpoint(
 ) -> Path:
     """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
 
-    ``layer_fn`` receives each MoE layer's view and returns its replacement; ``config`` replaces the
-    source's config.json; ``extra_json`` files (a report) are written inside the same atomic finish.
+    ``layer_fn`` receives each MoE layer's view and returns its replacement; ``layer_writer`` (default: the
+    adapter's ``join_layer``) turns a layer's view and other tensors into the tensors to write, and
+    ``outside_fn`` rewrites the tensors outside the decoder layers (embeddings, head); ``config`` (or a function
+    returning it, called once every layer is written) replaces the source's config.json; ``extra_json`` files
+    (a report) are written inside the same atomic finish.
     Peak memory is one layer's tensors.
     """
     source = Path(source)
@@ -61,18 +72,21 @@ def rewrite_checkpoint(
         layers, outside = group_keys_by_layer(reader, adapter)
         writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
         try:
-            writer.add(reader.read(outside))
+            outside_tensors = reader.read(outside)
+            writer.add(outside_fn(outside_tensors) if outside_fn is not None else outside_tensors)
+            join = layer_writer if layer_writer is not None else adapter.join_layer
             for layer, keys in tqdm(layers.items(), desc="layers", unit="layer", disable=not progress):
                 moe, rest, layout = adapter.split_layer(layer, reader.read(keys))
                 if moe is not None and layer_fn is not None:
                     moe = layer_fn(layer, moe)
-                writer.add(adapter.join_layer(layer, moe, rest, layout))
+                writer.add(join(layer, moe, rest, layout))
                 del moe, rest
                 release_freed_memory()
             writer.copy_side_files(source)
             for name, content in (extra_json or {}).items():
                 writer.write_json(name, content)
-            return writer.finish(config if config is not None else reader.config)
+            final_config = config() if callable(config) else config
+            return writer.finish(final_config if final_config is not None else reader.config)
         except BaseException:
             writer.abort()
             raise

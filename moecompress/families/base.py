@@ -219,12 +219,12 @@ class FamilyAdapter:
         if layer is None:
             return "norms" if "norm" in key else "other"
         local = key[len(self.layer_prefix(layer)) :]
+        blocks = (self.moe_disk_prefix, self.moe_block_name + ".")
+        if any(local.startswith(f"{block}{self.router_key}.") for block in blocks) or "shared_expert_gate." in local:
+            return "router"
         if any(marker in local for marker in self.shared_expert_markers):
             return "shared_experts"
-        moe = self.moe_disk_prefix
-        if local.startswith(moe + self.router_key + "."):
-            return "router"
-        if local.startswith(moe + "experts."):
+        if any(local.startswith(f"{block}experts.") for block in blocks):
             return "experts"
         if "attn" in local:
             return "attention"

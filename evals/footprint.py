@@ -1,0 +1,127 @@
+"""Footprint: bytes and effective bits per weight, per parameter class and overall, from shard headers alone.
+
+Every stored byte is counted against the class of the weight it serves: packed codes *and* their scales, zero
+points, bitmaps and adapters. ``weights`` counts logical (dequantised) weights, so a class's bits per weight is
+``8 · bytes / weights``. Understood layouts: plain float checkpoints, the native moecompress format, gpt-oss MXFP4
+(``*_blocks``/``*_scales``) and compressed-tensors (``weight_packed`` and companions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CheckpointReader
+from ..checkpoint.reader import TensorInfo
+from ..families import adapter_for
+
+_DTYPE_BITS = {"U8": 8, "I8": 8, "I32": 32, "U32": 32, "I16": 16, "U16": 16}
+_QUANTIZED_PARAMS = ("weight", "gate_up_proj", "down_proj")
+_COMPRESSED_TENSORS_METADATA = (
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_global_scale",
+    "weight_g_idx",
+    "input_scale",
+    "input_global_scale",
+    "input_zero_point",
+)
+
+
+@dataclass
+class ClassFootprint:
+    weights: int = 0
+    bytes: int = 0
+    metadata_bytes: int = 0
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.bytes / self.weights if self.weights else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "weights": self.weights,
+            "bytes": self.bytes,
+            "metadata_bytes": self.metadata_bytes,
+            "bits_per_weight": round(self.bits_per_weight, 4),
+        }
+
+
+@dataclass
+class Footprint:
+    classes: dict[str, ClassFootprint] = field(default_factory=dict)
+    file_bytes: int = 0
+
+    @property
+    def total(self) -> ClassFootprint:
+        total = ClassFootprint()
+        for part in self.classes.values():
+            total.weights += part.weights
+            total.bytes += part.bytes
+            total.metadata_bytes += part.metadata_bytes
+        return total
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "classes": {name: part.to_json() for name, part in self.classes.items() if part.weights or part.bytes},
+            "total": self.total.to_json(),
+            "file_bytes": self.file_bytes,
+        }
+
+
+def _logical_weights(key: str, info: TensorInfo, config: dict[str, Any]) -> int | None:
+    """Logical weights a tensor stores, 0 for pure metadata, None for a plain float tensor."""
+    quantization = config.get("quantization_config") or {}
+    method = quantization.get("quant_method")
+    module, _, param = key.rpartition(".")
+    if method == "moecompress":
+        scheme_key = quantization.get("modules", {}).get(module)
+        if scheme_key is None:
+            return None
+        bits = {"mxfp4": 4, "int4": 4, "w4a8": 4, "int2": 2}.get(quantization["schemes"][scheme_key]["name"], 8)
+        if param in _QUANTIZED_PARAMS:
+            return info.numel * 8 // bits
+        if param.endswith(("_scales", "_zeros")):
+            return 0
+        return None
+    if method == "mxfp4":
+        if key.endswith("_blocks"):
+            return info.numel * 2
+        if key.endswith("_scales"):
+            return 0
+        return None
+    if method == "compressed-tensors":
+        if param == "weight_packed":
+            bits = _compressed_tensors_bits(quantization)
+            return info.numel * _DTYPE_BITS.get(info.dtype, 8) // bits
+        if param in _COMPRESSED_TENSORS_METADATA:
+            return 0
+    return None
+
+
+def _compressed_tensors_bits(quantization: dict[str, Any]) -> int:
+    groups = quantization.get("config_groups") or {}
+    bits = {int((group.get("weights") or {}).get("num_bits", 8)) for group in groups.values()}
+    if len(bits) != 1:
+        raise ValueError(f"compressed-tensors config with mixed weight widths {sorted(bits)} is not supported")
+    return bits.pop()
+
+
+def checkpoint_footprint(directory: Path) -> Footprint:
+    """The footprint of the checkpoint in ``directory`` (headers only)."""
+    with CheckpointReader(directory) as reader:
+        adapter = adapter_for(reader.config, source=str(directory))
+        footprint = Footprint(file_bytes=reader.total_bytes())
+        for key, info in reader.tensors.items():
+            part = footprint.classes.setdefault(adapter.classify_key(key), ClassFootprint())
+            logical = _logical_weights(key, info, reader.config)
+            part.bytes += info.nbytes
+            if logical is None:
+                part.weights += info.numel
+            elif logical == 0:
+                part.metadata_bytes += info.nbytes
+            else:
+                part.weights += logical
+        return footprint

@@ -1,0 +1,246 @@
+"""The quantisation pass: stream a checkpoint layer by layer, quantise the targeted weights (RTN, or GPTQ on
+routed calibration inputs for the expert matrices), write the chosen format, account for every byte.
+
+Targets: ``experts`` (routed experts, always the point), ``shared_experts``, ``attention`` (every 2-D attention
+projection), ``lm_head``. Routers, norms, embeddings and biases always stay in their original precision.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..checkpoint import rewrite_checkpoint
+from ..errors import UserInputError
+from ..evals.footprint import checkpoint_footprint
+from ..evals.perplexity import evaluate
+from ..families import FamilyAdapter, MoEWeights
+from ..kernels.mxfp4 import ScaleRule
+from ..loading import load_adapter
+from ..quantization.experts import QuantizedMoE, quantize_experts_gptq, quantize_experts_rtn
+from ..quantization.formats import gpt_oss, native
+from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
+from ..sweep import CalibrationSweep
+from .prune_experts import calibration_batches, update_report
+
+TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
+FORMATS: tuple[str, ...] = ("native", "gpt-oss", "compressed-tensors")
+Method = Literal["rtn", "gptq"]
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    scheme: str = "mxfp4"
+    method: Method = "rtn"
+    group_size: int = 32
+    symmetric: bool | None = None
+    scale_rule: ScaleRule = "floor"
+    targets: tuple[str, ...] = ("experts",)
+    format: str = "native"
+    gptq_min_tokens: int = 64
+    gptq_damp: float = 0.01
+    gptq_block: int = 128
+    seed: int = 0
+
+    def quant_scheme(self) -> QuantScheme:
+        """``symmetric`` defaults to True, except for INT2 where a zero-centred grid wastes a level."""
+        symmetric = self.symmetric if self.symmetric is not None else self.scheme != "int2"
+        group = 32 if self.scheme == "mxfp4" else self.group_size
+        try:
+            return QuantScheme(self.scheme, group, symmetric, self.scale_rule)
+        except ValueError as error:
+            raise UserInputError(str(error)) from None
+
+    def validate(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise UserInputError(f"unknown scheme {self.scheme!r}; choose from {', '.join(SCHEMES)}")
+        if self.method not in ("rtn", "gptq"):
+            raise UserInputError(f"unknown method {self.method!r}; choose rtn or gptq")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown or "experts" not in self.targets:
+            raise UserInputError(f"targets must include experts and be among {', '.join(TARGETS)}; got {unknown}")
+        if self.format not in FORMATS:
+            raise UserInputError(f"unknown format {self.format!r}; choose from {', '.join(FORMATS)}")
+        if self.gptq_min_tokens < 1:
+            raise UserInputError("--gptq-min-tokens must be at least 1")
+        self.quant_scheme()
+
+
+def _format_module(name: str):
+    if name == "native":
+        return native
+    if name == "gpt-oss":
+        return gpt_oss
+    from ..quantization.formats import compressed_tensors
+
+    return compressed_tensors
+
+
+def _check_format(adapter: FamilyAdapter, config: QuantizeConfig, scheme: QuantScheme) -> None:
+    reason = _format_module(config.format).unsupported(adapter, scheme, tuple(config.targets))
+    if reason:
+        raise UserInputError(reason)
+
+
+def _refuse_quantized_input(source: dict[str, Any], model_dir: Path) -> None:
+    method = (source.get("quantization_config") or {}).get("quant_method")
+    if method:
+        raise UserInputError(f"{model_dir}: the checkpoint is already quantised ({method}); start from a bf16/fp16 one")
+
+
+class _TensorQuantizer:
+    """RTN for the non-expert targets; records the runtime module name of everything it quantises."""
+
+    def __init__(self, adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]):
+        self.adapter, self.scheme, self.targets = adapter, scheme, set(targets)
+        self.modules: list[str] = []
+
+    def wanted(self, key: str, tensor: torch.Tensor) -> bool:
+        if not key.endswith(".weight") or tensor.ndim != 2 or not tensor.is_floating_point():
+            return False
+        kind = self.adapter.classify_key(key)
+        if kind == "embeddings":
+            return "lm_head" in self.targets and (key.startswith("lm_head") or key.endswith(".lm_head.weight"))
+        return kind in self.targets and kind in ("shared_experts", "attention")
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QuantizedTensor]:
+        out: dict[str, torch.Tensor | QuantizedTensor] = {}
+        for key, tensor in tensors.items():
+            if not self.wanted(key, tensor):
+                out[key] = tensor
+                continue
+            if tensor.shape[-1] % self.scheme.group_size:
+                raise UserInputError(
+                    f"{key}: input dimension {tensor.shape[-1]} is not a multiple of the group size "
+                    f"{self.scheme.group_size}; drop this target or pick another --group-size"
+                )
+            out[key] = self.scheme.quantize(tensor)
+            self.modules.append(native.runtime_key(self.adapter, key).removesuffix(".weight"))
+        return out
+
+
+def _check_expert_dims(layer: int, moe: MoEWeights, scheme: QuantScheme) -> None:
+    for name, tensor in (("gate_up", moe.gate_up), ("down", moe.down)):
+        if tensor.shape[-1] % scheme.group_size:
+            raise UserInputError(
+                f"layer {layer}: expert {name} input dimension {tensor.shape[-1]} is not a multiple of "
+                f"the group size {scheme.group_size}"
+            )
+
+
+def quantize_checkpoint(
+    model_dir: Path,
+    out_dir: Path,
+    config: QuantizeConfig,
+    *,
+    calib: str = "builtin:prose",
+    calib_tokens: int = 16384,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    eval_data: str | None = None,
+    eval_tokens: int | None = 16384,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Quantise ``model_dir`` into ``out_dir``; returns the report also saved as moecompress_report.json."""
+    config.validate()
+    started = time.time()
+    adapter = load_adapter(model_dir)
+    _refuse_quantized_input(adapter.config, model_dir)
+    scheme = config.quant_scheme()
+    _check_format(adapter, config, scheme)
+    layout = _format_module(config.format)
+    tensors = _TensorQuantizer(adapter, scheme, config.targets)
+    expert_modules: list[str] = []
+    layer_stats: dict[str, Any] = {}
+    calibration: dict[str, Any] | None = None
+
+    captures = None
+    if config.method == "gptq":
+        batches, tags, tag_names = calibration_batches(
+            adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, 224
+        )
+        calibration = {"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len, "seed": config.seed}
+        captures = CalibrationSweep(model_dir, batches, tags, tag_names, progress=progress).run()
+
+    def quantize_moe(layer: int, moe: MoEWeights) -> QuantizedMoE:
+        _check_expert_dims(layer, moe, scheme)
+        if captures is None:
+            return quantize_experts_rtn(moe, scheme)
+        capture = next(captures)
+        if capture.layer != layer:
+            raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
+        quantized = quantize_experts_gptq(
+            adapter,
+            moe,
+            capture.moe_input,
+            scheme,
+            min_tokens=config.gptq_min_tokens,
+            damp=config.gptq_damp,
+            block_size=config.gptq_block,
+        )
+        capture.replacement = quantized.weights
+        return quantized
+
+    def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:
+        quantized = None
+        if moe is not None:
+            quantized = quantize_moe(layer, moe)
+            expert_modules.append(native.experts_module(adapter, layer))
+            layer_stats[str(layer)] = quantized.stats
+        return layout.layer_tensors(adapter, layer, quantized, tensors(rest))
+
+    def write_outside(outside: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return layout.outside_tensors(adapter, tensors(outside))
+
+    report: dict[str, Any] = {
+        "pass": "quantize",
+        "config": asdict(config),
+        "scheme": scheme.to_dict(),
+        "scheme_description": scheme.describe(),
+        "source": str(model_dir),
+        "family": adapter.family,
+        "calibration": calibration,
+        "layers": layer_stats,
+    }
+    new_config = dict(adapter.config)
+
+    def finish_config() -> dict[str, Any]:
+        new_config["quantization_config"] = layout.quantization_config(scheme, expert_modules + tensors.modules)
+        return new_config
+
+    rewrite_checkpoint(
+        model_dir,
+        out_dir,
+        layer_writer=write_layer,
+        outside_fn=write_outside,
+        config=finish_config,
+        overwrite=overwrite,
+        progress=progress,
+        extra_json={"moecompress_report.json": report},
+    )
+    if captures is not None:
+        captures.close()
+    report["rtn_fallback_experts"] = {
+        layer: stats["rtn_fallback"] for layer, stats in layer_stats.items() if stats.get("rtn_fallback")
+    }
+    report["quantized_modules"] = len(expert_modules) + len(tensors.modules)
+    report["footprint"] = checkpoint_footprint(Path(out_dir)).to_json()
+    report["source_footprint"] = checkpoint_footprint(Path(model_dir)).to_json()
+    report["seconds"] = round(time.time() - started, 2)
+    if eval_data:
+        result = evaluate(
+            Path(out_dir),
+            eval_data,
+            seq_len=seq_len,
+            max_tokens=eval_tokens,
+            reference_dir=model_dir,
+            progress=progress,
+        )
+        report["eval"] = {"data": eval_data, **result.to_json()}
+    update_report(Path(out_dir), report)
+    return report

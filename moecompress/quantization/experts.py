@@ -1,0 +1,92 @@
+"""Quantising one MoE block's routed experts: round-to-nearest, or GPTQ with each expert's Hessian built from
+the calibration tokens the router actually sends it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..families import FamilyAdapter, MoEWeights
+from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_quantize
+from .scheme import QuantizedTensor, QuantScheme
+
+
+@dataclass
+class QuantizedMoE:
+    """A block whose routed experts are quantised. ``weights`` keeps the router, biases and expert ids; its
+    ``gate_up`` and ``down`` are the dequantised float32 values (what the next layer's calibration sees)."""
+
+    weights: MoEWeights
+    gate_up: QuantizedTensor
+    down: QuantizedTensor
+    stats: dict = field(default_factory=dict)
+
+
+def _dequantised(moe: MoEWeights, gate_up: QuantizedTensor, down: QuantizedTensor) -> MoEWeights:
+    return replace(moe, gate_up=gate_up.dequantize(), down=down.dequantize())
+
+
+def quantize_experts_rtn(moe: MoEWeights, scheme: QuantScheme) -> QuantizedMoE:
+    gate_up, down = scheme.quantize(moe.gate_up), scheme.quantize(moe.down)
+    return QuantizedMoE(_dequantised(moe, gate_up, down), gate_up, down, {"method": "rtn"})
+
+
+def routed_tokens(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """For each expert (position in ``moe``), the indices of the tokens in ``hidden`` routed to it."""
+    ids, _ = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
+    return [torch.where((ids == expert).any(dim=-1))[0] for expert in range(moe.num_experts)]
+
+
+def _hessians(inputs: list[torch.Tensor], width: int, use: list[bool]) -> torch.Tensor:
+    """``XᵀX`` per expert in float64 accumulation; the identity for experts that fall back to RTN."""
+    hessians = torch.empty(len(inputs), width, width)
+    for expert, x in enumerate(inputs):
+        if use[expert]:
+            x = x.double()
+            hessians[expert] = (x.T @ x).float()
+        else:
+            hessians[expert] = torch.eye(width)
+    return hessians
+
+
+def quantize_experts_gptq(
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    hidden: torch.Tensor,
+    scheme: QuantScheme,
+    *,
+    min_tokens: int = 64,
+    damp: float = DEFAULT_DAMP,
+    block_size: int = DEFAULT_BLOCK,
+) -> QuantizedMoE:
+    """GPTQ every routed expert of ``moe`` on the block's calibration inputs ``hidden`` ``[T, H]``.
+
+    ``gate_up`` is quantised first; the inputs of ``down`` are then computed through the *quantised* ``gate_up``
+    so the second matrix corrects the first one's error too. Experts routed fewer than ``min_tokens`` tokens fall
+    back to round-to-nearest (an identity Hessian) and are listed in ``stats["rtn_fallback"]``.
+    """
+    hidden = hidden.float()
+    tokens = routed_tokens(adapter, moe, hidden)
+    counts = [int(t.numel()) for t in tokens]
+    use = [count >= min_tokens for count in counts]
+    inputs = [hidden[t] for t in tokens]
+    gate_up = gptq_quantize(
+        moe.gate_up.float(), _hessians(inputs, hidden.shape[-1], use), scheme, block_size=block_size, damp=damp
+    )
+    gate_up_values = gate_up.dequantize()
+    inter = moe.intermediate_size
+    activations = []
+    for expert, x in enumerate(inputs):
+        projected = F.linear(x, gate_up_values[expert])
+        if moe.gate_up_bias is not None:
+            projected = projected + moe.gate_up_bias[expert].float()
+        activations.append(adapter.activation(projected[:, :inter], projected[:, inter:]))
+    down = gptq_quantize(moe.down.float(), _hessians(activations, inter, use), scheme, block_size=block_size, damp=damp)
+    stats = {
+        "method": "gptq",
+        "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True)),
+        "rtn_fallback": [eid for eid, used in zip(moe.expert_ids, use, strict=True) if not used],
+    }
+    return QuantizedMoE(replace(moe, gate_up=gate_up_values, down=down.dequantize()), gate_up, down, stats)

@@ -1,0 +1,70 @@
+"""The gpt-oss export: MXFP4 experts as ``*_blocks`` ``[E, rows, cols/32, 16]`` and ``*_scales``
+``[E, rows, cols/32]`` (E8M0), in GPT-OSS's own row order (gate and up rows interleaved), with
+``quantization_config = {"quant_method": "mxfp4", ...}``. Stock transformers loads it without moecompress
+(dequantising on CPU; with triton and the ``kernels`` package on GPU it runs MXFP4 natively)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...families import FamilyAdapter
+from ..experts import QuantizedMoE
+from ..scheme import QuantizedTensor, QuantScheme
+from .native import experts_module
+
+NAME = "gpt-oss"
+MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
+    """Why this export cannot hold the request, or None."""
+    if adapter.family != "gpt_oss":
+        return f"--format gpt-oss is the GPT-OSS family's own layout; this model is {adapter.family}"
+    if scheme.name != "mxfp4":
+        return f"--format gpt-oss holds MXFP4 only, not {scheme.name}"
+    if tuple(targets) != ("experts",):
+        return "--format gpt-oss quantises the routed experts only (drop --targets)"
+    return None
+
+
+def _interleaved(rows: int) -> torch.Tensor:
+    """Canonical row order (gate rows, then up rows) → GPT-OSS's (gate 0, up 0, gate 1, up 1, ...)."""
+    half = rows // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
+def _blocks(q: QuantizedTensor, name: str) -> dict[str, torch.Tensor]:
+    *lead, cols = q.packed.shape
+    return {
+        f"{name}_blocks": q.packed.reshape(*lead, cols // 16, 16).contiguous(),
+        f"{name}_scales": q.scales.contiguous(),
+    }
+
+
+def layer_tensors(
+    adapter: FamilyAdapter, layer: int, moe: QuantizedMoE | None, rest: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    out = dict(rest)
+    if moe is None:
+        return out
+    weights = moe.weights
+    router = f"{adapter.layer_prefix(layer)}{adapter.router_module}"
+    out[f"{router}.weight"] = weights.router_weight
+    out[f"{router}.bias"] = weights.router_bias
+    experts = experts_module(adapter, layer)
+    order = _interleaved(moe.gate_up.shape[-2])
+    out.update(_blocks(moe.gate_up.take_rows(order), f"{experts}.gate_up_proj"))
+    out[f"{experts}.gate_up_proj_bias"] = weights.gate_up_bias.index_select(-1, order).contiguous()
+    out.update(_blocks(moe.down, f"{experts}.down_proj"))
+    out[f"{experts}.down_proj_bias"] = weights.down_bias
+    return out
+
+
+def outside_tensors(adapter: FamilyAdapter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return dict(tensors)
+
+
+def quantization_config(scheme: QuantScheme, modules: list[str]) -> dict[str, Any]:
+    return {"quant_method": "mxfp4", "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}

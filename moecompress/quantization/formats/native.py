@@ -1,0 +1,80 @@
+"""The native format: every tensor under its transformers 5 *runtime* name, quantised weights as packed codes
+under the weight's own name plus ``<name>_scales`` (and ``<name>_zeros``), routed experts fused in the canonical
+orientation (``gate_up_proj`` ``[E, 2I, H]`` gate rows first, ``down_proj`` ``[E, H, I]``, biases likewise).
+``quantization_config`` lists every quantised module with its scheme (see :mod:`..hf_quantizer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...families import FamilyAdapter
+from ..experts import QuantizedMoE
+from ..hf_quantizer import MoecompressConfig
+from ..scheme import QuantizedTensor, QuantScheme
+
+NAME = "native"
+
+
+def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
+    """The native format holds every scheme and target."""
+    return None
+
+
+def experts_module(adapter: FamilyAdapter, layer: int) -> str:
+    return f"{adapter.layer_prefix(layer)}{adapter.moe_block_name}.experts"
+
+
+def runtime_key(adapter: FamilyAdapter, key: str) -> str:
+    """The runtime name of an on-disk key (they differ inside Mixtral's ``block_sparse_moe``)."""
+    layer = adapter.layer_of_key(key)
+    if layer is None:
+        return key
+    prefix = adapter.layer_prefix(layer)
+    return prefix + adapter.runtime_local_name(key[len(prefix) :])
+
+
+def stored(name: str, tensor: torch.Tensor | QuantizedTensor) -> dict[str, torch.Tensor]:
+    return tensor.stored(name) if isinstance(tensor, QuantizedTensor) else {name: tensor}
+
+
+def layer_tensors(
+    adapter: FamilyAdapter,
+    layer: int,
+    moe: QuantizedMoE | None,
+    rest: dict[str, torch.Tensor | QuantizedTensor],
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in rest.items():
+        out.update(stored(runtime_key(adapter, key), tensor))
+    if moe is None:
+        return out
+    router = f"{adapter.layer_prefix(layer)}{adapter.router_module}"
+    weights = moe.weights
+    out[f"{router}.weight"] = weights.router_weight
+    if weights.router_bias is not None:
+        out[f"{router}.bias"] = weights.router_bias
+    if weights.correction_bias is not None:
+        out[f"{router}.e_score_correction_bias"] = weights.correction_bias
+    experts = experts_module(adapter, layer)
+    out.update(moe.gate_up.stored(f"{experts}.gate_up_proj"))
+    out.update(moe.down.stored(f"{experts}.down_proj"))
+    if weights.gate_up_bias is not None:
+        out[f"{experts}.gate_up_proj_bias"] = weights.gate_up_bias
+        out[f"{experts}.down_proj_bias"] = weights.down_bias
+    return out
+
+
+def outside_tensors(
+    adapter: FamilyAdapter, tensors: dict[str, torch.Tensor | QuantizedTensor]
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        out.update(stored(key, tensor))
+    return out
+
+
+def quantization_config(scheme: QuantScheme, modules: list[str]) -> dict[str, Any]:
+    return MoecompressConfig(schemes={"default": scheme.to_dict()}, modules=dict.fromkeys(modules, "default")).to_dict()

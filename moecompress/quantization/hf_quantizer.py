@@ -1,0 +1,131 @@
+"""The transformers side of the native format: ``quantization_config.quant_method = "moecompress"``.
+
+After ``import moecompress``, ``AutoModelForCausalLM.from_pretrained(DIR)`` builds the stock model on the meta
+device, and :class:`MoecompressHfQuantizer` swaps every module named in the config for its quantised twin
+(:mod:`.modules`) before the weights are read, so the packed tensors load straight into place. ``save_pretrained``
+writes the same tensors back under the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .modules import QuantizedExperts, QuantizedLinear
+from .scheme import QuantScheme
+
+QUANT_METHOD = "moecompress"
+FORMAT_VERSION = 1
+
+
+class MoecompressConfig(QuantizationConfigMixin):
+    """``schemes`` maps a scheme key to a :class:`QuantScheme` dict; ``modules`` maps each quantised module's
+    runtime name (``model.layers.3.mlp.experts``) to its scheme key."""
+
+    def __init__(
+        self,
+        schemes: dict[str, dict[str, Any]] | None = None,
+        modules: dict[str, str] | None = None,
+        format_version: int = FORMAT_VERSION,
+        **kwargs: Any,
+    ):
+        self.quant_method = QUANT_METHOD
+        self.schemes = dict(schemes or {})
+        self.modules = dict(modules or {})
+        self.format_version = int(format_version)
+        if self.format_version > FORMAT_VERSION:
+            raise ValueError(
+                f"this checkpoint uses moecompress format {self.format_version}; "
+                f"this moecompress reads up to {FORMAT_VERSION}: upgrade moecompress"
+            )
+        missing = sorted(set(self.modules.values()) - set(self.schemes))
+        if missing:
+            raise ValueError(f"moecompress quantization_config names undefined schemes {missing}")
+
+    def scheme_of(self, module_name: str) -> QuantScheme:
+        return QuantScheme.from_dict(self.schemes[self.modules[module_name]])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.quant_method,
+            "format_version": self.format_version,
+            "schemes": self.schemes,
+            "modules": self.modules,
+        }
+
+
+def _quantized_twin(module: torch.nn.Module, scheme: QuantScheme, activation, hidden: int) -> torch.nn.Module:
+    if isinstance(module, torch.nn.Linear):
+        dtype = module.weight.dtype
+        return QuantizedLinear(module.in_features, module.out_features, module.bias is not None, scheme, dtype)
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.ndim != 3:
+        raise ValueError(f"moecompress cannot quantise a {type(module).__name__} module")
+    experts = down.shape[0]
+    intermediate = gate_up.numel() // (2 * experts * hidden)
+    return QuantizedExperts(
+        experts,
+        hidden,
+        intermediate,
+        scheme,
+        activation,
+        has_bias=getattr(module, "gate_up_proj_bias", None) is not None,
+        dtype=down.dtype,
+    )
+
+
+def replace_quantized_modules(model: torch.nn.Module, config: MoecompressConfig) -> None:
+    """Swap each module named in ``config.modules`` for its quantised twin (on the module's device)."""
+    from ..families import adapter_for
+
+    adapter = adapter_for(model.config.to_dict())
+    hidden = int(adapter.text_config["hidden_size"])
+    for name in config.modules:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"the checkpoint's quantization_config names {name!r}, which this model lacks") from None
+        parent_name, _, child = name.rpartition(".")
+        device = next(module.parameters()).device
+        with torch.device(device):
+            twin = _quantized_twin(module, config.scheme_of(name), adapter.activation, hidden)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, twin)
+
+
+class MoecompressHfQuantizer(HfQuantizer):
+    """Loads moecompress-quantised checkpoints (it never quantises a float model itself: use the CLI)."""
+
+    requires_calibration = True
+
+    def __init__(self, quantization_config: MoecompressConfig, **kwargs: Any):
+        super().__init__(quantization_config, **kwargs)
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def _process_model_before_weight_loading(self, model, **kwargs: Any):
+        replace_quantized_modules(model, self.quantization_config)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        return model
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register() -> None:
+    """Make transformers resolve ``quant_method: "moecompress"`` (idempotent)."""
+    AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(QUANT_METHOD, MoecompressConfig)
+    AUTO_QUANTIZER_MAPPING.setdefault(QUANT_METHOD, MoecompressHfQuantizer)

@@ -1,0 +1,113 @@
+"""Inference modules for quantised weights: they hold the packed tensors under the original parameter names and
+dequantise on the fly (the torch reference path; GPU kernels replace the dequantise-then-matmul later).
+
+The packed codes take the original parameter's name on purpose: a stock transformers install without moecompress
+then sees a uint8 tensor of the wrong shape where it expects the float weight and refuses to load, instead of
+silently initialising random weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.w4a8 import fake_quantize_activations
+from .scheme import QuantizedTensor, QuantScheme
+
+
+def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+
+
+class _QuantizedWeights(nn.Module):
+    """Registers, for each named weight, its packed codes, scales and (asymmetric) zero points."""
+
+    def __init__(self, scheme: QuantScheme):
+        super().__init__()
+        self.scheme = scheme
+
+    def _register(self, name: str, shape: tuple[int, ...]) -> None:
+        *lead, cols = shape
+        groups = cols // self.scheme.group_size
+        setattr(self, name, _frozen((*lead, cols * self.scheme.bits // 8), torch.uint8))
+        scale_dtype = torch.uint8 if self.scheme.is_float else torch.bfloat16
+        setattr(self, f"{name}_scales", _frozen((*lead, groups), scale_dtype))
+        if not self.scheme.is_float and not self.scheme.symmetric:
+            setattr(self, f"{name}_zeros", _frozen((*lead, groups), torch.uint8))
+
+    def quantized(self, name: str, shape: tuple[int, ...], index: int | None = None) -> QuantizedTensor:
+        """The stored weight ``name`` (or its slice ``index`` along the first dim) as a :class:`QuantizedTensor`."""
+        parts = [getattr(self, name, None) for name in (name, f"{name}_scales", f"{name}_zeros")]
+        if index is not None:
+            parts = [None if part is None else part[index] for part in parts]
+        packed, scales, zeros = parts
+        return QuantizedTensor(self.scheme, shape, packed.data, scales.data, None if zeros is None else zeros.data)
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_activations(x) if self.scheme.activation_bits else x
+
+
+class QuantizedLinear(_QuantizedWeights):
+    """A drop-in for ``nn.Linear`` whose ``weight`` is stored quantised."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme, dtype: torch.dtype):
+        super().__init__(scheme)
+        self.in_features, self.out_features = in_features, out_features
+        self._register("weight", (out_features, in_features))
+        self.bias = _frozen((out_features,), dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.quantized("weight", (self.out_features, self.in_features)).dequantize(x.dtype)
+        return F.linear(self._inputs(x), weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class QuantizedExperts(_QuantizedWeights):
+    """A drop-in for a transformers 5 fused experts module, called as ``experts(hidden [T, H], ids [T, k],
+    weights [T, k])``. Weights are stored in the canonical orientation (``gate_up`` ``[E, 2I, H]`` gate rows
+    first, ``down`` ``[E, H, I]``); biases, where the family has them, likewise."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        scheme: QuantScheme,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        has_bias: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__(scheme)
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation = activation
+        self._register("gate_up_proj", (num_experts, 2 * intermediate_size, hidden_size))
+        self._register("down_proj", (num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = _frozen((num_experts, 2 * intermediate_size), dtype) if has_bias else None
+        self.down_proj_bias = _frozen((num_experts, hidden_size), dtype) if has_bias else None
+
+    def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = self.quantized("gate_up_proj", (2 * self.intermediate_size, self.hidden_size), expert)
+        down = self.quantized("down_proj", (self.hidden_size, self.intermediate_size), expert)
+        return gate_up.dequantize(dtype), down.dequantize(dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros_like(hidden_states)
+        inter = self.intermediate_size
+        for expert in top_k_index.unique().tolist():
+            if not 0 <= expert < self.num_experts:
+                continue
+            token, slot = torch.where(top_k_index == expert)
+            gate_up_weight, down_weight = self.expert_weights(expert, hidden_states.dtype)
+            gate_up = F.linear(self._inputs(hidden_states[token]), gate_up_weight)
+            if self.gate_up_proj_bias is not None:
+                gate_up = gate_up + self.gate_up_proj_bias[expert].to(gate_up.dtype)
+            hidden = self.activation(gate_up[:, :inter], gate_up[:, inter:])
+            expert_out = F.linear(self._inputs(hidden), down_weight)
+            if self.down_proj_bias is not None:
+                expert_out = expert_out + self.down_proj_bias[expert].to(expert_out.dtype)
+            weight = top_k_weights[token, slot, None].to(expert_out.dtype)
+            out.index_add_(0, token, (expert_out * weight).to(out.dtype))
+        return out

@@ -1,0 +1,200 @@
+"""Weight quantisation schemes and the quantised tensor they produce.
+
+A :class:`QuantScheme` quantises along the last (input) dimension of a weight ``[..., rows, cols]``. It exposes
+the three steps separately (fit a grid per group, round values onto it, pack codes) so that GPTQ can fit each
+group's grid to weights it has already corrected; plain round-to-nearest runs them once over the whole tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from ..kernels import intq, mxfp4
+from ..kernels.packing import pack_codes, unpack_codes
+
+SchemeName = Literal["mxfp4", "int4", "int2", "w4a8"]
+SCHEMES: tuple[str, ...] = ("mxfp4", "int4", "int2", "w4a8")
+_BITS = {"mxfp4": 4, "int4": 4, "int2": 2, "w4a8": 4}
+
+Grid = Any  # mxfp4: int32 exponents [..., groups, 1]; integer schemes: intq.IntGrid
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """One weight format. ``group_size`` is fixed at 32 for MXFP4; ``symmetric`` and ``group_size`` apply to the
+    integer schemes; ``scale_rule`` to MXFP4."""
+
+    name: SchemeName
+    group_size: int = 32
+    symmetric: bool = True
+    scale_rule: mxfp4.ScaleRule = "floor"
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEMES:
+            raise ValueError(f"unknown scheme {self.name!r}; choose from {SCHEMES}")
+        if self.name == "mxfp4" and self.group_size != mxfp4.BLOCK_SIZE:
+            raise ValueError(f"MXFP4 blocks are {mxfp4.BLOCK_SIZE} wide, not {self.group_size}")
+        if self.name != "mxfp4" and self.group_size not in intq.GROUP_SIZES:
+            raise ValueError(f"group size must be one of {intq.GROUP_SIZES}, got {self.group_size}")
+        if self.scale_rule not in mxfp4.SCALE_RULES:
+            raise ValueError(f"unknown scale rule {self.scale_rule!r}; choose from {mxfp4.SCALE_RULES}")
+
+    @property
+    def bits(self) -> int:
+        return _BITS[self.name]
+
+    @property
+    def activation_bits(self) -> int | None:
+        """Bits of the per-token activation quantisation at inference (W4A8), else None."""
+        return 8 if self.name == "w4a8" else None
+
+    @property
+    def is_float(self) -> bool:
+        return self.name == "mxfp4"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantScheme:
+        return cls(**{key: data[key] for key in ("name", "group_size", "symmetric", "scale_rule") if key in data})
+
+    def describe(self) -> str:
+        if self.is_float:
+            return f"mxfp4 (scale rule {self.scale_rule})"
+        kind = "symmetric" if self.symmetric else "asymmetric"
+        extra = ", int8 per-token activations" if self.activation_bits else ""
+        return f"{self.name} (group {self.group_size}, {kind}{extra})"
+
+    # ---- the three steps ----------------------------------------------------------------------------------
+    def fit(self, groups: torch.Tensor) -> Grid:
+        """The grid of each group in ``groups`` ``[..., n, G]``."""
+        if self.is_float:
+            return mxfp4.block_exponents(groups, self.scale_rule).unsqueeze(-1)
+        return intq.group_grid(groups, self.bits, self.symmetric)
+
+    def codes(self, values: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """uint8 codes of ``values`` (broadcast against ``grid``)."""
+        if self.is_float:
+            return mxfp4.e2m1_codes(torch.ldexp(values.float(), -grid))
+        return intq.grid_codes(values, grid, self.bits)
+
+    def values(self, codes: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """float32 values of ``codes`` on ``grid``."""
+        if self.is_float:
+            return torch.ldexp(mxfp4.e2m1_values(codes), grid)
+        return intq.grid_values(codes, grid)
+
+    def pack(self, codes: torch.Tensor, grid: Grid) -> QuantizedTensor:
+        """A :class:`QuantizedTensor` from codes ``[..., cols]`` and the grid of their groups ``[..., n, 1]``."""
+        packed = pack_codes(codes, self.bits)
+        if self.is_float:
+            scales = (grid.squeeze(-1) + mxfp4.E8M0_BIAS).to(torch.uint8)
+            return QuantizedTensor(self, tuple(codes.shape), packed, scales)
+        scales = grid.scale.squeeze(-1).to(intq.SCALE_DTYPE)
+        zeros = None if self.symmetric else grid.zero.squeeze(-1).to(torch.uint8)
+        return QuantizedTensor(self, tuple(codes.shape), packed, scales, zeros)
+
+    def grouped(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.shape[-1] % self.group_size:
+            raise ValueError(
+                f"{self.name}: the input dimension {weight.shape[-1]} is not a multiple of {self.group_size}"
+            )
+        return weight.reshape(*weight.shape[:-1], -1, self.group_size)
+
+    def quantize(self, weight: torch.Tensor) -> QuantizedTensor:
+        """Round-to-nearest quantisation of ``weight`` ``[..., cols]``."""
+        groups = self.grouped(weight.float())
+        grid = self.fit(groups)
+        return self.pack(self.codes(groups, grid).reshape(weight.shape), grid)
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight in a :class:`QuantScheme`: packed codes, per-group scales and (asymmetric) zero points.
+
+    ``shape`` is the logical (dequantised) shape; all stored tensors share its leading dimensions.
+    """
+
+    scheme: QuantScheme
+    shape: tuple[int, ...]
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+
+    STORED_SUFFIXES = ("", "_scales", "_zeros")
+
+    def codes(self) -> torch.Tensor:
+        return unpack_codes(self.packed, self.scheme.bits)
+
+    def grid(self) -> Grid:
+        if self.scheme.is_float:
+            return (self.scales.to(torch.int32) - mxfp4.E8M0_BIAS).unsqueeze(-1)
+        zero = (
+            torch.full(self.scales.shape, 2 ** (self.scheme.bits - 1), dtype=torch.float32)
+            if self.zeros is None
+            else self.zeros.float()
+        )
+        return intq.IntGrid(self.scales.float().unsqueeze(-1), zero.unsqueeze(-1))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        codes = self.scheme.grouped(self.codes())
+        return self.scheme.values(codes, self.grid()).reshape(self.shape).to(dtype)
+
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors to write for a weight named ``name``: the packed codes take the weight's own name."""
+        out = {name: self.packed, f"{name}_scales": self.scales}
+        if self.zeros is not None:
+            out[f"{name}_zeros"] = self.zeros
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros) if t is not None)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    def select(self, index: torch.Tensor) -> QuantizedTensor:
+        """Rows ``index`` of the leading dimension (experts)."""
+
+        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(0, index).contiguous()
+
+        return replace(
+            self,
+            shape=(len(index), *self.shape[1:]),
+            packed=pick(self.packed),
+            scales=pick(self.scales),
+            zeros=pick(self.zeros),
+        )
+
+    def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """Rows ``index`` of the second-to-last (output) dimension, e.g. the gate half of a fused gate_up."""
+
+        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(-2, index).contiguous()
+
+        return replace(
+            self,
+            shape=(*self.shape[:-2], len(index), self.shape[-1]),
+            packed=pick(self.packed),
+            scales=pick(self.scales),
+            zeros=pick(self.zeros),
+        )
+
+    def __getitem__(self, expert: int) -> QuantizedTensor:
+        return replace(
+            self,
+            shape=self.shape[1:],
+            packed=self.packed[expert],
+            scales=self.scales[expert],
+            zeros=None if self.zeros is None else self.zeros[expert],
+        )
