@@ -14,6 +14,7 @@ import click
 
 from .. import __version__
 from ..errors import UserInputError
+from .quantize import quantize_command
 
 MODEL_HELP = "a model directory, builtin:tiny-moe, or a Hugging Face hub id (org/name)"
 
@@ -75,12 +76,16 @@ def inspect_command(model: str, as_json: bool) -> None:
         f"hidden size  {summary['hidden_size']}",
         f"on disk      {_human_bytes(summary['bytes_on_disk'])} in {summary['shards']} shard(s)",
         "dtypes       " + ", ".join(f"{k} {_human_int(v)}" for k, v in summary["dtypes"].items()),
-        f"parameters   {_human_int(summary['parameters_total'])} total",
+        f"quantized    {summary['quantization'] or 'no'}",
+        f"parameters   {_human_int(summary['parameters_total'])} total "
+        f"({summary['footprint']['total']['bits_per_weight']:.3f} bits/weight incl. scales and metadata)",
     ]
     total = summary["parameters_total"] or 1
+    classes = summary["footprint"]["classes"]
     for name, count in summary["parameters"].items():
         if count:
-            lines.append(f"  {name:<15}{_human_int(count):>10}  {100 * count / total:5.1f}%")
+            bits = classes[name]["bits_per_weight"]
+            lines.append(f"  {name:<15}{_human_int(count):>10}  {100 * count / total:5.1f}%  {bits:7.3f} bits/weight")
     click.echo("\n".join(lines))
 
 
@@ -341,6 +346,9 @@ def prune_command(
 
 def _tags(value: str) -> tuple[str, ...]:
     return tuple(tag.strip() for tag in value.split(",") if tag.strip())
+
+
+app.add_command(quantize_command)
 
 
 def main() -> None:

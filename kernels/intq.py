@@ -7,8 +7,9 @@ scale ``s`` (and, asymmetric, a zero point ``z``); codes are unsigned ``b``-bit 
 - asymmetric: the group's range is widened to include 0, ``s = (max - min) / (2**b - 1)`` and
   ``z = round(-min / s)``, stored per group as uint8.
 
-Scales are stored in bfloat16 and codes are computed against the stored (rounded) scale, so quantising and
-dequantising agree exactly.
+Scales are stored in bfloat16, rounded *up* so the grid still spans the group (no weight lands more than half a
+step from the grid), and codes are computed against the stored scale, so quantising and dequantising agree
+exactly.
 """
 
 from __future__ import annotations
@@ -31,20 +32,26 @@ class IntGrid:
     zero: torch.Tensor
 
 
+def _stored_scale(exact: torch.Tensor) -> torch.Tensor:
+    """``exact`` rounded up to the nearest bfloat16, as float32; 1 where the group is all zeros."""
+    stored = exact.to(SCALE_DTYPE)
+    below = stored.float() < exact
+    stored = torch.where(below, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored).float()
+    return torch.where(stored > 0, stored, torch.ones_like(stored))
+
+
 def group_grid(groups: torch.Tensor, bits: int, symmetric: bool) -> IntGrid:
     """The grid of each group in ``groups`` ``[..., G]`` (reduced over the last dim)."""
     levels = 2**bits - 1
     groups = groups.float()
     if symmetric:
         amax = groups.abs().amax(dim=-1, keepdim=True)
-        scale = (2 * amax / levels).to(SCALE_DTYPE).float()
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = _stored_scale(2 * amax / levels)
         zero = torch.full_like(scale, 2 ** (bits - 1))
         return IntGrid(scale, zero)
     low = groups.amin(dim=-1, keepdim=True).clamp_max(0)
     high = groups.amax(dim=-1, keepdim=True).clamp_min(0)
-    scale = ((high - low) / levels).to(SCALE_DTYPE).float()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = _stored_scale((high - low) / levels)
     zero = torch.round(-low / scale).clamp(0, levels)
     return IntGrid(scale, zero)
 

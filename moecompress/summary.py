@@ -1,4 +1,5 @@
-"""What ``moecompress inspect`` reports: structure from the config, sizes and dtypes from shard headers alone."""
+"""What ``moecompress inspect`` reports: structure from the config; sizes, dtypes and the footprint (logical
+weights and bits per weight per class, quantisation metadata included) from shard headers alone."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointReader
+from .evals.footprint import checkpoint_footprint
 from .families import PARAM_CLASSES, adapter_for
 
 
@@ -16,19 +18,23 @@ def summarize(directory: Path) -> dict[str, Any]:
     with CheckpointReader(directory) as reader:
         adapter = adapter_for(reader.config, source=str(directory))
         shape = adapter.shape()
-        parameters: Counter[str] = Counter({name: 0 for name in PARAM_CLASSES})
         dtypes: Counter[str] = Counter()
-        for key, info in reader.tensors.items():
-            parameters[adapter.classify_key(key)] += info.numel
+        for info in reader.tensors.values():
             dtypes[info.dtype] += info.numel
-        summary = asdict(shape)
-        summary["experts_per_layer"] = {str(k): v for k, v in shape.experts_per_layer.items()}
-        summary.update(
-            path=str(directory),
-            parameters=dict(parameters),
-            parameters_total=sum(parameters.values()),
-            bytes_on_disk=reader.total_bytes(),
-            shards=len(reader.shard_files),
-            dtypes=dict(dtypes.most_common()),
-        )
-        return summary
+        quantization = (reader.config.get("quantization_config") or {}).get("quant_method")
+        bytes_on_disk, shards = reader.total_bytes(), len(reader.shard_files)
+    footprint = checkpoint_footprint(directory).to_json()
+    parameters = {name: footprint["classes"].get(name, {}).get("weights", 0) for name in PARAM_CLASSES}
+    summary = asdict(shape)
+    summary["experts_per_layer"] = {str(k): v for k, v in shape.experts_per_layer.items()}
+    summary.update(
+        path=str(directory),
+        parameters=parameters,
+        parameters_total=sum(parameters.values()),
+        bytes_on_disk=bytes_on_disk,
+        shards=shards,
+        dtypes=dict(dtypes.most_common()),
+        quantization=quantization,
+        footprint=footprint,
+    )
+    return summary

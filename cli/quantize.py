@@ -1,0 +1,182 @@
+"""``moecompress quantize``: low-bit experts (and optionally shared experts, attention, lm_head)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+def _human_bytes(value: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output directory (written atomically; must not exist unless --overwrite).",
+)
+@click.option(
+    "--scheme",
+    type=click.Choice(["mxfp4", "int4", "int2", "w4a8"]),
+    default="mxfp4",
+    show_default=True,
+    help="mxfp4: OCP MXFP4 (E2M1, 32-wide E8M0 blocks); int4/int2: group-wise integers; "
+    "w4a8: int4 weights with int8 per-token activations at inference.",
+)
+@click.option(
+    "--method",
+    type=click.Choice(["rtn", "gptq"]),
+    default="rtn",
+    show_default=True,
+    help="rtn: round to nearest, no calibration (streams at disk speed); gptq: per-expert GPTQ on the "
+    "calibration tokens routed to each expert.",
+)
+@click.option(
+    "--group-size",
+    type=click.Choice(["32", "64", "128"]),
+    default="32",
+    show_default=True,
+    help="Weights per scale for int4/int2/w4a8 (MXFP4 blocks are always 32).",
+)
+@click.option(
+    "--symmetric/--asymmetric",
+    default=None,
+    help="Integer grid centred on zero, or with a per-group zero point (default: symmetric, asymmetric for int2).",
+)
+@click.option(
+    "--scale-rule",
+    type=click.Choice(["floor", "ceil"]),
+    default="floor",
+    show_default=True,
+    help="MXFP4 block exponent: floor(log2 amax) - 2 (OCP) or ceil(log2(amax/6)) (gpt-oss, never saturates).",
+)
+@click.option(
+    "--targets",
+    default="experts",
+    show_default=True,
+    help="Comma-separated: experts (routed), shared_experts, attention, lm_head. Routers and norms are never "
+    "quantised.",
+)
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["native", "gpt-oss", "compressed-tensors"]),
+    default="native",
+    show_default=True,
+    help="native: loads in transformers after `import moecompress`; gpt-oss: GPT-OSS's own MXFP4 layout "
+    "(stock transformers); compressed-tensors: what vLLM serves.",
+)
+@click.option(
+    "--calib",
+    default="builtin:prose",
+    show_default=True,
+    help="GPTQ calibration source(s), comma-separated (ignored by rtn).",
+)
+@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
+@click.option(
+    "--gptq-min-tokens",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Experts routed fewer calibration tokens fall back to rtn (listed in the report).",
+)
+@click.option("--gptq-damp", type=click.FloatRange(min=0, min_open=True), default=0.01, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows.")
+@click.option(
+    "--eval-data",
+    default="builtin:prose",
+    show_default=True,
+    help="Evaluate the quantised model against the input on this source (held-out part for built-ins).",
+)
+@click.option("--eval-tokens", type=click.IntRange(min=2), default=16384, show_default=True)
+@click.option(
+    "--no-eval",
+    is_flag=True,
+    help="Skip the evaluation (it loads both models whole; skip it for models that do not fit in memory).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+def quantize_command(
+    model: str,
+    out_dir: Path,
+    scheme: str,
+    method: str,
+    group_size: str,
+    symmetric: bool | None,
+    scale_rule: str,
+    targets: str,
+    output_format: str,
+    calib: str,
+    calib_tokens: int,
+    seq_len: int,
+    gptq_min_tokens: int,
+    gptq_damp: float,
+    seed: int,
+    eval_data: str,
+    eval_tokens: int,
+    no_eval: bool,
+    overwrite: bool,
+) -> None:
+    """Quantise MODEL's routed experts (and --targets) and write the checkpoint to --out.
+
+    The checkpoint is streamed one decoder layer at a time; peak memory is one layer (plus, for gptq, the
+    calibration activations). moecompress_report.json holds the footprint (bytes and bits per weight, every
+    scale and zero point included), GPTQ's per-expert token counts and fallbacks, and the evaluation.
+    """
+    from ..checkpoint import resolve_model
+    from ..passes.quantize import QuantizeConfig, quantize_checkpoint
+
+    config = QuantizeConfig(
+        scheme=scheme,
+        method=method,
+        group_size=int(group_size),
+        symmetric=symmetric,
+        scale_rule=scale_rule,
+        targets=tuple(t.strip() for t in targets.split(",") if t.strip()),
+        format=output_format,
+        gptq_min_tokens=gptq_min_tokens,
+        gptq_damp=gptq_damp,
+        seed=seed,
+    )
+    report = quantize_checkpoint(
+        resolve_model(model),
+        out_dir,
+        config,
+        calib=calib,
+        calib_tokens=calib_tokens,
+        seq_len=seq_len,
+        eval_data=None if no_eval else eval_data,
+        eval_tokens=eval_tokens,
+        overwrite=overwrite,
+        progress=sys.stderr.isatty(),
+    )
+    footprint = report["footprint"]
+    source = report["source_footprint"]
+    experts = footprint["classes"].get("experts", {})
+    click.echo(
+        f"quantised {report['quantized_modules']} modules to {report['scheme_description']} ({method}, "
+        f"format {output_format}) in {report['seconds']:.1f}s"
+    )
+    click.echo(
+        f"experts {experts.get('bits_per_weight', 0):.3f} bits/weight; whole model "
+        f"{footprint['total']['bits_per_weight']:.3f} bits/weight, "
+        f"{_human_bytes(source['total']['bytes'])} -> {_human_bytes(footprint['total']['bytes'])}"
+    )
+    fallback = sum(len(v) for v in report["rtn_fallback_experts"].values())
+    if fallback:
+        click.echo(f"{fallback} experts had fewer than {gptq_min_tokens} calibration tokens and used rtn (see report)")
+    if "eval" in report:
+        result = report["eval"]
+        click.echo(
+            f"perplexity {result['reference_perplexity']:.3f} -> {result['perplexity']:.3f} on {eval_data}; "
+            f"KL {result['kl']:.4f} nats/token; routing agreement {result['routing_agreement']:.4f}"
+        )
