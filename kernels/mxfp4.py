@@ -51,18 +51,34 @@ def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     return E2M1_VALUES.to(device=codes.device, dtype=dtype)[codes.long()]
 
 
+def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2 ** exponent`` exactly, as float32 (multiplying by it is exact, unlike a general scale)."""
+    return torch.exp2(exponent.float())
+
+
 def block_exponents(blocks: torch.Tensor, scale_rule: ScaleRule = "floor") -> torch.Tensor:
     """Unbiased int32 scale exponents of ``blocks`` ``[..., 32]`` (one per block), clamped to E8M0's range."""
     amax = blocks.abs().amax(dim=-1).float()
-    tiny = torch.finfo(torch.float32).tiny
     if scale_rule == "floor":
-        exponent = torch.floor(torch.log2(amax.clamp_min(tiny))) - 2
+        exponent = floor_log2(amax) - 2
     elif scale_rule == "ceil":
-        exponent = torch.ceil(torch.log2((amax / 6.0).clamp_min(tiny)))
+        exponent = ceil_log2(amax / 6.0)
     else:
         raise ValueError(f"unknown scale rule {scale_rule!r}; choose from {SCALE_RULES}")
     exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -E8M0_BIAS))
-    return exponent.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
+    return exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def floor_log2(values: torch.Tensor) -> torch.Tensor:
+    """``floor(log2(v))`` exactly (from the float's exponent; ``torch.log2`` rounds just below powers of two)."""
+    _, exponent = torch.frexp(values)
+    return exponent - 1
+
+
+def ceil_log2(values: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(v))`` exactly: one more than :func:`floor_log2` unless ``v`` is a power of two."""
+    mantissa, exponent = torch.frexp(values)
+    return torch.where(mantissa == 0.5, exponent - 1, exponent)
 
 
 def quantize_mxfp4(weight: torch.Tensor, scale_rule: ScaleRule = "floor") -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +88,7 @@ def quantize_mxfp4(weight: torch.Tensor, scale_rule: ScaleRule = "floor") -> tup
         raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {BLOCK_SIZE}, got {weight.shape[-1]}")
     blocks = weight.float().reshape(*weight.shape[:-1], -1, BLOCK_SIZE)
     exponent = block_exponents(blocks, scale_rule)
-    codes = e2m1_codes(torch.ldexp(blocks, -exponent.unsqueeze(-1)))
+    codes = e2m1_codes(blocks * power_of_two(-exponent).unsqueeze(-1))
     packed = pack_codes(codes.reshape(weight.shape), 4)
     return packed, (exponent + E8M0_BIAS).to(torch.uint8)
 
@@ -82,4 +98,4 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     codes = unpack_codes(packed, 4)
     values = e2m1_values(codes).reshape(*codes.shape[:-1], -1, BLOCK_SIZE)
     exponent = scales.to(torch.int32) - E8M0_BIAS
-    return torch.ldexp(values, exponent.unsqueeze(-1)).reshape(codes.shape).to(dtype)
+    return (values * power_of_two(exponent).unsqueeze(-1)).reshape(codes.shape).to(dtype)

@@ -7,6 +7,7 @@ is far from uniform, and saved with ``save_pretrained`` (which writes the origin
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,66 @@ def tiny_tokenizer(vocab_size: int = 384):
     tokenizer.train_from_iterator((doc.text for doc in builtin_documents("prose", "calib")[:10]), trainer=trainer)
     assert tokenizer.get_vocab_size() == vocab_size
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+
+
+def write_synthetic_qwen3_moe(
+    directory: Path, layers: int, hidden: int, experts: int, inter: int, vocab_dir: Path | None = None
+) -> dict:
+    """A random bf16 Qwen3-MoE checkpoint of any size, written layer by layer (never held whole), for
+    benchmarks. ``vocab_dir``'s tokenizer files are copied in when given. Returns ``{"layer_bytes": ...}``."""
+    from transformers import Qwen3MoeConfig
+
+    heads, kv_heads, head_dim = 8, 4, hidden // 8
+    config = Qwen3MoeConfig(
+        vocab_size=2048,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        moe_intermediate_size=inter,
+        intermediate_size=4 * hidden,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    ).to_dict()
+    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    config["dtype"] = "bfloat16"
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=generator)).to(torch.bfloat16)
+
+    from .checkpoint import CheckpointWriter
+
+    writer = CheckpointWriter(directory, max_shard_bytes=512 * 2**20)
+    writer.add(
+        {"model.embed_tokens.weight": rand(2048, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    )
+    layer_bytes = 0
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors = {
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
+            p + "self_attn.k_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
+            p + "mlp.gate.weight": rand(experts, hidden, scale=0.5),
+        }
+        for e in range(experts):
+            tensors[p + f"mlp.experts.{e}.gate_proj.weight"] = rand(inter, hidden)
+            tensors[p + f"mlp.experts.{e}.up_proj.weight"] = rand(inter, hidden)
+            tensors[p + f"mlp.experts.{e}.down_proj.weight"] = rand(hidden, inter)
+        layer_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        writer.add(tensors)
+        del tensors
+    for name in ("tokenizer.json", "tokenizer_config.json") if vocab_dir is not None else ():
+        shutil.copy(vocab_dir / name, writer.work_dir / name)
+    writer.finish(config)
+    return {"layer_bytes": layer_bytes}

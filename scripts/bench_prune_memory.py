@@ -14,15 +14,13 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from moecompress.checkpoint import CheckpointWriter, resolve_model
+from moecompress.checkpoint import resolve_model
+from moecompress.synthetic import write_synthetic_qwen3_moe
 
 BASELINE = """
 import sys
@@ -37,63 +35,6 @@ tokenizer = load_tokenizer(path)
 sampled_windows(tokenize_documents(load_documents("builtin:prose"), tokenizer), 256, int(sys.argv[2]), 0)
 import transformers, tqdm
 """
-
-
-def synthesise(directory: Path, layers: int, hidden: int, experts: int, inter: int, vocab_dir: Path) -> dict:
-    from transformers import Qwen3MoeConfig
-
-    heads, kv_heads, head_dim = 8, 4, hidden // 8
-    config = Qwen3MoeConfig(
-        vocab_size=2048,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        moe_intermediate_size=inter,
-        intermediate_size=4 * hidden,
-        num_experts=experts,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    ).to_dict()
-    config["architectures"] = ["Qwen3MoeForCausalLM"]
-    config["dtype"] = "bfloat16"
-    generator = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
-        return (scale * torch.randn(*shape, generator=generator)).to(torch.bfloat16)
-
-    writer = CheckpointWriter(directory, max_shard_bytes=512 * 2**20)
-    writer.add(
-        {"model.embed_tokens.weight": rand(2048, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-    )
-    layer_bytes = 0
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors = {
-            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
-            p + "self_attn.k_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
-            p + "mlp.gate.weight": rand(experts, hidden, scale=0.5),
-        }
-        for e in range(experts):
-            tensors[p + f"mlp.experts.{e}.gate_proj.weight"] = rand(inter, hidden)
-            tensors[p + f"mlp.experts.{e}.up_proj.weight"] = rand(inter, hidden)
-            tensors[p + f"mlp.experts.{e}.down_proj.weight"] = rand(hidden, inter)
-        layer_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        writer.add(tensors)
-        del tensors
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(vocab_dir / name, writer.work_dir / name)
-    writer.finish(config)
-    return {"layer_bytes": layer_bytes}
 
 
 def run_measured(command: list[str]) -> tuple[int, float]:
@@ -120,7 +61,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "synthetic"
-        shapes = synthesise(
+        shapes = write_synthetic_qwen3_moe(
             source, args.layers, args.hidden, args.experts, args.intermediate, resolve_model("builtin:tiny-moe")
         )
         checkpoint_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))

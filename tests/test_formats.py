@@ -25,6 +25,10 @@ def _awkward_weights(seed: int = 0) -> torch.Tensor:
     w[0, 2, :32] = torch.linspace(-7, 7, 32)
     w[1, 0, :32] = 1e-30
     w[1, 1, :32] = 3e30
+    for row, k in enumerate((-3, 0, 2, 3, 5, 9)):  # amax just below a power of two: log2 would round up
+        w[2, row, :32] = torch.linspace(-1, 1, 32) * 2.0**k * (1 - 2.0**-24)
+    w[1, 3, :32] = 6.0 * 2.0**3 * (1 + 2.0**-23)  # amax/6 just above a power of two: ceil must round up
+    w[1, 4, :32] = 6.0 * 2.0**3
     return w
 
 
@@ -36,7 +40,9 @@ def _spec_codes(values: list[float], rule: str) -> tuple[list[int], int]:
     elif rule == "floor":
         exponent = math.frexp(amax)[1] - 1 - 2
     else:
-        exponent = math.ceil(math.log2(amax / 6.0))
+        ratio = float(torch.tensor(amax, dtype=torch.float32) / 6.0)  # gpt-oss divides in float32
+        mantissa, exponent = math.frexp(ratio)
+        exponent = exponent - 1 if mantissa == 0.5 else exponent
     exponent = max(-127, min(127, exponent))
     codes = []
     for v in values:

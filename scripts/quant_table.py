@@ -1,0 +1,134 @@
+"""Compare quantisation schemes and methods on builtin:tiny-moe: scheme × method → perplexity, routing
+agreement, KL and effective bits per weight (every scale and zero point counted).
+
+Run: python scripts/quant_table.py [--out docs/quantization_results.json] [--markdown docs/quantization_table.md]
+Every number in docs/quantization.md comes from this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moecompress.checkpoint import resolve_model
+from moecompress.evals.footprint import checkpoint_footprint
+from moecompress.evals.perplexity import evaluate
+from moecompress.loading import quiet_transformers
+from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+
+SCHEMES = {
+    "mxfp4": dict(scheme="mxfp4"),
+    "mxfp4 (ceil scales)": dict(scheme="mxfp4", scale_rule="ceil"),
+    "int4 g32 sym": dict(scheme="int4", group_size=32),
+    "int4 g128 sym": dict(scheme="int4", group_size=128),
+    "int4 g32 asym": dict(scheme="int4", group_size=32, symmetric=False),
+    "int2 g32 asym": dict(scheme="int2", group_size=32),
+    "int2 g128 asym": dict(scheme="int2", group_size=128),
+    "w4a8 g32": dict(scheme="w4a8", group_size=32),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:tiny-moe")
+    parser.add_argument("--calib", default="builtin:prose")
+    parser.add_argument("--calib-tokens", type=int, default=16384)
+    parser.add_argument("--data", default="builtin:prose:heldout")
+    parser.add_argument("--second-data", default="builtin:code:heldout")
+    parser.add_argument("--second-tokens", type=int, default=32768)
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--methods", default="rtn,gptq")
+    parser.add_argument("--out", type=Path, default=Path("docs/quantization_results.json"))
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    quiet_transformers()
+
+    model_dir = resolve_model(args.model)
+    base = evaluate(model_dir, args.data, progress=False)
+    base_second = evaluate(model_dir, args.second_data, max_tokens=args.second_tokens, progress=False)
+    base_footprint = checkpoint_footprint(model_dir).to_json()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.schemes.split(","):
+            for method in args.methods.split(","):
+                out = Path(tmp) / f"{len(rows)}"
+                config = QuantizeConfig(method=method, **SCHEMES[name])
+                start = time.time()
+                report = quantize_checkpoint(
+                    model_dir, out, config, calib=args.calib, calib_tokens=args.calib_tokens, progress=False
+                )
+                seconds = time.time() - start
+                result = evaluate(out, args.data, reference_dir=model_dir, progress=False)
+                second = evaluate(out, args.second_data, max_tokens=args.second_tokens, progress=False)
+                footprint = report["footprint"]
+                row = dict(
+                    scheme=name,
+                    method=method,
+                    perplexity=result.perplexity,
+                    second_perplexity=second.perplexity,
+                    routing_agreement=result.routing_agreement,
+                    kl=result.kl,
+                    expert_bits=footprint["classes"]["experts"]["bits_per_weight"],
+                    model_bits=footprint["total"]["bits_per_weight"],
+                    bytes=footprint["file_bytes"],
+                    rtn_fallback=sum(len(v) for v in report["rtn_fallback_experts"].values()),
+                    quantize_seconds=seconds,
+                )
+                rows.append(row)
+                print(
+                    f"{name:20s} {method:4s} ppl {row['perplexity']:8.3f} code {row['second_perplexity']:8.3f} "
+                    f"agree {row['routing_agreement']:.4f} kl {row['kl']:.4f} bits {row['expert_bits']:.3f}",
+                    flush=True,
+                )
+    results = dict(
+        date=time.strftime("%Y-%m-%d"),
+        machine=f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
+        torch=torch.__version__,
+        model=args.model,
+        calib=args.calib,
+        calib_tokens=args.calib_tokens,
+        data=args.data,
+        second_data=args.second_data,
+        baseline=dict(
+            perplexity=base.perplexity,
+            second_perplexity=base_second.perplexity,
+            expert_bits=base_footprint["classes"]["experts"]["bits_per_weight"],
+            model_bits=base_footprint["total"]["bits_per_weight"],
+            bytes=base_footprint["file_bytes"],
+            tokens=base.tokens,
+        ),
+        rows=rows,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(render_markdown(results))
+
+
+def render_markdown(results: dict) -> str:
+    base = results["baseline"]
+    lines = [
+        "| scheme | method | prose perplexity | code perplexity | routing agreement | KL (nats/token) "
+        "| expert bits/weight | model bits/weight | bytes |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| bf16 (original) | — | {base['perplexity']:.2f} | {base['second_perplexity']:.2f} | 1.0000 | 0 "
+        f"| {base['expert_bits']:.3f} | {base['model_bits']:.3f} | {base['bytes']:,} |",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['scheme']} | {row['method']} | {row['perplexity']:.2f} | {row['second_perplexity']:.2f} | "
+            f"{row['routing_agreement']:.4f} | {row['kl']:.4f} | {row['expert_bits']:.3f} | "
+            f"{row['model_bits']:.3f} | {row['bytes']:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
