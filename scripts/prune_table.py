@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import torch
-from moecompress.evals.perplexity import evaluate
 
 from moecompress.checkpoint import CheckpointReader, resolve_model
+from moecompress.evals.perplexity import evaluate
 from moecompress.loading import quiet_transformers
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 

@@ -31,10 +31,11 @@ import time
 import torch
 import torch.nn.functional as F
 import transformers
-from moecompress.calibration.builtin_corpus import builtin_documents
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from moecompress.calibration.builtin_corpus import builtin_documents
 
 SOURCES = ("prose", "code")
 EOS = "<|endoftext|>"

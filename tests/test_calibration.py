@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+
 from moecompress.calibration.batches import consecutive_windows, sampled_windows, tokenize_documents
 from moecompress.calibration.builtin_corpus import builtin_documents
 from moecompress.calibration.sources import load_documents, parse_hf_spec
-
 from moecompress.errors import UserInputError
 
 

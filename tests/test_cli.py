@@ -12,6 +12,7 @@ from moecompress.synthetic import FAMILIES, TINY_CONFIGS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inspect_every_family(family, tiny_checkpoints):
     from click.testing import CliRunner
+
     from moecompress.cli.main import app
 
     result = CliRunner().invoke(app, ["inspect", str(tiny_checkpoints[family]), "--json"])

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+
 from moecompress.calibration.builtin_corpus import builtin_documents
+from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.cli.main import app
 from moecompress.evals.perplexity import evaluate
-
-from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.families import adapter_for
 from moecompress.loading import load_model, load_tokenizer
 

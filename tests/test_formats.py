@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from moecompress.kernels import intq, mxfp4, w4a8
 from moecompress.kernels.packing import pack_codes, unpack_codes
-
 from moecompress.quantization.scheme import QuantScheme
 
 MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import tree_hashes
-from moecompress.cli.main import app
 
 from moecompress.checkpoint import CheckpointReader
+from moecompress.cli.main import app
 from moecompress.families import MoEWeights, adapter_for
 from moecompress.passes.prune_experts import PruneExpertsConfig, choose_removals, score_layer
 from moecompress.sweep import LayerCapture
@@ -266,8 +266,9 @@ def test_bad_ratio_is_a_one_line_error(tmp_path):
 def _image_dataset(directory):
     import datasets
     import numpy as np
-    from moecompress.calibration.vision import builtin_image_captions
     from PIL import Image
+
+    from moecompress.calibration.vision import builtin_image_captions
 
     items = builtin_image_captions("stripes", count=4, size=32, seed=5)
     dataset = datasets.Dataset.from_dict(

@@ -54,7 +54,6 @@ def test_sweep_matches_stock_forward(family, tiny_checkpoints):
 def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
     """Vision tokens, M-RoPE positions and deepstack features injected between layers are all reproduced."""
     from moecompress.calibration.vision import builtin_image_captions, image_processor_for, vision_batches
-
     from moecompress.synthetic import tiny_tokenizer
 
     source = tiny_checkpoints["qwen3_vl_moe"]
