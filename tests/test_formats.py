@@ -150,3 +150,17 @@ def test_w4a8_activation_codes_are_int8_per_token():
     fake = w4a8.fake_quantize_activations(x)
     assert torch.all((fake - x).abs() <= scale / 2 + 1e-7)
     assert torch.all(fake[3] == 0)
+
+
+@pytest.mark.parametrize("rule", ["floor", "ceil"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mxfp4_kernel_is_bit_identical_to_the_reference(rule, dtype):
+    from moecompress.kernels import mxfp4_fused
+
+    if not mxfp4_fused.available():
+        pytest.skip("numba not installed")
+    for w in (_awkward_weights(3), torch.randn(4, 96, 256, generator=torch.Generator().manual_seed(4)) * 0.02):
+        w = w.to(dtype)
+        reference = mxfp4.quantize_mxfp4(w, rule)
+        fused = mxfp4_fused.quantize_mxfp4(w, rule)
+        assert torch.equal(fused[0], reference[0]) and torch.equal(fused[1], reference[1])

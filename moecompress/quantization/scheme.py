@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..kernels import intq, mxfp4
+from ..kernels import intq, mxfp4, mxfp4_fused
 from ..kernels.packing import pack_codes, unpack_codes
 
 SchemeName = Literal["mxfp4", "int4", "int2", "w4a8"]
@@ -109,9 +109,13 @@ class QuantScheme:
     def quantize(self, weight: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> QuantizedTensor:
         """Round-to-nearest quantisation of ``weight`` ``[..., cols]``.
 
-        Rows are processed ``chunk_elements`` at a time so every intermediate stays in cache (about twice as fast
+        MXFP4 uses the fused numba kernel when numba is installed (bit-identical, about 20x faster). Otherwise
+        rows are processed ``chunk_elements`` at a time so every intermediate stays in cache (about twice as fast
         as whole-tensor passes on CPU); the result does not depend on the chunking.
         """
+        if self.is_float and mxfp4_fused.available():
+            packed, scales = mxfp4_fused.quantize_mxfp4(weight, self.scale_rule)
+            return QuantizedTensor(self, tuple(weight.shape), packed, scales)
         cols = weight.shape[-1]
         rows = weight.reshape(-1, cols)
         step = max(1, chunk_elements // cols)
