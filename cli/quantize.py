@@ -79,7 +79,7 @@ def _human_bytes(value: int) -> str:
     "--calib",
     default="builtin:prose",
     show_default=True,
-    help="GPTQ calibration source(s), comma-separated (ignored by rtn).",
+    help="Calibration source(s), comma-separated, for gptq and --lowrank-budget (plain rtn needs none).",
 )
 @click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
@@ -91,6 +91,28 @@ def _human_bytes(value: int) -> str:
     help="Experts routed fewer calibration tokens fall back to rtn (listed in the report).",
 )
 @click.option("--gptq-damp", type=click.FloatRange(min=0, min_open=True), default=0.01, show_default=True)
+@click.option(
+    "--lowrank-budget",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Low-rank error adapters after quantisation, in bits per routed expert weight (e.g. 0.25); bf16 "
+    "adapters whose rank is spent where calibration tokens go. 0 disables.",
+)
+@click.option(
+    "--rank-alloc",
+    type=click.Choice(["load", "uniform"]),
+    default="load",
+    show_default=True,
+    help="load: one budget over every expert matrix, largest load × σ² first; uniform: the same rank everywhere.",
+)
+@click.option(
+    "--load-weighting",
+    type=click.Choice(["tokens", "gate"]),
+    default="tokens",
+    show_default=True,
+    help="An expert's load: its share of routed tokens, or of the router's gate weight.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows.")
 @click.option(
     "--eval-data",
@@ -120,6 +142,9 @@ def quantize_command(
     seq_len: int,
     gptq_min_tokens: int,
     gptq_damp: float,
+    lowrank_budget: float,
+    rank_alloc: str,
+    load_weighting: str,
     seed: int,
     eval_data: str,
     eval_tokens: int,
@@ -145,6 +170,9 @@ def quantize_command(
         format=output_format,
         gptq_min_tokens=gptq_min_tokens,
         gptq_damp=gptq_damp,
+        lowrank_budget=lowrank_budget,
+        rank_alloc=rank_alloc,
+        load_weighting=load_weighting,
         seed=seed,
     )
     report = quantize_checkpoint(
@@ -171,6 +199,14 @@ def quantize_command(
         f"{footprint['total']['bits_per_weight']:.3f} bits/weight, "
         f"{_human_bytes(source['total']['bytes'])} -> {_human_bytes(footprint['total']['bytes'])}"
     )
+    if "lowrank" in report:
+        lowrank = report["lowrank"]
+        measured = lowrank["measured_weighted_error"]
+        click.echo(
+            f"low-rank adapters: {lowrank['components_used']} rank-1 components ({rank_alloc}); weighted output "
+            f"error {measured['without_adapters']:.4g} -> {measured['with_adapters']:.4g} "
+            f"(predicted {lowrank['predicted_weighted_error']['with_adapters']:.4g})"
+        )
     fallback = sum(len(v) for v in report["rtn_fallback_experts"].values())
     if fallback:
         click.echo(f"{fallback} experts had fewer than {gptq_min_tokens} calibration tokens and used rtn (see report)")

@@ -1,7 +1,8 @@
 """Footprint: bytes and effective bits per weight, per parameter class and overall, from shard headers alone.
 
 Every stored byte is counted against the class of the weight it serves: packed codes *and* their scales, zero
-points, bitmaps and adapters. ``weights`` counts logical (dequantised) weights, so a class's bits per weight is
+points, bitmaps and low-rank adapters (``metadata_bytes`` and ``adapter_bytes`` say how much of ``bytes`` those
+are). ``weights`` counts logical (dequantised) weights, so a class's bits per weight is
 ``8 · bytes / weights``. Understood layouts: plain float checkpoints, the native moecompress format, gpt-oss MXFP4
 (``*_blocks``/``*_scales``) and compressed-tensors (``weight_packed`` and companions).
 """
@@ -35,6 +36,7 @@ class ClassFootprint:
     weights: int = 0
     bytes: int = 0
     metadata_bytes: int = 0
+    adapter_bytes: int = 0
 
     @property
     def bits_per_weight(self) -> float:
@@ -45,6 +47,7 @@ class ClassFootprint:
             "weights": self.weights,
             "bytes": self.bytes,
             "metadata_bytes": self.metadata_bytes,
+            "adapter_bytes": self.adapter_bytes,
             "bits_per_weight": round(self.bits_per_weight, 4),
         }
 
@@ -61,6 +64,7 @@ class Footprint:
             total.weights += part.weights
             total.bytes += part.bytes
             total.metadata_bytes += part.metadata_bytes
+            total.adapter_bytes += part.adapter_bytes
         return total
 
     def to_json(self) -> dict[str, Any]:
@@ -101,6 +105,12 @@ def _logical_weights(key: str, info: TensorInfo, config: dict[str, Any]) -> int 
     return None
 
 
+def _is_adapter(key: str, config: dict[str, Any]) -> bool:
+    """Low-rank error adapters of the native format: bytes of the class, no logical weights."""
+    quantization = config.get("quantization_config") or {}
+    return quantization.get("quant_method") == "moecompress" and ".lowrank." in key
+
+
 def _compressed_tensors_bits(quantization: dict[str, Any]) -> int:
     groups = quantization.get("config_groups") or {}
     bits = {int((group.get("weights") or {}).get("num_bits", 8)) for group in groups.values()}
@@ -118,7 +128,9 @@ def checkpoint_footprint(directory: Path) -> Footprint:
             part = footprint.classes.setdefault(adapter.classify_key(key), ClassFootprint())
             logical = _logical_weights(key, info, reader.config)
             part.bytes += info.nbytes
-            if logical is None:
+            if _is_adapter(key, reader.config):
+                part.adapter_bytes += info.nbytes
+            elif logical is None:
                 part.weights += info.numel
             elif logical == 0:
                 part.metadata_bytes += info.nbytes

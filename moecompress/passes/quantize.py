@@ -21,8 +21,10 @@ from ..evals.perplexity import evaluate
 from ..families import FamilyAdapter, MoEWeights
 from ..kernels.mxfp4 import ScaleRule
 from ..loading import load_adapter
+from ..quantization.compensation import LayerErrors, layer_errors, measured_error
 from ..quantization.experts import QuantizedMoE, quantize_experts_gptq, quantize_experts_rtn
 from ..quantization.formats import gpt_oss, native
+from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
 from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
 from ..sweep import CalibrationSweep
 from .prune_experts import calibration_batches, update_report
@@ -44,6 +46,10 @@ class QuantizeConfig:
     gptq_min_tokens: int = 64
     gptq_damp: float = 0.01
     gptq_block: int = 128
+    lowrank_budget: float = 0.0
+    rank_alloc: str = "load"
+    load_weighting: str = "tokens"
+    lowrank_min_tokens: int = 64
     seed: int = 0
 
     def quant_scheme(self) -> QuantScheme:
@@ -67,6 +73,14 @@ class QuantizeConfig:
             raise UserInputError(f"unknown format {self.format!r}; choose from {', '.join(FORMATS)}")
         if self.gptq_min_tokens < 1:
             raise UserInputError("--gptq-min-tokens must be at least 1")
+        if self.lowrank_budget < 0:
+            raise UserInputError("--lowrank-budget is in bits per expert weight and cannot be negative")
+        if self.rank_alloc not in ALLOCATIONS:
+            raise UserInputError(f"unknown --rank-alloc {self.rank_alloc!r}; choose from {', '.join(ALLOCATIONS)}")
+        if self.load_weighting not in LOAD_WEIGHTINGS:
+            raise UserInputError(f"unknown --load-weighting {self.load_weighting!r}; choose tokens or gate")
+        if self.lowrank_budget and self.format != "native":
+            raise UserInputError(f"low-rank adapters are stored in the native format only, not {self.format}")
         self.quant_scheme()
 
 
@@ -132,6 +146,68 @@ def _check_expert_dims(layer: int, moe: MoEWeights, scheme: QuantScheme) -> None
             )
 
 
+class _ExpertQuantizer:
+    """Quantises each MoE layer's routed experts: RTN, or GPTQ on the capture; then, in the rewriting sweep,
+    attaches the low-rank adapters the allocation gave each matrix."""
+
+    def __init__(self, adapter: FamilyAdapter, scheme: QuantScheme, config: QuantizeConfig):
+        self.adapter, self.scheme, self.config = adapter, scheme, config
+
+    def quantize(self, layer: int, moe: MoEWeights, capture) -> QuantizedMoE:
+        _check_expert_dims(layer, moe, self.scheme)
+        if self.config.method == "rtn":
+            return quantize_experts_rtn(moe, self.scheme)
+        quantized = quantize_experts_gptq(
+            self.adapter,
+            moe,
+            capture.moe_input,
+            self.scheme,
+            min_tokens=self.config.gptq_min_tokens,
+            damp=self.config.gptq_damp,
+            block_size=self.config.gptq_block,
+        )
+        capture.replacement = quantized.dequantized()
+        return quantized
+
+    def errors(self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int, keep_inputs: bool) -> LayerErrors:
+        return layer_errors(
+            self.adapter,
+            moe,
+            quantized,
+            capture.moe_input,
+            keep=keep,
+            min_tokens=self.config.lowrank_min_tokens,
+            weighting=self.config.load_weighting,
+            keep_inputs=keep_inputs,
+        )
+
+
+def _components_for_budget(budget_bits: float, moe_shapes: list[tuple[int, int, int]]) -> int:
+    """Rank-1 components (each ``H + I`` bf16 parameters) that ``budget_bits`` per routed expert weight buys."""
+    weights = sum(3 * experts * hidden * inter for experts, hidden, inter in moe_shapes)
+    costs = {hidden + inter for _, hidden, inter in moe_shapes}
+    if len(costs) != 1:
+        raise UserInputError("low-rank allocation needs every MoE layer to share hidden and expert sizes")
+    return int(budget_bits * weights / ADAPTER_BITS) // costs.pop()
+
+
+def _measure_lowrank(
+    model_dir: Path, quantizer: _ExpertQuantizer, calibration_inputs, progress: bool
+) -> tuple[dict, dict, list]:
+    """The measuring sweep: every expert matrix's σ² and load (no factors kept)."""
+    gains, loads, shapes = {}, {}, []
+    sweep = CalibrationSweep(model_dir, *calibration_inputs, progress=progress)
+    for capture in sweep.run():
+        moe = capture.moe
+        quantized = quantizer.quantize(capture.layer, moe, capture)
+        errors = quantizer.errors(moe, quantized, capture, keep=0, keep_inputs=False)
+        for (expert, which), spectrum in errors.spectra.items():
+            gains[(capture.layer, expert, which)] = spectrum.sigma2
+            loads[(capture.layer, expert, which)] = errors.loads[(expert, which)]
+        shapes.append((moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size))
+    return gains, loads, shapes
+
+
 def quantize_checkpoint(
     model_dir: Path,
     out_dir: Path,
@@ -146,7 +222,12 @@ def quantize_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Quantise ``model_dir`` into ``out_dir``; returns the report also saved as moecompress_report.json."""
+    """Quantise ``model_dir`` into ``out_dir``; returns the report also saved as moecompress_report.json.
+
+    With a low-rank budget there are two sweeps over the calibration data: a measuring one (every expert
+    matrix's error spectrum and load, for the global allocation) and the rewriting one, which recomputes the
+    same quantisation and spectra, keeps the allocated components and writes the adapters.
+    """
     config.validate()
     started = time.time()
     adapter = load_adapter(model_dir)
@@ -155,35 +236,61 @@ def quantize_checkpoint(
     _check_format(adapter, config, scheme)
     layout = _format_module(config.format)
     tensors = _TensorQuantizer(adapter, scheme, config.targets)
+    quantizer = _ExpertQuantizer(adapter, scheme, config)
     expert_modules: list[str] = []
     layer_stats: dict[str, Any] = {}
+    lowrank_ranks: dict[str, dict[str, list[int]]] = {}
     calibration: dict[str, Any] | None = None
+    needs_calibration = config.method == "gptq" or config.lowrank_budget > 0
 
     captures = None
-    if config.method == "gptq":
+    if needs_calibration:
         batches, tags, tag_names = calibration_batches(
             adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, 224
         )
         calibration = {"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len, "seed": config.seed}
-        captures = CalibrationSweep(model_dir, batches, tags, tag_names, progress=progress).run()
+        calibration_inputs = (batches, tags, tag_names)
+
+    ranks: dict = {}
+    lowrank_report: dict[str, Any] | None = None
+    if config.lowrank_budget > 0:
+        gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress)
+        components = _components_for_budget(config.lowrank_budget, shapes)
+        max_rank = min(min(hidden, inter) for _, hidden, inter in shapes)
+        ranks = allocate(gains, loads, components, config.rank_alloc, max_rank=max_rank)
+        predicted_none = sum(loads[k] * float(g.sum()) for k, g in gains.items())
+        predicted = sum(loads[k] * float(g[ranks[k] :].sum()) for k, g in gains.items())
+        lowrank_report = {
+            "budget_bits_per_expert_weight": config.lowrank_budget,
+            "components": components,
+            "components_used": sum(ranks.values()),
+            "allocation": config.rank_alloc,
+            "load_weighting": config.load_weighting,
+            "predicted_weighted_error": {"without_adapters": predicted_none, "with_adapters": predicted},
+        }
+    if needs_calibration:
+        captures = CalibrationSweep(model_dir, *calibration_inputs, progress=progress).run()
+
+    measured = {"without_adapters": 0.0, "with_adapters": 0.0}
 
     def quantize_moe(layer: int, moe: MoEWeights) -> QuantizedMoE:
-        _check_expert_dims(layer, moe, scheme)
-        if captures is None:
-            return quantize_experts_rtn(moe, scheme)
-        capture = next(captures)
-        if capture.layer != layer:
-            raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
-        quantized = quantize_experts_gptq(
-            adapter,
-            moe,
-            capture.moe_input,
-            scheme,
-            min_tokens=config.gptq_min_tokens,
-            damp=config.gptq_damp,
-            block_size=config.gptq_block,
-        )
-        capture.replacement = quantized.dequantized()
+        capture = None
+        if captures is not None:
+            capture = next(captures)
+            if capture.layer != layer:
+                raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
+        quantized = quantizer.quantize(layer, moe, capture)
+        if ranks:
+            layer_ranks = {(e, w): r for (lay, e, w), r in ranks.items() if lay == layer}
+            errors = quantizer.errors(moe, quantized, capture, keep=max(layer_ranks.values()), keep_inputs=True)
+            quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
+            measured["without_adapters"] += measured_error(errors, {})
+            measured["with_adapters"] += measured_error(errors, layer_ranks)
+            lowrank_ranks[native.experts_module(adapter, layer)] = {
+                which: [layer_ranks[(e, which)] for e in range(moe.num_experts)] for which in ("gate", "up", "down")
+            }
+            quantized.stats["lowrank_ranks"] = lowrank_ranks[native.experts_module(adapter, layer)]
+            quantized.stats["lowrank_plain_svd"] = errors.plain_svd
         return quantized
 
     def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:
@@ -207,10 +314,15 @@ def quantize_checkpoint(
         "calibration": calibration,
         "layers": layer_stats,
     }
+    if lowrank_report is not None:
+        lowrank_report["measured_weighted_error"] = measured
+        report["lowrank"] = lowrank_report
     new_config = dict(adapter.config)
 
     def finish_config() -> dict[str, Any]:
-        new_config["quantization_config"] = layout.quantization_config(scheme, expert_modules + tensors.modules)
+        new_config["quantization_config"] = layout.quantization_config(
+            scheme, expert_modules + tensors.modules, lowrank_ranks or None
+        )
         return new_config
 
     rewrite_checkpoint(

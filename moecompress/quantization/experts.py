@@ -22,6 +22,8 @@ class QuantizedMoE:
     gate_up: QuantizedTensor
     down: QuantizedTensor
     stats: dict = field(default_factory=dict)
+    adapters: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Low-rank error adapters ``(L, R)`` keyed by ``(expert position, "gate" | "up" | "down")``."""
 
     def dequantized(self) -> MoEWeights:
         """The block as it computes after quantisation (what the next layer's calibration should see)."""

@@ -27,18 +27,21 @@ FORMAT_VERSION = 1
 
 class MoecompressConfig(QuantizationConfigMixin):
     """``schemes`` maps a scheme key to a :class:`QuantScheme` dict; ``modules`` maps each quantised module's
-    runtime name (``model.layers.3.mlp.experts``) to its scheme key."""
+    runtime name (``model.layers.3.mlp.experts``) to its scheme key; ``lowrank`` maps an experts module to the
+    rank of each expert's gate/up/down error adapter (``{"gate": [r_0, r_1, ...], ...}``)."""
 
     def __init__(
         self,
         schemes: dict[str, dict[str, Any]] | None = None,
         modules: dict[str, str] | None = None,
+        lowrank: dict[str, dict[str, list[int]]] | None = None,
         format_version: int = FORMAT_VERSION,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
         self.schemes = dict(schemes or {})
         self.modules = dict(modules or {})
+        self.lowrank = dict(lowrank or {})
         self.format_version = int(format_version)
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
@@ -58,10 +61,13 @@ class MoecompressConfig(QuantizationConfigMixin):
             "format_version": self.format_version,
             "schemes": self.schemes,
             "modules": self.modules,
+            **({"lowrank": self.lowrank} if self.lowrank else {}),
         }
 
 
-def _quantized_twin(module: torch.nn.Module, scheme: QuantScheme, activation, hidden: int) -> torch.nn.Module:
+def _quantized_twin(
+    module: torch.nn.Module, scheme: QuantScheme, activation, hidden: int, ranks: dict[str, list[int]] | None
+) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
         dtype = module.weight.dtype
         return QuantizedLinear(module.in_features, module.out_features, module.bias is not None, scheme, dtype)
@@ -78,6 +84,7 @@ def _quantized_twin(module: torch.nn.Module, scheme: QuantScheme, activation, hi
         activation,
         has_bias=getattr(module, "gate_up_proj_bias", None) is not None,
         dtype=down.dtype,
+        ranks=ranks,
     )
 
 
@@ -95,7 +102,7 @@ def replace_quantized_modules(model: torch.nn.Module, config: MoecompressConfig)
         parent_name, _, child = name.rpartition(".")
         device = next(module.parameters()).device
         with torch.device(device):
-            twin = _quantized_twin(module, config.scheme_of(name), adapter.activation, hidden)
+            twin = _quantized_twin(module, config.scheme_of(name), adapter.activation, hidden, config.lowrank.get(name))
         setattr(model.get_submodule(parent_name) if parent_name else model, child, twin)
 
 

@@ -79,6 +79,7 @@ class QuantizedExperts(_QuantizedWeights):
         *,
         has_bias: bool = False,
         dtype: torch.dtype = torch.bfloat16,
+        ranks: dict[str, list[int]] | None = None,
     ):
         super().__init__(scheme)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -87,6 +88,7 @@ class QuantizedExperts(_QuantizedWeights):
         self._register("down_proj", (num_experts, hidden_size, intermediate_size))
         self.gate_up_proj_bias = _frozen((num_experts, 2 * intermediate_size), dtype) if has_bias else None
         self.down_proj_bias = _frozen((num_experts, hidden_size), dtype) if has_bias else None
+        self.lowrank = ExpertAdapters(num_experts, hidden_size, intermediate_size, ranks or {}, dtype)
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up = self.quantized("gate_up_proj", (2 * self.intermediate_size, self.hidden_size), expert)
@@ -101,13 +103,48 @@ class QuantizedExperts(_QuantizedWeights):
                 continue
             token, slot = torch.where(top_k_index == expert)
             gate_up_weight, down_weight = self.expert_weights(expert, hidden_states.dtype)
-            gate_up = F.linear(self._inputs(hidden_states[token]), gate_up_weight)
+            x = hidden_states[token]
+            gate_up = F.linear(self._inputs(x), gate_up_weight)
             if self.gate_up_proj_bias is not None:
                 gate_up = gate_up + self.gate_up_proj_bias[expert].to(gate_up.dtype)
-            hidden = self.activation(gate_up[:, :inter], gate_up[:, inter:])
-            expert_out = F.linear(self._inputs(hidden), down_weight)
+            gate, up = (
+                self.lowrank.apply(expert, "gate", x, gate_up[:, :inter]),
+                self.lowrank.apply(expert, "up", x, gate_up[:, inter:]),
+            )
+            hidden = self.activation(gate, up)
+            expert_out = self.lowrank.apply(expert, "down", hidden, F.linear(self._inputs(hidden), down_weight))
             if self.down_proj_bias is not None:
                 expert_out = expert_out + self.down_proj_bias[expert].to(expert_out.dtype)
             weight = top_k_weights[token, slot, None].to(expert_out.dtype)
             out.index_add_(0, token, (expert_out * weight).to(out.dtype))
         return out
+
+
+_ADAPTER_SHAPES = {"gate": ("inter", "hidden"), "up": ("inter", "hidden"), "down": ("hidden", "inter")}
+
+
+class ExpertAdapters(nn.Module):
+    """Low-rank error adapters ``L·R`` per expert matrix (gate ``[I, H]``, up ``[I, H]``, down ``[H, I]``), stored
+    as ``lowrank.<expert>.<matrix>_L`` ``[rows, r]`` and ``_R`` ``[r, cols]`` for the matrices with ``r > 0``."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, ranks: dict[str, list[int]], dtype: torch.dtype):
+        super().__init__()
+        sizes = {"hidden": hidden, "inter": inter}
+        for expert in range(num_experts):
+            holder = nn.Module()
+            for which, (rows, cols) in _ADAPTER_SHAPES.items():
+                rank = int(ranks.get(which, [0] * num_experts)[expert])
+                if rank:
+                    setattr(holder, f"{which}_L", _frozen((sizes[rows], rank), dtype))
+                    setattr(holder, f"{which}_R", _frozen((rank, sizes[cols]), dtype))
+            if len(list(holder.parameters())):
+                self.add_module(str(expert), holder)
+
+    def apply(self, expert: int, which: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out + x·Rᵀ·Lᵀ`` when ``which`` of ``expert`` has an adapter, else ``out``."""
+        holder = self._modules.get(str(expert))
+        left = getattr(holder, f"{which}_L", None) if holder is not None else None
+        if left is None:
+            return out
+        right = getattr(holder, f"{which}_R")
+        return out + F.linear(F.linear(x, right.to(x.dtype)), left.to(x.dtype)).to(out.dtype)

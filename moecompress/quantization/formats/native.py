@@ -16,6 +16,7 @@ from ..hf_quantizer import MoecompressConfig
 from ..scheme import QuantizedTensor, QuantScheme
 
 NAME = "native"
+ADAPTER_DTYPE = torch.bfloat16
 
 
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
@@ -64,6 +65,9 @@ def layer_tensors(
     if weights.gate_up_bias is not None:
         out[f"{experts}.gate_up_proj_bias"] = weights.gate_up_bias
         out[f"{experts}.down_proj_bias"] = weights.down_bias
+    for (expert, which), (left, right) in sorted(moe.adapters.items()):
+        out[f"{experts}.lowrank.{expert}.{which}_L"] = left.to(ADAPTER_DTYPE)
+        out[f"{experts}.lowrank.{expert}.{which}_R"] = right.to(ADAPTER_DTYPE)
     return out
 
 
@@ -76,5 +80,9 @@ def outside_tensors(
     return out
 
 
-def quantization_config(scheme: QuantScheme, modules: list[str]) -> dict[str, Any]:
-    return MoecompressConfig(schemes={"default": scheme.to_dict()}, modules=dict.fromkeys(modules, "default")).to_dict()
+def quantization_config(
+    scheme: QuantScheme, modules: list[str], lowrank: dict[str, dict[str, list[int]]] | None = None
+) -> dict[str, Any]:
+    return MoecompressConfig(
+        schemes={"default": scheme.to_dict()}, modules=dict.fromkeys(modules, "default"), lowrank=lowrank
+    ).to_dict()

@@ -1,0 +1,107 @@
+"""Load-aware low-rank compensation: after an expert matrix ``W`` is quantised to ``Q``, a rank-``r`` product
+``L·R`` restores part of the error ``E = W − Q`` where the expert's inputs actually lie.
+
+For routed inputs ``X`` with mean second moment ``C = XᵀX / n`` (damped) and its Cholesky factor ``C = S·Sᵀ``,
+``‖(E − L·R)·Xᵀ‖² / n = ‖(E − L·R)·S‖²``, so the best rank-``r`` adapter comes from the SVD of the whitened error
+``E·S = U Σ Vᵀ``: ``L = U_r Σ_r``, ``R = V_rᵀ S⁻¹``, leaving ``Σ_{j>r} σ_j²`` (QERA / EoRA). An expert with too few
+routed tokens uses the plain SVD of ``E`` (``S = I``).
+
+Every expert matrix (gate, up and down kept separate, so all of them cost ``rows + cols = H + I`` parameters per
+rank) offers gains ``load_e · σ²_{e,j}`` in decreasing order. One budget of rank-1 components is spent on the
+largest gains across every matrix of every layer; since each matrix's gains are sorted and every component
+costs the same, taking the largest gains overall is optimal, and the weighted error falls strictly with each
+component bought (while any gain is positive).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+ALLOCATIONS: tuple[str, ...] = ("load", "uniform")
+LOAD_WEIGHTINGS: tuple[str, ...] = ("tokens", "gate")
+ADAPTER_BITS = 16
+DEFAULT_DAMP = 1e-4
+
+
+@dataclass
+class ErrorSpectrum:
+    """The whitened quantisation error of one matrix: ``sigma2`` (all of them, descending) and the factors of the
+    first ``len(L.T)`` components."""
+
+    sigma2: torch.Tensor
+    left: torch.Tensor
+    right: torch.Tensor
+    whitened: bool
+
+    def adapter(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L [rows, rank], R [rank, cols])``."""
+        if rank > self.left.shape[1]:
+            raise ValueError(f"rank {rank} exceeds the {self.left.shape[1]} components kept")
+        return self.left[:, :rank].contiguous(), self.right[:rank].contiguous()
+
+    def residual(self, rank: int) -> float:
+        """Predicted mean per-token squared output error left at ``rank``."""
+        return float(self.sigma2[rank:].sum())
+
+
+def whitening_factor(inputs: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.Tensor:
+    """Lower Cholesky factor ``S`` of ``XᵀX / n + damp · mean(diag) · I`` (float64)."""
+    x = inputs.double()
+    covariance = x.T @ x / max(1, x.shape[0])
+    mean = covariance.diagonal().mean().clamp_min(1e-30)
+    eye = torch.eye(covariance.shape[0], dtype=torch.float64)
+    for attempt in range(6):
+        factor, info = torch.linalg.cholesky_ex(covariance + damp * 10**attempt * mean * eye)
+        if int(info) == 0:
+            return factor
+    raise RuntimeError("input covariance is not positive definite even with heavy damping")
+
+
+def error_spectrum(error: torch.Tensor, factor: torch.Tensor | None, keep: int) -> ErrorSpectrum:
+    """SVD of ``error`` ``[rows, cols]`` whitened by ``factor`` (``S``, or None for the plain SVD); factors of the
+    first ``keep`` components are kept."""
+    e = error.double()
+    whitened = e @ factor if factor is not None else e
+    u, s, vh = torch.linalg.svd(whitened, full_matrices=False)
+    keep = min(keep, s.numel())
+    left = u[:, :keep] * s[:keep]
+    right = vh[:keep]
+    if factor is not None:
+        right = torch.linalg.solve_triangular(factor.T, right.T, upper=True).T  # (S⁻ᵀ V)ᵀ = Vᵀ S⁻¹
+    return ErrorSpectrum((s**2).float(), left.float(), right.float(), factor is not None)
+
+
+def weighted_error(spectra: dict, loads: dict, ranks: dict) -> float:
+    return sum(loads[key] * spectrum.residual(ranks.get(key, 0)) for key, spectrum in spectra.items())
+
+
+def allocate(gains: dict, loads: dict, components: int, mode: str = "load", max_rank: int | None = None) -> dict:
+    """Ranks per matrix for a budget of ``components`` rank-1 components.
+
+    ``gains[key]`` are a matrix's σ² in decreasing order and ``loads[key]`` its weight. ``load`` buys the
+    largest ``load · σ²`` first (optimal for equal-cost components); ``uniform`` gives every matrix the same
+    rank (the baseline). Ranks never exceed ``max_rank`` or the number of gains.
+    """
+    if mode not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {mode!r}; choose from {ALLOCATIONS}")
+    keys = list(gains)
+    limit = {k: min(len(gains[k]), max_rank if max_rank is not None else len(gains[k])) for k in keys}
+    ranks = dict.fromkeys(keys, 0)
+    if not keys or components <= 0:
+        return ranks
+    if mode == "uniform":
+        rank = components // len(keys)
+        return {k: min(rank, limit[k]) for k in keys}
+    heap = [(-loads[k] * float(gains[k][0]), i, k) for i, k in enumerate(keys) if limit[k] > 0]
+    heapq.heapify(heap)
+    for _ in range(components):
+        if not heap:
+            break
+        _, i, key = heapq.heappop(heap)
+        ranks[key] += 1
+        if ranks[key] < limit[key]:
+            heapq.heappush(heap, (-loads[key] * float(gains[key][ranks[key]]), i, key))
+    return ranks
