@@ -109,9 +109,10 @@ def _human_bytes(value: int) -> str:
 @click.option(
     "--load-weighting",
     type=click.Choice(["tokens", "gate"]),
-    default="tokens",
+    default="gate",
     show_default=True,
-    help="An expert's load: its share of routed tokens, or of the router's gate weight.",
+    help="gate: each routed token counts with its squared routing weight (the block-output error); tokens: "
+    "every routed token counts alike (an expert's load is its share of routed tokens).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows.")
 @click.option(

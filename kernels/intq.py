@@ -9,7 +9,7 @@ scale ``s`` (and, asymmetric, a zero point ``z``); codes are unsigned ``b``-bit 
 
 Scales are stored in bfloat16, rounded *up* so the grid still spans the group (no weight lands more than half a
 step from the grid), and codes are computed against the stored scale, so quantising and dequantising agree
-exactly.
+exactly. A dequantised weight is the product rounded once to bfloat16 (the precision a bf16 model holds it in).
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def grid_codes(values: torch.Tensor, grid: IntGrid, bits: int) -> torch.Tensor:
 
 
 def grid_values(codes: torch.Tensor, grid: IntGrid) -> torch.Tensor:
-    return (codes.float() - grid.zero) * grid.scale
+    """``(code - z) · s`` rounded once to bfloat16 (returned as float32): the weight a bf16 model computes with,
+    and exactly what compressed-tensors' bf16 dequantisation produces."""
+    return ((codes.float() - grid.zero) * grid.scale).to(SCALE_DTYPE).float()
 
 
 def _grouped(weight: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -104,12 +104,14 @@ def test_experts_with_too_few_tokens_fall_back_to_plain_svd(layer):
     assert not any(s.whitened for s in errors.spectra.values())
 
 
-def test_gate_weighting_uses_router_weights(layer):
+def test_loads_are_routed_shares_and_gate_weighting_reweights_tokens(layer):
     adapter, moe, quantized, hidden = layer
     tokens = layer_errors(adapter, moe, quantized, hidden, keep=0, min_tokens=16, weighting="tokens")
     gate = layer_errors(adapter, moe, quantized, hidden, keep=0, min_tokens=16, weighting="gate")
-    assert sum(tokens.loads.values()) == pytest.approx(3.0) and sum(gate.loads.values()) == pytest.approx(3.0)
-    assert tokens.loads != gate.loads
+    down_loads = [tokens.loads[(e, "down")] for e in range(moe.num_experts)]
+    assert sum(down_loads) == pytest.approx(1.0)  # down's error is already in output units: load = routed share
+    assert all(tokens.loads[(e, "gate")] > 0 for e in range(moe.num_experts))
+    assert not torch.allclose(tokens.spectra[(0, "down")].sigma2, gate.spectra[(0, "down")].sigma2)
 
 
 @pytest.mark.parametrize("alloc", ["load", "uniform"])

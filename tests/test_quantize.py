@@ -252,3 +252,35 @@ def test_sweep_replacement_changes_what_later_layers_see(tiny_checkpoints):
 
     assert not torch.allclose(layer1_input(True), layer1_input(False))
     assert torch.equal(layer1_input(False), layer1_input(False))
+
+
+@pytest.mark.parametrize("scheme,symmetric", [("int4", True), ("int4", False), ("mxfp4", None), ("int2", None)])
+def test_compressed_tensors_export_matches_native(tiny_checkpoints, tmp_path, scheme, symmetric):
+    """Decompressed with compressed-tensors' own dequantiser (float32), the export computes what our native
+    checkpoint computes; where stock transformers loads it directly, it matches to bf16 rounding of the weights."""
+    from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_checkpoints["qwen3_moe"]
+    config = QuantizeConfig(scheme=scheme, symmetric=symmetric)
+    quantize_checkpoint(source, tmp_path / "native", config, progress=False)
+    quantize_checkpoint(source, tmp_path / "ct", replace(config, format="compressed-tensors"), progress=False)
+    with torch.no_grad():
+        native = _load(tmp_path / "native")(input_ids=_ids()).logits
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    dense = CompressedTensorsDequantizer(tmp_path / "ct", dtype=torch.float32).process(tensors)
+    (tmp_path / "dense").mkdir()
+    save_file(dense, tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
+    plain_config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    del plain_config["quantization_config"]
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(plain_config))
+    with torch.no_grad():
+        decompressed = _load(tmp_path / "dense")(input_ids=_ids()).logits
+    torch.testing.assert_close(decompressed, native, atol=2e-5, rtol=1e-5)
+    if config.quant_scheme().symmetric:  # stock transformers drops asymmetric experts' zero points
+        stock = AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+        for param in stock.parameters():
+            param.data = param.data.float()
+        with torch.no_grad():
+            direct = stock(input_ids=_ids()).logits
+        torch.testing.assert_close(direct, native, atol=2e-5 if scheme == "mxfp4" else 2e-2, rtol=0)

@@ -48,7 +48,7 @@ class QuantizeConfig:
     gptq_block: int = 128
     lowrank_budget: float = 0.0
     rank_alloc: str = "load"
-    load_weighting: str = "tokens"
+    load_weighting: str = "gate"
     lowrank_min_tokens: int = 64
     seed: int = 0
 
@@ -107,11 +107,11 @@ def _refuse_quantized_input(source: dict[str, Any], model_dir: Path) -> None:
 
 
 class _TensorQuantizer:
-    """RTN for the non-expert targets; records the runtime module name of everything it quantises."""
+    """RTN for the non-expert targets; records the on-disk key of every weight it quantises."""
 
     def __init__(self, adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]):
         self.adapter, self.scheme, self.targets = adapter, scheme, set(targets)
-        self.modules: list[str] = []
+        self.keys: list[str] = []
 
     def wanted(self, key: str, tensor: torch.Tensor) -> bool:
         if not key.endswith(".weight") or tensor.ndim != 2 or not tensor.is_floating_point():
@@ -133,7 +133,7 @@ class _TensorQuantizer:
                     f"{self.scheme.group_size}; drop this target or pick another --group-size"
                 )
             out[key] = self.scheme.quantize(tensor)
-            self.modules.append(native.runtime_key(self.adapter, key).removesuffix(".weight"))
+            self.keys.append(key)
         return out
 
 
@@ -320,8 +320,8 @@ def quantize_checkpoint(
     new_config = dict(adapter.config)
 
     def finish_config() -> dict[str, Any]:
-        new_config["quantization_config"] = layout.quantization_config(
-            scheme, expert_modules + tensors.modules, lowrank_ranks or None
+        new_config["quantization_config"] = layout.config_for(
+            adapter, scheme, expert_modules, tensors.keys, lowrank_ranks or None
         )
         return new_config
 
@@ -340,7 +340,7 @@ def quantize_checkpoint(
     report["rtn_fallback_experts"] = {
         layer: stats["rtn_fallback"] for layer, stats in layer_stats.items() if stats.get("rtn_fallback")
     }
-    report["quantized_modules"] = len(expert_modules) + len(tensors.modules)
+    report["quantized_modules"] = len(expert_modules) + len(tensors.keys)
     report["footprint"] = checkpoint_footprint(Path(out_dir)).to_json()
     report["source_footprint"] = checkpoint_footprint(Path(model_dir)).to_json()
     report["seconds"] = round(time.time() - started, 2)

@@ -1,5 +1,6 @@
 """Per-layer input of the low-rank compensation: each routed expert's gate, up and down quantisation error,
-whitened by the inputs the router sends that expert, and the expert's load (see :mod:`.lowrank`)."""
+whitened by the inputs the router sends that expert, and its weight in the global objective: the expert's load
+times how strongly that matrix's error reaches the expert's output (see :mod:`.lowrank`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def layer_errors(
 ) -> LayerErrors:
     """Spectra (with ``keep`` components' factors) and loads of every expert matrix of one block.
 
+    ``weighting="tokens"``: an expert's load is its share of routed tokens and every routed token counts alike;
+    ``"gate"``: each token also counts with its squared routing weight (the block adds the expert's output
+    scaled by that weight, so this is the block-output error).
+
     The down projection's inputs are the *original* block's activations on the routed tokens, i.e. what the
     compensated expert should reproduce.
     """
@@ -52,16 +57,14 @@ def layer_errors(
     ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
     dequantized = quantized.dequantized()
     total_slots = float(ids.numel())
-    total_weight = float(weights.sum()) or 1.0
     result = LayerErrors({}, {})
     inter = moe.intermediate_size
     for expert in range(moe.num_experts):
         routed = ids == expert
         tokens = torch.where(routed.any(dim=-1))[0]
-        load = (
-            float(routed.sum()) / total_slots if weighting == "tokens" else float(weights[routed].sum()) / total_weight
-        )
+        load = float(routed.sum()) / total_slots
         x = hidden[tokens]
+        gate_weight = (weights * routed).sum(dim=-1)[tokens].float().unsqueeze(-1)
         original = expert_matrices(moe, expert)
         approximate = expert_matrices(dequantized, expert)
         projected = F.linear(x, moe.gate_up[expert].float())
@@ -71,20 +74,49 @@ def layer_errors(
         enough = tokens.numel() >= min_tokens
         if not enough:
             result.plain_svd.append(moe.expert_ids[expert])
+        token_scale = gate_weight if weighting == "gate" else torch.ones_like(gate_weight)
         factors = {
-            "gate": whitening_factor(x) if enough else None,
-            "down": whitening_factor(down_input) if enough else None,
+            "gate": whitening_factor(x * token_scale) if enough else None,
+            "down": whitening_factor(down_input * token_scale) if enough else None,
         }
         factors["up"] = factors["gate"]
+        errors = {which: original[which].float() - approximate[which].float() for which in MATRICES}
+        reach = output_reach(adapter, moe, expert, x, projected, errors)
         for which in MATRICES:
             key = (expert, which)
-            error = original[which].float() - approximate[which].float()
+            error = errors[which]
             result.spectra[key] = error_spectrum(error, factors[which], keep)
-            result.loads[key] = load
+            result.loads[key] = load * reach[which]
             if keep_inputs:
                 result.errors[key] = error
-                result.inputs[key] = down_input if which == "down" else x
+                result.inputs[key] = (down_input if which == "down" else x) * token_scale
     return result
+
+
+def output_reach(
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    expert: int,
+    x: torch.Tensor,
+    projected: torch.Tensor,
+    errors: dict[str, torch.Tensor],
+) -> dict[str, float]:
+    """How much of a gate or up error reaches the expert's output: ``Σ‖W_down·Δact‖² / Σ‖Δ‖²`` over the routed
+    tokens for the actual quantisation error ``Δ``, so gate, up and down gains are ranked in one unit (the
+    expert's output). 1 for down, whose error is already in that unit."""
+    reach = {"down": 1.0}
+    if x.shape[0] == 0:
+        return {"gate": 1.0, "up": 1.0, "down": 1.0}
+    inter = moe.intermediate_size
+    gate, up = projected[:, :inter], projected[:, inter:]
+    down = moe.down[expert].float()
+    base = adapter.activation(gate, up)
+    for which in ("gate", "up"):
+        delta = x @ errors[which].T
+        moved = adapter.activation(gate + delta, up) if which == "gate" else adapter.activation(gate, up + delta)
+        energy = float((delta**2).sum())
+        reach[which] = float(((moved - base) @ down.T).pow(2).sum()) / energy if energy > 0 else 1.0
+    return reach
 
 
 def measured_error(errors: LayerErrors, ranks: dict[tuple[int, str], int]) -> float:

@@ -14,7 +14,8 @@ Routed experts keep the original per-expert on-disk keys (``...experts.<e>.gate_
     ``weight_shape`` int64 ``[2]`` = ``(rows, cols)``.
     ``weight_zero_point`` int32 ``[ceil(rows·bits/32), cols/G]``, asymmetric only: our uint8 zero points packed
         the same way but along the *output* (row) dimension. Symmetric weights store none: compressed-tensors'
-        fixed zero point ``2**(bits-1)`` in unsigned terms is ours, as is its scale ``amax / ((2**bits - 1) / 2)``.
+        implied zero point is 0 in signed terms, ``2**(bits-1)`` in unsigned ones: ours. (Its observer's symmetric
+        scale, ``amax / ((2**bits - 1) / 2)``, is ours too, before we round it up to bf16.)
     Weights dequantise as ``(q - zp) · s`` with ``q = code - 2**(bits-1)``, ``zp = z - 2**(bits-1)``: ours.
 
 ``int-quantized`` (W4A8: INT4 weights, int8 per-token dynamic activations):
@@ -27,9 +28,10 @@ Routed experts keep the original per-expert on-disk keys (``...experts.<e>.gate_
     ``weight_packed`` uint8 ``[rows, cols/2]``: E2M1 codes, bit 3 the sign, even element in the low nibble: our
         packed bytes. ``weight_scale`` uint8 ``[rows, cols/32]``: E8M0 (exponent + 127): our scales.
 
-Dequantisation runs in the dtype of ``weight_scale``: with bf16 scales compressed-tensors (and a bf16 server)
-yields exactly ``q.dequantize(torch.bfloat16)``; pass ``scale_dtype=torch.float32`` to get exactly the float32
-``q.dequantize()`` (the scale values are the same, only wider). MXFP4 values are exact in either.
+Dequantisation runs in the dtype of ``weight_scale``: with the default bf16 scales compressed-tensors (and a bf16
+server) yields exactly ``q.dequantize()``, whose integer weights are defined as the product rounded once to bf16.
+``scale_dtype=torch.float32`` stores the same scale values wider; compressed-tensors then skips that final
+rounding, so its weights differ from ours by up to half a bf16 ulp. MXFP4 values are exact in either.
 """
 
 from __future__ import annotations
@@ -84,21 +86,23 @@ def supports(scheme: QuantScheme) -> str | None:
 
 
 def loader_caveats(scheme: QuantScheme) -> list[str]:
-    """Known limits of the stock loaders for routed experts in this format (transformers 5.24, vLLM main)."""
-    caveats = []
-    if not scheme.is_float and not scheme.symmetric:
-        caveats.append(
-            "transformers 5.24 cannot load asymmetric MoE experts (its expert dequantiser drops weight_zero_point)"
-        )
-    if scheme.name == "int2":
-        caveats.append("vLLM's fused-MoE WNA16 kernels take 4- and 8-bit weights only; INT2 experts will not load")
-    if scheme.name == "int2" and not scheme.symmetric:
-        caveats.append("vLLM's zero-point WNA16 kernels are 4- and 8-bit only")
+    """Known limits of the stock loaders for routed experts in this format (transformers 5.24 with
+    compressed-tensors 0.20, and the compressed-tensors MoE methods in vLLM's main-branch source)."""
+    caveats = [
+        "transformers 5.24 returns dequantised experts in the dtype of weight_scale (bf16 for MXFP4), not the "
+        "model's, and runs them in it"
+    ]
     if scheme.activation_bits:
         caveats.append(
-            "transformers 5.24 loads W4A8 experts as dense weights without the int8 activation step; vLLM's W4A8-int "
-            "MoE method is Arm-CPU only and needs symmetric weights"
+            "transformers 5.24 cannot load int-quantized (W4A8) MoE experts: its expert dequantiser reads "
+            "weight_packed only; vLLM's W4A8-int MoE method runs on Arm CPUs only and needs symmetric weights"
         )
+    elif not scheme.is_float and not scheme.symmetric:
+        caveats.append(
+            "transformers 5.24 cannot load asymmetric MoE experts: its expert dequantiser drops weight_zero_point"
+        )
+    if scheme.name == "int2":
+        caveats.append("vLLM's fused-MoE WNA16 method takes 4- and 8-bit weights only; INT2 experts will not load")
     return caveats
 
 
@@ -194,9 +198,9 @@ def _pack_columns(values: torch.Tensor, bits: int) -> torch.Tensor:
     return _owned(_as_int32_words(pack_codes(padded.t(), bits)).t())
 
 
-def _signed_codes(q: QuantizedTensor) -> torch.Tensor:
-    """Codes shifted to compressed-tensors' signed range: ``code - 2**(bits-1)`` as int8."""
-    return (q.codes().to(torch.int16) - 2 ** (q.scheme.bits - 1)).to(torch.int8)
+def _signed(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes or zero points shifted to compressed-tensors' signed range, ``value - 2**(bits-1)``, as int8."""
+    return (values.to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
 
 
 def linear_tensors(
@@ -212,9 +216,9 @@ def linear_tensors(
         return {f"{module}.weight_packed": _owned(q.packed), f"{module}.weight_scale": _owned(q.scales)}
     scale = q.scales.to(scale_dtype).contiguous()
     if scheme.activation_bits:
-        out = {f"{module}.weight": _signed_codes(q), f"{module}.weight_scale": _owned(scale)}
+        out = {f"{module}.weight": _signed(q.codes(), scheme.bits), f"{module}.weight_scale": _owned(scale)}
         if q.zeros is not None:
-            out[f"{module}.weight_zero_point"] = (q.zeros.to(torch.int16) - 2 ** (scheme.bits - 1)).to(torch.int8)
+            out[f"{module}.weight_zero_point"] = _signed(q.zeros, scheme.bits)
         return out
     out = {
         f"{module}.weight_packed": _as_int32_words(q.packed),
@@ -226,14 +230,15 @@ def linear_tensors(
     return out
 
 
-def check_per_expert(adapter: FamilyAdapter) -> None:
-    """A ValueError unless ``adapter``'s family stores its routed experts one linear per expert."""
-    if adapter.family not in PER_EXPERT_FAMILIES:
-        raise ValueError(
-            f"--format compressed-tensors writes routed experts as per-expert linears; {adapter.family} stores them "
-            "fused, and stock transformers has no per-expert loader for it (use --format native"
-            + (" or gpt-oss)" if adapter.family == "gpt_oss" else ")")
-        )
+def fused_experts_problem(adapter: FamilyAdapter) -> str | None:
+    """Why ``adapter``'s routed experts cannot be written here (they are fused on disk), or None."""
+    if adapter.family in PER_EXPERT_FAMILIES:
+        return None
+    alternative = "native or gpt-oss" if adapter.family == "gpt_oss" else "native"
+    return (
+        f"--format compressed-tensors writes routed experts as per-expert linears; {adapter.family} stores them "
+        f"fused and stock transformers has no per-expert loader for it (use --format {alternative})"
+    )
 
 
 def expert_tensors(
@@ -245,7 +250,9 @@ def expert_tensors(
 ) -> dict[str, torch.Tensor]:
     """Layer ``layer``'s routed experts (canonical ``gate_up`` ``[E, 2I, H]``, gate rows first, and ``down``
     ``[E, H, I]``) as per-expert gate/up/down linears under the family's on-disk keys."""
-    check_per_expert(adapter)
+    problem = fused_experts_problem(adapter)
+    if problem:
+        raise ValueError(problem)
     experts, rows, _ = gate_up.shape
     inter = rows // 2
     gate_rows, up_rows = torch.arange(inter), torch.arange(inter, rows)
@@ -261,11 +268,7 @@ def expert_tensors(
 # ---- the quantise pass's interface (see passes/quantize.py) --------------------------------------------------
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
     """Why this export cannot hold the request, or None."""
-    if adapter.family not in PER_EXPERT_FAMILIES:
-        return (
-            f"--format compressed-tensors needs per-expert expert weights on disk; {adapter.family} stores them fused"
-        )
-    return supports(scheme)
+    return fused_experts_problem(adapter) or supports(scheme)
 
 
 def layer_tensors(
@@ -273,12 +276,11 @@ def layer_tensors(
     layer: int,
     moe: QuantizedMoE | None,
     rest: dict[str, torch.Tensor | QuantizedTensor],
+    scale_dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, torch.Tensor]:
     """A decoder layer's tensors under their on-disk names, quantised linears (``rest``) and routed experts
     (``moe``) in this format; routers, norms and biases unchanged."""
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in rest.items():
-        out.update(linear_tensors(key, tensor) if isinstance(tensor, QuantizedTensor) else {key: tensor})
+    out = outside_tensors(adapter, rest, scale_dtype)
     if moe is None:
         return out
     weights = moe.weights
@@ -289,13 +291,34 @@ def layer_tensors(
         out[adapter._router_key(layer, "bias")] = weights.router_bias
     if weights.correction_bias is not None:
         out[adapter._router_key(layer, "e_score_correction_bias")] = weights.correction_bias
-    out.update(expert_tensors(adapter, layer, moe.gate_up, moe.down))
+    out.update(expert_tensors(adapter, layer, moe.gate_up, moe.down, scale_dtype))
     return out
 
 
-def outside_tensors(adapter: FamilyAdapter, tensors: dict[str, torch.Tensor | QuantizedTensor]) -> dict[str, Any]:
-    """Tensors outside the decoder layers (embeddings, final norm, ``lm_head``) in this format."""
+def outside_tensors(
+    adapter: FamilyAdapter,
+    tensors: dict[str, torch.Tensor | QuantizedTensor],
+    scale_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
+    """``tensors`` under their on-disk names, the quantised linears among them in this format (used for the
+    tensors outside the decoder layers, e.g. ``lm_head``, and for a layer's non-expert tensors)."""
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        out.update(linear_tensors(key, tensor) if isinstance(tensor, QuantizedTensor) else {key: tensor})
+        if isinstance(tensor, QuantizedTensor):
+            out.update(linear_tensors(key, tensor, scale_dtype))
+        else:
+            out[key] = tensor
     return out
+
+
+def config_for(
+    adapter: FamilyAdapter,
+    scheme: QuantScheme,
+    expert_modules: list[str],
+    weight_keys: list[str],
+    lowrank: dict | None = None,
+) -> dict[str, Any]:
+    """``quantization_config`` targeting the routed experts (by the per-expert on-disk names vLLM looks up) and
+    every other quantised linear by its exact on-disk module name."""
+    targets = expert_targets(adapter) + [key.removesuffix(".weight") for key in weight_keys]
+    return quantization_config(scheme, targets, ignore=[])

@@ -66,5 +66,7 @@ def outside_tensors(adapter: FamilyAdapter, tensors: dict[str, torch.Tensor]) ->
     return dict(tensors)
 
 
-def quantization_config(scheme: QuantScheme, modules: list[str], lowrank=None) -> dict[str, Any]:
+def config_for(
+    adapter: FamilyAdapter, scheme: QuantScheme, expert_modules: list[str], weight_keys: list[str], lowrank=None
+) -> dict[str, Any]:
     return {"quant_method": "mxfp4", "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}

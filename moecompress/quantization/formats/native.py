@@ -80,9 +80,15 @@ def outside_tensors(
     return out
 
 
-def quantization_config(
-    scheme: QuantScheme, modules: list[str], lowrank: dict[str, dict[str, list[int]]] | None = None
+def config_for(
+    adapter: FamilyAdapter,
+    scheme: QuantScheme,
+    expert_modules: list[str],
+    weight_keys: list[str],
+    lowrank: dict[str, dict[str, list[int]]] | None = None,
 ) -> dict[str, Any]:
+    """``quantization_config`` naming every quantised module by its runtime name."""
+    modules = expert_modules + [runtime_key(adapter, key).removesuffix(".weight") for key in weight_keys]
     return MoecompressConfig(
         schemes={"default": scheme.to_dict()}, modules=dict.fromkeys(modules, "default"), lowrank=lowrank
     ).to_dict()
