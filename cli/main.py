@@ -14,23 +14,11 @@ import click
 
 from .. import __version__
 from ..errors import UserInputError
+from .numbers import human_bytes as _human_bytes
+from .numbers import human_int as _human_int
 from .quantize import quantize_command
 
 MODEL_HELP = "a model directory, builtin:tiny-moe, or a Hugging Face hub id (org/name)"
-
-
-def _human_int(value: int) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= size:
-            return f"{value / size:.2f}{unit}"
-    return str(value)
-
-
-def _human_bytes(value: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value} B"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,12 +7,7 @@ from pathlib import Path
 
 import click
 
-
-def _human_bytes(value: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value} B"
+from .numbers import human_bytes as _human_bytes
 
 
 @click.command("quantize")
