@@ -24,10 +24,14 @@ class QuantizedMoE:
     stats: dict = field(default_factory=dict)
     adapters: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """Low-rank error adapters ``(L, R)`` keyed by ``(expert position, "gate" | "up" | "down")``."""
+    _dequantized: MoEWeights | None = field(default=None, repr=False, compare=False)
 
     def dequantized(self) -> MoEWeights:
-        """The block as it computes after quantisation (what the next layer's calibration should see)."""
-        return replace(self.weights, gate_up=self.gate_up.dequantize(), down=self.down.dequantize())
+        """The block as it computes after quantisation (what the next layer's calibration should see); computed
+        once, since GPTQ's propagation and the low-rank errors both need it."""
+        if self._dequantized is None:
+            self._dequantized = replace(self.weights, gate_up=self.gate_up.dequantize(), down=self.down.dequantize())
+        return self._dequantized
 
 
 def quantize_experts_rtn(moe: MoEWeights, scheme: QuantScheme) -> QuantizedMoE:
