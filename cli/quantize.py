@@ -21,11 +21,12 @@ from .numbers import human_bytes as _human_bytes
 )
 @click.option(
     "--scheme",
-    type=click.Choice(["mxfp4", "int4", "int2", "w4a8"]),
+    type=click.Choice(["mxfp4", "int4", "int2", "w4a8", "binary"]),
     default="mxfp4",
     show_default=True,
     help="mxfp4: OCP MXFP4 (E2M1, 32-wide E8M0 blocks); int4/int2: group-wise integers; "
-    "w4a8: int4 weights with int8 per-token activations at inference.",
+    "w4a8: int4 weights with int8 per-token activations at inference; binary: sign bits with a bf16 scale "
+    "per group (use with --salient-fraction).",
 )
 @click.option(
     "--method",
@@ -37,10 +38,10 @@ from .numbers import human_bytes as _human_bytes
 )
 @click.option(
     "--group-size",
-    type=click.Choice(["32", "64", "128"]),
-    default="32",
-    show_default=True,
-    help="Weights per scale for int4/int2/w4a8 (MXFP4 blocks are always 32).",
+    type=click.Choice(["32", "64", "128", "256"]),
+    default=None,
+    help="Weights per scale: int4/int2/w4a8 take 32, 64 or 128 (default 32); binary 32 to 256 (default 128); "
+    "MXFP4 blocks are always 32.",
 )
 @click.option(
     "--symmetric/--asymmetric",
@@ -53,6 +54,22 @@ from .numbers import human_bytes as _human_bytes
     default="floor",
     show_default=True,
     help="MXFP4 block exponent: floor(log2 amax) - 2 (OCP) or ceil(log2(amax/6)) (gpt-oss, never saturates).",
+)
+@click.option(
+    "--salient-fraction",
+    type=click.FloatRange(min=0, max=0.5),
+    default=0.0,
+    show_default=True,
+    help="Share of each routed expert matrix's weights kept exactly in bf16, the largest |w| x input RMS over "
+    "the calibration tokens routed to the expert (needs calibration; native format only). 0.01 suits binary.",
+)
+@click.option(
+    "--bitmap",
+    type=click.Choice(["rice", "golomb", "raw"]),
+    default="rice",
+    show_default=True,
+    help="How the salient weights' positions are stored: a Rice- or Golomb-coded bitmap (within 1% of H(p) "
+    "bits per position; Rice decodes faster) or raw (one bit per position, for comparison).",
 )
 @click.option(
     "--targets",
@@ -74,7 +91,8 @@ from .numbers import human_bytes as _human_bytes
     "--calib",
     default="builtin:prose",
     show_default=True,
-    help="Calibration source(s), comma-separated, for gptq and --lowrank-budget (plain rtn needs none).",
+    help="Calibration source(s), comma-separated, for gptq, --salient-fraction and --lowrank-budget (plain rtn "
+    "needs none).",
 )
 @click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
@@ -128,9 +146,11 @@ def quantize_command(
     out_dir: Path,
     scheme: str,
     method: str,
-    group_size: str,
+    group_size: str | None,
     symmetric: bool | None,
     scale_rule: str,
+    salient_fraction: float,
+    bitmap: str,
     targets: str,
     output_format: str,
     calib: str,
@@ -159,9 +179,11 @@ def quantize_command(
     config = QuantizeConfig(
         scheme=scheme,
         method=method,
-        group_size=int(group_size),
+        group_size=None if group_size is None else int(group_size),
         symmetric=symmetric,
         scale_rule=scale_rule,
+        salient_fraction=salient_fraction,
+        bitmap=bitmap,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()),
         format=output_format,
         gptq_min_tokens=gptq_min_tokens,
@@ -195,6 +217,12 @@ def quantize_command(
         f"{footprint['total']['bits_per_weight']:.3f} bits/weight, "
         f"{_human_bytes(source['total']['bytes'])} -> {_human_bytes(footprint['total']['bytes'])}"
     )
+    if experts.get("bitmap_raw_bytes"):
+        click.echo(
+            f"salient weights: bitmap {_human_bytes(experts['bitmap_bytes'])} as stored ({bitmap}) vs "
+            f"{_human_bytes(experts['bitmap_raw_bytes'])} raw, values {_human_bytes(experts['salient_value_bytes'])}; "
+            f"experts {experts['bits_per_weight_raw_bitmap']:.3f} bits/weight with a raw bitmap"
+        )
     if "lowrank" in report:
         lowrank = report["lowrank"]
         measured = lowrank["measured_weighted_error"]

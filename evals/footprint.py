@@ -3,7 +3,11 @@
 Every stored byte is counted against the class of the weight it serves: packed codes *and* their scales, zero
 points, bitmaps and low-rank adapters (``metadata_bytes`` and ``adapter_bytes`` say how much of ``bytes`` those
 are). ``weights`` counts logical (dequantised) weights, so a class's bits per weight is
-``8 · bytes / weights``. Understood layouts: plain float checkpoints, the native moecompress format, gpt-oss MXFP4
+``8 · bytes / weights``. Salient weights count their coded position bitmap (``bitmap_bytes``, with
+``bitmap_raw_bytes`` what a plain one-bit-per-position bitmap would have cost) and their bf16 values
+(``salient_value_bytes``), all inside ``metadata_bytes``.
+
+Understood layouts: plain float checkpoints, the native moecompress format, gpt-oss MXFP4
 (``*_blocks``/``*_scales``) and compressed-tensors (``weight_packed`` and companions).
 """
 
@@ -16,6 +20,7 @@ from typing import Any
 from ..checkpoint import CheckpointReader
 from ..checkpoint.reader import TensorInfo
 from ..families import adapter_for
+from ..quantization.scheme import QuantScheme
 
 _DTYPE_BITS = {"U8": 8, "I8": 8, "I32": 32, "U32": 32, "I16": 16, "U16": 16}
 _QUANTIZED_PARAMS = ("weight", "gate_up_proj", "down_proj")
@@ -37,19 +42,44 @@ class ClassFootprint:
     bytes: int = 0
     metadata_bytes: int = 0
     adapter_bytes: int = 0
+    bitmap_bytes: int = 0
+    bitmap_raw_bytes: int = 0
+    salient_value_bytes: int = 0
 
     @property
     def bits_per_weight(self) -> float:
         return 8 * self.bytes / self.weights if self.weights else 0.0
 
+    @property
+    def bits_per_weight_raw_bitmap(self) -> float:
+        """Bits per weight had the salient bitmaps been stored plainly (one bit per position)."""
+        raw = self.bytes - self.bitmap_bytes + self.bitmap_raw_bytes
+        return 8 * raw / self.weights if self.weights else 0.0
+
+    def add(self, other: ClassFootprint) -> None:
+        for name in _COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "weights": self.weights,
             "bytes": self.bytes,
             "metadata_bytes": self.metadata_bytes,
             "adapter_bytes": self.adapter_bytes,
             "bits_per_weight": round(self.bits_per_weight, 4),
         }
+        if self.bitmap_raw_bytes:
+            out.update(
+                bitmap_bytes=self.bitmap_bytes,
+                bitmap_raw_bytes=self.bitmap_raw_bytes,
+                salient_value_bytes=self.salient_value_bytes,
+                bits_per_weight_raw_bitmap=round(self.bits_per_weight_raw_bitmap, 4),
+            )
+        return out
+
+
+_COUNTS = ("weights", "bytes", "metadata_bytes", "adapter_bytes", "bitmap_bytes", "bitmap_raw_bytes")
+_COUNTS += ("salient_value_bytes",)
 
 
 @dataclass
@@ -61,10 +91,7 @@ class Footprint:
     def total(self) -> ClassFootprint:
         total = ClassFootprint()
         for part in self.classes.values():
-            total.weights += part.weights
-            total.bytes += part.bytes
-            total.metadata_bytes += part.metadata_bytes
-            total.adapter_bytes += part.adapter_bytes
+            total.add(part)
         return total
 
     def to_json(self) -> dict[str, Any]:
@@ -84,10 +111,10 @@ def _logical_weights(key: str, info: TensorInfo, config: dict[str, Any]) -> int 
         scheme_key = quantization.get("modules", {}).get(module)
         if scheme_key is None:
             return None
-        bits = {"mxfp4": 4, "int4": 4, "w4a8": 4, "int2": 2}.get(quantization["schemes"][scheme_key]["name"], 8)
+        bits = QuantScheme.from_dict(quantization["schemes"][scheme_key]).bits
         if param in _QUANTIZED_PARAMS:
             return info.numel * 8 // bits
-        if param.endswith(("_scales", "_zeros")):
+        if param.endswith(("_scales", "_zeros", "_salient", "_salient_values")):
             return 0
         return None
     if method == "mxfp4":
@@ -128,6 +155,14 @@ def checkpoint_footprint(directory: Path) -> Footprint:
             part = footprint.classes.setdefault(adapter.classify_key(key), ClassFootprint())
             logical = _logical_weights(key, info, reader.config)
             part.bytes += info.nbytes
+            if logical == 0 and key.endswith("_salient"):
+                part.bitmap_bytes += info.nbytes
+                positions = _logical_weights(
+                    key.removesuffix("_salient"), reader.tensors[key.removesuffix("_salient")], reader.config
+                )
+                part.bitmap_raw_bytes += -(-(positions or 0) // 8)
+            elif logical == 0 and key.endswith("_salient_values"):
+                part.salient_value_bytes += info.nbytes
             if _is_adapter(key, reader.config):
                 part.adapter_bytes += info.nbytes
             elif logical is None:

@@ -722,6 +722,12 @@ def decode_indices(data: bytes | bytearray | memoryview, *, chunks: range | None
     return _decode_positions(container, _chunk_range(container, chunks))
 
 
+def bitmap_counts(data: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(positions, set bits)`` a coded bitmap declares, after the header and chunk table are checked."""
+    container = _parse(data)
+    return container.length, container.ones
+
+
 def chunk_count(data: bytes | bytearray | memoryview) -> int:
     """How many independently decodable chunks a coded bitmap has."""
     return _parse(data).chunks

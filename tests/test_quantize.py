@@ -15,7 +15,7 @@ from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.stream import group_keys_by_layer
 from moecompress.families import adapter_for
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.quantization.experts import quantize_experts_gptq, quantize_experts_rtn, routed_tokens
+from moecompress.quantization.experts import quantize_experts_calibrated, quantize_experts_rtn, routed_tokens
 from moecompress.quantization.gptq import gptq_quantize
 from moecompress.quantization.scheme import QuantScheme
 
@@ -159,7 +159,7 @@ def test_gptq_uses_routed_tokens_and_falls_back_below_the_threshold(tiny_checkpo
     assert sum(counts) == 400 * adapter.top_k
     threshold = sorted(counts)[len(counts) // 2]
     scheme = QuantScheme("int4")
-    result = quantize_experts_gptq(adapter, moe, hidden, scheme, min_tokens=threshold)
+    result = quantize_experts_calibrated(adapter, moe, hidden, scheme, min_tokens=threshold)
     fallback = [eid for eid, n in zip(moe.expert_ids, counts, strict=True) if n < threshold]
     assert result.stats["rtn_fallback"] == fallback
     assert result.stats["tokens_per_expert"] == dict(zip(moe.expert_ids, counts, strict=True))

@@ -22,10 +22,11 @@ from ..families import FamilyAdapter, MoEWeights
 from ..kernels.mxfp4 import ScaleRule
 from ..loading import load_adapter
 from ..quantization.compensation import LayerErrors, layer_errors, measured_error
-from ..quantization.experts import QuantizedMoE, quantize_experts_gptq, quantize_experts_rtn
+from ..quantization.experts import QuantizedMoE, quantize_experts_calibrated, quantize_experts_rtn
 from ..quantization.formats import gpt_oss, native
 from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
-from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
+from ..quantization.salient import BITMAP_CODES
+from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, QuantScheme
 from ..sweep import CalibrationSweep
 from .prune_experts import calibration_batches, update_report
 
@@ -38,9 +39,11 @@ Method = Literal["rtn", "gptq"]
 class QuantizeConfig:
     scheme: str = "mxfp4"
     method: Method = "rtn"
-    group_size: int = 32
+    group_size: int | None = None
     symmetric: bool | None = None
     scale_rule: ScaleRule = "floor"
+    salient_fraction: float = 0.0
+    bitmap: str = "rice"
     targets: tuple[str, ...] = ("experts",)
     format: str = "native"
     gptq_min_tokens: int = 64
@@ -53,11 +56,14 @@ class QuantizeConfig:
     seed: int = 0
 
     def quant_scheme(self) -> QuantScheme:
-        """``symmetric`` defaults to True, except for INT2 where a zero-centred grid wastes a level."""
+        """``symmetric`` defaults to True, except for INT2 where a zero-centred grid wastes a level; the group
+        size defaults to 32, and to 128 for binary (where 16-bit scales per 32 weights would cost half a bit)."""
         symmetric = self.symmetric if self.symmetric is not None else self.scheme != "int2"
-        group = 32 if self.scheme == "mxfp4" else self.group_size
+        group = self.group_size or DEFAULT_GROUP_SIZE.get(self.scheme, 32)
+        if self.scheme == "mxfp4":
+            group = 32
         try:
-            return QuantScheme(self.scheme, group, symmetric, self.scale_rule)
+            return QuantScheme(self.scheme, group, symmetric, self.scale_rule, self.salient_fraction, self.bitmap)
         except ValueError as error:
             raise UserInputError(str(error)) from None
 
@@ -79,6 +85,10 @@ class QuantizeConfig:
             raise UserInputError(f"unknown --rank-alloc {self.rank_alloc!r}; choose from {', '.join(ALLOCATIONS)}")
         if self.load_weighting not in LOAD_WEIGHTINGS:
             raise UserInputError(f"unknown --load-weighting {self.load_weighting!r}; choose tokens or gate")
+        if self.bitmap not in BITMAP_CODES:
+            raise UserInputError(f"unknown --bitmap {self.bitmap!r}; choose from {', '.join(BITMAP_CODES)}")
+        if self.salient_fraction and self.format != "native":
+            raise UserInputError(f"salient weights are stored in the native format only, not {self.format}")
         if self.lowrank_budget and self.format != "native":
             raise UserInputError(f"low-rank adapters are stored in the native format only, not {self.format}")
         self.quant_scheme()
@@ -152,16 +162,19 @@ class _ExpertQuantizer:
 
     def __init__(self, adapter: FamilyAdapter, scheme: QuantScheme, config: QuantizeConfig):
         self.adapter, self.scheme, self.config = adapter, scheme, config
+        self.calibrated = config.method == "gptq" or scheme.salient_fraction > 0
+        """GPTQ and the choice of salient weights both need each expert's routed calibration inputs."""
 
     def quantize(self, layer: int, moe: MoEWeights, capture) -> QuantizedMoE:
         _check_expert_dims(layer, moe, self.scheme)
-        if self.config.method == "rtn":
+        if not self.calibrated:
             return quantize_experts_rtn(moe, self.scheme)
-        quantized = quantize_experts_gptq(
+        quantized = quantize_experts_calibrated(
             self.adapter,
             moe,
             capture.moe_input,
             self.scheme,
+            method=self.config.method,
             min_tokens=self.config.gptq_min_tokens,
             damp=self.config.gptq_damp,
             block_size=self.config.gptq_block,
@@ -241,7 +254,8 @@ def quantize_checkpoint(
     layer_stats: dict[str, Any] = {}
     lowrank_ranks: dict[str, dict[str, list[int]]] = {}
     calibration: dict[str, Any] | None = None
-    needs_calibration = config.method == "gptq" or config.lowrank_budget > 0
+    needs_calibration = quantizer.calibrated or config.lowrank_budget > 0
+    salient: dict[str, dict[str, list[int]]] = {}
 
     captures = None
     if needs_calibration:
@@ -299,7 +313,9 @@ def quantize_checkpoint(
             quantized = quantize_moe(layer, moe)
             expert_modules.append(native.experts_module(adapter, layer))
             layer_stats[str(layer)] = quantized.stats
-        return layout.layer_tensors(adapter, layer, quantized, tensors(rest))
+        written = layout.layer_tensors(adapter, layer, quantized, tensors(rest))
+        salient.update(native.salient_sizes(written))
+        return written
 
     def write_outside(outside: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return layout.outside_tensors(adapter, tensors(outside))
@@ -321,7 +337,7 @@ def quantize_checkpoint(
 
     def finish_config() -> dict[str, Any]:
         new_config["quantization_config"] = layout.config_for(
-            adapter, scheme, expert_modules, tensors.keys, lowrank_ranks or None
+            adapter, scheme, expert_modules, tensors.keys, lowrank_ranks or None, salient or None
         )
         return new_config
 

@@ -1,5 +1,5 @@
-"""Quantising one MoE block's routed experts: round-to-nearest, or GPTQ with each expert's Hessian built from
-the calibration tokens the router actually sends it."""
+"""Quantising one MoE block's routed experts: round-to-nearest, or, calibrated, GPTQ with each expert's Hessian
+and the choice of its salient weights both built from the calibration tokens the router actually sends it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..families import FamilyAdapter, MoEWeights
+from . import salient
 from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_quantize
 from .scheme import QuantizedTensor, QuantScheme
 
@@ -57,30 +58,54 @@ def _hessians(inputs: list[torch.Tensor], width: int, use: list[bool]) -> torch.
     return hessians
 
 
-def quantize_experts_gptq(
+def _quantize_matrix(
+    weight: torch.Tensor,
+    inputs: list[torch.Tensor],
+    scheme: QuantScheme,
+    use_gptq: list[bool] | None,
+    damp: float,
+    block_size: int,
+) -> QuantizedTensor:
+    """One fused expert matrix ``[E, rows, cols]``: salient weights chosen from its routed ``inputs`` (if the
+    scheme keeps any), then GPTQ (``use_gptq`` says per expert whether its Hessian is used) or RTN."""
+    width = weight.shape[-1]
+    keep = None
+    if scheme.salient_fraction:
+        keep = salient.choose(weight, salient.input_rms(inputs, width), scheme.salient_fraction)
+    if use_gptq is None:
+        return scheme.quantize(weight, keep)
+    hessians = _hessians(inputs, width, use_gptq)
+    return gptq_quantize(weight.float(), hessians, scheme, block_size=block_size, damp=damp, keep=keep)
+
+
+def quantize_experts_calibrated(
     adapter: FamilyAdapter,
     moe: MoEWeights,
     hidden: torch.Tensor,
     scheme: QuantScheme,
     *,
+    method: str = "gptq",
     min_tokens: int = 64,
     damp: float = DEFAULT_DAMP,
     block_size: int = DEFAULT_BLOCK,
 ) -> QuantizedMoE:
-    """GPTQ every routed expert of ``moe`` on the block's calibration inputs ``hidden`` ``[T, H]``.
+    """Quantise every routed expert of ``moe`` using the block's calibration inputs ``hidden`` ``[T, H]``: GPTQ
+    (``method="gptq"``) and/or the choice of salient weights (schemes with a salient fraction).
 
     ``gate_up`` is quantised first; the inputs of ``down`` are then computed through the *quantised* ``gate_up``
-    so the second matrix corrects the first one's error too. Experts routed fewer than ``min_tokens`` tokens fall
-    back to round-to-nearest (an identity Hessian) and are listed in ``stats["rtn_fallback"]``.
+    so the second matrix corrects the first one's error too, and its salient weights are chosen on what it will
+    really see. Under GPTQ, experts routed fewer than ``min_tokens`` tokens fall back to round-to-nearest (an
+    identity Hessian) and are listed in ``stats["rtn_fallback"]``; experts routed no token at all choose their
+    salient weights by magnitude alone (``stats["salient_by_magnitude"]``).
     """
+    if method not in ("gptq", "rtn"):
+        raise ValueError(f"unknown method {method!r}")
     hidden = hidden.float()
     tokens = routed_tokens(adapter, moe, hidden)
     counts = [int(t.numel()) for t in tokens]
-    use = [count >= min_tokens for count in counts]
+    use = [count >= min_tokens for count in counts] if method == "gptq" else None
     inputs = [hidden[t] for t in tokens]
-    gate_up = gptq_quantize(
-        moe.gate_up.float(), _hessians(inputs, hidden.shape[-1], use), scheme, block_size=block_size, damp=damp
-    )
+    gate_up = _quantize_matrix(moe.gate_up, inputs, scheme, use, damp, block_size)
     gate_up_values = gate_up.dequantize()
     inter = moe.intermediate_size
     activations = []
@@ -89,10 +114,11 @@ def quantize_experts_gptq(
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()
         activations.append(adapter.activation(projected[:, :inter], projected[:, inter:]))
-    down = gptq_quantize(moe.down.float(), _hessians(activations, inter, use), scheme, block_size=block_size, damp=damp)
-    stats = {
-        "method": "gptq",
-        "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True)),
-        "rtn_fallback": [eid for eid, used in zip(moe.expert_ids, use, strict=True) if not used],
-    }
+    down = _quantize_matrix(moe.down, activations, scheme, use, damp, block_size)
+    stats: dict = {"method": method, "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True))}
+    if use is not None:
+        stats["rtn_fallback"] = [eid for eid, used in zip(moe.expert_ids, use, strict=True) if not used]
+    if scheme.salient_fraction:
+        stats["salient_weights"] = {"gate_up": gate_up.salient.count, "down": down.salient.count}
+        stats["salient_by_magnitude"] = [eid for eid, count in zip(moe.expert_ids, counts, strict=True) if not count]
     return QuantizedMoE(moe, gate_up, down, stats)

@@ -5,12 +5,16 @@ in proportion to the inverse Hessian, so that the layer's *output* on the calibr
 possible. A group's grid (scale, zero point or MXFP4 exponent) is fitted when the sweep reaches its first column,
 to the weights as corrected so far. With an identity Hessian no error moves and the result equals
 round-to-nearest exactly, which is how experts with too few calibration tokens fall back.
+
+Weights marked ``keep`` (salient weights) are left out of their group's grid and not rounded: their error is
+zero, and the value stored for them is the one the sweep has corrected them to.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .salient import from_mask
 from .scheme import QuantizedTensor, QuantScheme
 
 DEFAULT_BLOCK = 128
@@ -47,8 +51,10 @@ def gptq_quantize(
     *,
     block_size: int = DEFAULT_BLOCK,
     damp: float = DEFAULT_DAMP,
+    keep: torch.Tensor | None = None,
 ) -> QuantizedTensor:
-    """Quantise ``weight`` ``[B, rows, cols]`` with per-item Hessians ``[B, cols, cols]`` (``X^T X`` of the inputs)."""
+    """Quantise ``weight`` ``[B, rows, cols]`` with per-item Hessians ``[B, cols, cols]`` (``X^T X`` of the inputs);
+    ``keep`` (bool, like ``weight``) marks salient weights stored exactly."""
     group = scheme.group_size
     batch, rows, cols = weight.shape
     if hessian.shape != (batch, cols, cols):
@@ -60,6 +66,7 @@ def gptq_quantize(
     work = weight.float().clone()
     work.masked_fill_(dead.unsqueeze(1), 0.0)
     codes = torch.zeros(batch, rows, cols, dtype=torch.uint8)
+    kept_values = None if keep is None else torch.zeros(batch, rows, cols)
     grids = []
     for start in range(0, cols, block_size):
         stop = min(start + block_size, cols)
@@ -68,22 +75,27 @@ def gptq_quantize(
         hinv_block = hinv[:, start:stop, start:stop]
         for i in range(stop - start):
             if i % group == 0:
-                grid = scheme.fit(block[:, :, i : i + group].unsqueeze(-2))
+                exclude = None if keep is None else keep[:, :, start + i : start + i + group].unsqueeze(-2)
+                grid = scheme.fit(block[:, :, i : i + group].unsqueeze(-2), exclude)
                 grids.append(grid)
             column = block[:, :, i : i + 1].unsqueeze(-2)
             column_codes = scheme.codes(column, grid)
             quantized = scheme.values(column_codes, grid).reshape(batch, rows)
+            if keep is not None:
+                quantized = torch.where(keep[:, :, start + i], block[:, :, i], quantized)
+                kept_values[:, :, start + i] = block[:, :, i]
             codes[:, :, start + i] = column_codes.reshape(batch, rows)
             error = (block[:, :, i] - quantized) / hinv_block[:, i, i].unsqueeze(-1)
             block[:, :, i:] -= error.unsqueeze(-1) * hinv_block[:, i, i:].unsqueeze(1)
             errors[:, :, i] = error
         work[:, :, stop:] -= errors @ hinv[:, start:stop, stop:]
-    return scheme.pack(codes, _stack_grids(scheme, grids))
+    salient = None if keep is None else from_mask(keep, kept_values)
+    return scheme.pack(codes, _stack_grids(scheme, grids), salient)
 
 
 def _stack_grids(scheme: QuantScheme, grids: list):
     """Per-group grids ``[B, rows, 1, 1]`` in column order → one grid ``[B, rows, groups, 1]``."""
-    if scheme.is_float:
+    if scheme.is_float or scheme.is_binary:
         return torch.cat(grids, dim=-2)
     from ..kernels.intq import IntGrid
 

@@ -18,7 +18,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .modules import QuantizedExperts, QuantizedLinear
+from .modules import QuantizedExperts, QuantizedLinear, SalientSizes, _QuantizedWeights
 from .scheme import QuantScheme
 
 QUANT_METHOD = "moecompress"
@@ -28,13 +28,16 @@ FORMAT_VERSION = 1
 class MoecompressConfig(QuantizationConfigMixin):
     """``schemes`` maps a scheme key to a :class:`QuantScheme` dict; ``modules`` maps each quantised module's
     runtime name (``model.layers.3.mlp.experts``) to its scheme key; ``lowrank`` maps an experts module to the
-    rank of each expert's gate/up/down error adapter (``{"gate": [r_0, r_1, ...], ...}``)."""
+    rank of each expert's gate/up/down error adapter (``{"gate": [r_0, r_1, ...], ...}``); ``salient`` maps a
+    module to, per weight with salient weights, ``[bitmap bytes, salient weights]`` (the stored tensors' sizes,
+    which the module needs before the weights are read)."""
 
     def __init__(
         self,
         schemes: dict[str, dict[str, Any]] | None = None,
         modules: dict[str, str] | None = None,
         lowrank: dict[str, dict[str, list[int]]] | None = None,
+        salient: dict[str, dict[str, list[int]]] | None = None,
         format_version: int = FORMAT_VERSION,
         **kwargs: Any,
     ):
@@ -42,6 +45,7 @@ class MoecompressConfig(QuantizationConfigMixin):
         self.schemes = dict(schemes or {})
         self.modules = dict(modules or {})
         self.lowrank = dict(lowrank or {})
+        self.salient = dict(salient or {})
         self.format_version = int(format_version)
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
@@ -62,15 +66,32 @@ class MoecompressConfig(QuantizationConfigMixin):
             "schemes": self.schemes,
             "modules": self.modules,
             **({"lowrank": self.lowrank} if self.lowrank else {}),
+            **({"salient": self.salient} if self.salient else {}),
         }
+
+    def salient_of(self, module_name: str) -> SalientSizes | None:
+        sizes = self.salient.get(module_name)
+        if sizes is None:
+            return None
+        try:
+            return {param: (int(nbytes), int(count)) for param, (nbytes, count) in sizes.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"moecompress quantization_config: bad salient sizes for {module_name}") from None
 
 
 def _quantized_twin(
-    module: torch.nn.Module, scheme: QuantScheme, activation, hidden: int, ranks: dict[str, list[int]] | None
+    module: torch.nn.Module,
+    scheme: QuantScheme,
+    activation,
+    hidden: int,
+    ranks: dict[str, list[int]] | None,
+    salient: SalientSizes | None,
 ) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
         dtype = module.weight.dtype
-        return QuantizedLinear(module.in_features, module.out_features, module.bias is not None, scheme, dtype)
+        return QuantizedLinear(
+            module.in_features, module.out_features, module.bias is not None, scheme, dtype, salient=salient
+        )
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.ndim != 3:
         raise ValueError(f"moecompress cannot quantise a {type(module).__name__} module")
@@ -85,6 +106,7 @@ def _quantized_twin(
         has_bias=getattr(module, "gate_up_proj_bias", None) is not None,
         dtype=down.dtype,
         ranks=ranks,
+        salient=salient,
     )
 
 
@@ -102,8 +124,25 @@ def replace_quantized_modules(model: torch.nn.Module, config: MoecompressConfig)
         parent_name, _, child = name.rpartition(".")
         device = next(module.parameters()).device
         with torch.device(device):
-            twin = _quantized_twin(module, config.scheme_of(name), adapter.activation, hidden, config.lowrank.get(name))
+            twin = _quantized_twin(
+                module,
+                config.scheme_of(name),
+                adapter.activation,
+                hidden,
+                config.lowrank.get(name),
+                config.salient_of(name),
+            )
         setattr(model.get_submodule(parent_name) if parent_name else model, child, twin)
+
+
+def decode_salient_bitmaps(model: torch.nn.Module) -> None:
+    """Decode each quantised module's salient bitmaps, one module at a time."""
+    for name, module in model.named_modules():
+        if isinstance(module, _QuantizedWeights):
+            try:
+                module.decode_salient()
+            except ValueError as error:
+                raise ValueError(f"{name}.{error}") from None
 
 
 class MoecompressHfQuantizer(HfQuantizer):
@@ -122,6 +161,7 @@ class MoecompressHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        decode_salient_bitmaps(model)
         return model
 
     def is_serializable(self) -> bool:

@@ -15,7 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.w4a8 import fake_quantize_activations
+from .salient import VALUE_DTYPE, SalientWeights, decode_positions
 from .scheme import QuantizedTensor, QuantScheme
+
+SalientSizes = dict[str, tuple[int, int]]
+"""Per weight name, the stored salient bitmap's bytes and the number of salient weights."""
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -23,20 +27,58 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 
 
 class _QuantizedWeights(nn.Module):
-    """Registers, for each named weight, its packed codes, scales and (asymmetric) zero points."""
+    """Registers, for each named weight, its packed codes, scales, (asymmetric) zero points and, where the
+    checkpoint has them, the salient weights' coded bitmap and values.
+
+    The bitmap is decoded into positions once, by :meth:`decode_salient` (the plugin calls it module by module
+    after loading, so no more than one module's bitmap is ever being decoded); positions live in a
+    non-persistent buffer, so saving writes the coded bitmap back, never the positions.
+    """
 
     def __init__(self, scheme: QuantScheme):
         super().__init__()
         self.scheme = scheme
+        self._salient_shapes: dict[str, tuple[int, ...]] = {}
 
-    def _register(self, name: str, shape: tuple[int, ...]) -> None:
+    def _register(self, name: str, shape: tuple[int, ...], salient: tuple[int, int] | None = None) -> None:
         *lead, cols = shape
         groups = cols // self.scheme.group_size
         setattr(self, name, _frozen((*lead, cols * self.scheme.bits // 8), torch.uint8))
         scale_dtype = torch.uint8 if self.scheme.is_float else torch.bfloat16
         setattr(self, f"{name}_scales", _frozen((*lead, groups), scale_dtype))
-        if not self.scheme.is_float and not self.scheme.symmetric:
+        if not self.scheme.is_float and not self.scheme.is_binary and not self.scheme.symmetric:
             setattr(self, f"{name}_zeros", _frozen((*lead, groups), torch.uint8))
+        if salient is not None:
+            stored_bytes, count = (int(v) for v in salient)
+            setattr(self, f"{name}_salient", _frozen((stored_bytes,), torch.uint8))
+            setattr(self, f"{name}_salient_values", _frozen((count,), VALUE_DTYPE))
+            self._salient_shapes[name] = shape
+
+    def decode_salient(self) -> None:
+        """Decode every salient bitmap of this module into positions; ``ValueError`` if one is corrupt."""
+        for name, shape in self._salient_shapes.items():
+            values = getattr(self, f"{name}_salient_values")
+            length = 1
+            for size in shape:
+                length *= size
+            try:
+                positions = decode_positions(
+                    getattr(self, f"{name}_salient"), length, values.numel(), self.scheme.bitmap
+                )
+            except ValueError as error:
+                raise ValueError(f"{name}_salient: {error}") from None
+            self.register_buffer(f"{name}_salient_positions", positions.to(values.device), persistent=False)
+
+    def _salient(self, name: str, index: int | None) -> SalientWeights | None:
+        shape = self._salient_shapes.get(name)
+        if shape is None:
+            return None
+        if getattr(self, f"{name}_salient_positions", None) is None:
+            self.decode_salient()
+        salient = SalientWeights(
+            getattr(self, f"{name}_salient_positions"), getattr(self, f"{name}_salient_values").data
+        )
+        return salient if index is None else salient.of_expert(index, salient_expert_size(shape))
 
     def quantized(self, name: str, shape: tuple[int, ...], index: int | None = None) -> QuantizedTensor:
         """The stored weight ``name`` (or its slice ``index`` along the first dim) as a :class:`QuantizedTensor`."""
@@ -44,19 +86,42 @@ class _QuantizedWeights(nn.Module):
         if index is not None:
             parts = [None if part is None else part[index] for part in parts]
         packed, scales, zeros = parts
-        return QuantizedTensor(self.scheme, shape, packed.data, scales.data, None if zeros is None else zeros.data)
+        return QuantizedTensor(
+            self.scheme,
+            shape,
+            packed.data,
+            scales.data,
+            None if zeros is None else zeros.data,
+            self._salient(name, index),
+        )
 
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quantize_activations(x) if self.scheme.activation_bits else x
 
 
+def salient_expert_size(shape: tuple[int, ...]) -> int:
+    """Positions per leading index of a ``[E, rows, cols]`` matrix."""
+    size = 1
+    for dim in shape[1:]:
+        size *= dim
+    return size
+
+
 class QuantizedLinear(_QuantizedWeights):
     """A drop-in for ``nn.Linear`` whose ``weight`` is stored quantised."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme, dtype: torch.dtype):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        dtype: torch.dtype,
+        salient: SalientSizes | None = None,
+    ):
         super().__init__(scheme)
         self.in_features, self.out_features = in_features, out_features
-        self._register("weight", (out_features, in_features))
+        self._register("weight", (out_features, in_features), (salient or {}).get("weight"))
         self.bias = _frozen((out_features,), dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,12 +145,14 @@ class QuantizedExperts(_QuantizedWeights):
         has_bias: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         ranks: dict[str, list[int]] | None = None,
+        salient: SalientSizes | None = None,
     ):
         super().__init__(scheme)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation = activation
-        self._register("gate_up_proj", (num_experts, 2 * intermediate_size, hidden_size))
-        self._register("down_proj", (num_experts, hidden_size, intermediate_size))
+        salient = salient or {}
+        self._register("gate_up_proj", (num_experts, 2 * intermediate_size, hidden_size), salient.get("gate_up_proj"))
+        self._register("down_proj", (num_experts, hidden_size, intermediate_size), salient.get("down_proj"))
         self.gate_up_proj_bias = _frozen((num_experts, 2 * intermediate_size), dtype) if has_bias else None
         self.down_proj_bias = _frozen((num_experts, hidden_size), dtype) if has_bias else None
         self.lowrank = ExpertAdapters(num_experts, hidden_size, intermediate_size, ranks or {}, dtype)

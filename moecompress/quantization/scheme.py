@@ -12,12 +12,15 @@ from typing import Any, Literal
 
 import torch
 
-from ..kernels import intq, mxfp4, mxfp4_fused
+from ..kernels import binary, intq, mxfp4, mxfp4_fused
 from ..kernels.packing import pack_codes, unpack_codes
+from .salient import BITMAP_CODES, BitmapCode, SalientWeights, encode_positions, from_mask
 
-SchemeName = Literal["mxfp4", "int4", "int2", "w4a8"]
-SCHEMES: tuple[str, ...] = ("mxfp4", "int4", "int2", "w4a8")
-_BITS = {"mxfp4": 4, "int4": 4, "int2": 2, "w4a8": 4}
+SchemeName = Literal["mxfp4", "int4", "int2", "w4a8", "binary"]
+SCHEMES: tuple[str, ...] = ("mxfp4", "int4", "int2", "w4a8", "binary")
+_BITS = {"mxfp4": 4, "int4": 4, "int2": 2, "w4a8": 4, "binary": 1}
+DEFAULT_GROUP_SIZE = {"mxfp4": mxfp4.BLOCK_SIZE, "binary": 128}
+MAX_SALIENT_FRACTION = 0.5
 
 CHUNK_ELEMENTS = 1 << 18
 Grid = Any  # mxfp4: int32 exponents [..., groups, 1]; integer schemes: intq.IntGrid
@@ -25,23 +28,31 @@ Grid = Any  # mxfp4: int32 exponents [..., groups, 1]; integer schemes: intq.Int
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """One weight format. ``group_size`` is fixed at 32 for MXFP4; ``symmetric`` and ``group_size`` apply to the
-    integer schemes; ``scale_rule`` to MXFP4."""
+    """One weight format. ``group_size`` is fixed at 32 for MXFP4; ``symmetric`` applies to the integer schemes;
+    ``scale_rule`` to MXFP4. ``salient_fraction`` of each expert matrix's weights (chosen from calibration) are
+    kept exactly in bf16 beside the low-bit codes, their positions in a bitmap coded as ``bitmap`` says."""
 
     name: SchemeName
     group_size: int = 32
     symmetric: bool = True
     scale_rule: mxfp4.ScaleRule = "floor"
+    salient_fraction: float = 0.0
+    bitmap: BitmapCode = "rice"
 
     def __post_init__(self) -> None:
         if self.name not in SCHEMES:
             raise ValueError(f"unknown scheme {self.name!r}; choose from {SCHEMES}")
         if self.name == "mxfp4" and self.group_size != mxfp4.BLOCK_SIZE:
             raise ValueError(f"MXFP4 blocks are {mxfp4.BLOCK_SIZE} wide, not {self.group_size}")
-        if self.name != "mxfp4" and self.group_size not in intq.GROUP_SIZES:
-            raise ValueError(f"group size must be one of {intq.GROUP_SIZES}, got {self.group_size}")
+        sizes = binary.GROUP_SIZES if self.is_binary else intq.GROUP_SIZES
+        if self.name != "mxfp4" and self.group_size not in sizes:
+            raise ValueError(f"{self.name} group size must be one of {sizes}, got {self.group_size}")
         if self.scale_rule not in mxfp4.SCALE_RULES:
             raise ValueError(f"unknown scale rule {self.scale_rule!r}; choose from {mxfp4.SCALE_RULES}")
+        if not 0 <= self.salient_fraction <= MAX_SALIENT_FRACTION:
+            raise ValueError(f"salient fraction must be in [0, {MAX_SALIENT_FRACTION}], got {self.salient_fraction}")
+        if self.bitmap not in BITMAP_CODES:
+            raise ValueError(f"unknown bitmap code {self.bitmap!r}; choose from {BITMAP_CODES}")
 
     @property
     def bits(self) -> int:
@@ -56,23 +67,42 @@ class QuantScheme:
     def is_float(self) -> bool:
         return self.name == "mxfp4"
 
+    @property
+    def is_binary(self) -> bool:
+        return self.name == "binary"
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.salient_fraction:
+            del data["salient_fraction"], data["bitmap"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QuantScheme:
-        return cls(**{key: data[key] for key in ("name", "group_size", "symmetric", "scale_rule") if key in data})
+        fields = ("name", "group_size", "symmetric", "scale_rule", "salient_fraction", "bitmap")
+        return cls(**{key: data[key] for key in fields if key in data})
 
     def describe(self) -> str:
         if self.is_float:
-            return f"mxfp4 (scale rule {self.scale_rule})"
-        kind = "symmetric" if self.symmetric else "asymmetric"
-        extra = ", int8 per-token activations" if self.activation_bits else ""
-        return f"{self.name} (group {self.group_size}, {kind}{extra})"
+            text = f"mxfp4 (scale rule {self.scale_rule}"
+        elif self.is_binary:
+            text = f"binary (group {self.group_size}"
+        else:
+            kind = "symmetric" if self.symmetric else "asymmetric"
+            extra = ", int8 per-token activations" if self.activation_bits else ""
+            text = f"{self.name} (group {self.group_size}, {kind}{extra}"
+        if self.salient_fraction:
+            text += f", {self.salient_fraction:.2%} salient weights in bf16, {self.bitmap} bitmap"
+        return text + ")"
 
     # ---- the three steps ----------------------------------------------------------------------------------
-    def fit(self, groups: torch.Tensor) -> Grid:
-        """The grid of each group in ``groups`` ``[..., n, G]``."""
+    def fit(self, groups: torch.Tensor, exclude: torch.Tensor | None = None) -> Grid:
+        """The grid of each group in ``groups`` ``[..., n, G]``, fitted without the weights ``exclude`` marks
+        (salient weights, kept exactly)."""
+        if self.is_binary:
+            return binary.group_scales(groups, exclude)
+        if exclude is not None:
+            groups = groups.masked_fill(exclude, 0.0)
         if self.is_float:
             return mxfp4.block_exponents(groups, self.scale_rule).unsqueeze(-1)
         return intq.group_grid(groups, self.bits, self.symmetric)
@@ -81,23 +111,31 @@ class QuantScheme:
         """uint8 codes of ``values`` (broadcast against ``grid``)."""
         if self.is_float:
             return mxfp4.e2m1_codes(values.float() * mxfp4.power_of_two(-grid))
+        if self.is_binary:
+            return binary.sign_codes(values)
         return intq.grid_codes(values, grid, self.bits)
 
     def values(self, codes: torch.Tensor, grid: Grid) -> torch.Tensor:
         """float32 values of ``codes`` on ``grid``."""
         if self.is_float:
             return mxfp4.e2m1_values(codes) * mxfp4.power_of_two(grid)
+        if self.is_binary:
+            return binary.sign_values(codes, grid)
         return intq.grid_values(codes, grid)
 
-    def pack(self, codes: torch.Tensor, grid: Grid) -> QuantizedTensor:
+    def pack(self, codes: torch.Tensor, grid: Grid, salient: SalientWeights | None = None) -> QuantizedTensor:
         """A :class:`QuantizedTensor` from codes ``[..., cols]`` and the grid of their groups ``[..., n, 1]``."""
         packed = pack_codes(codes, self.bits)
         if self.is_float:
             scales = (grid.squeeze(-1) + mxfp4.E8M0_BIAS).to(torch.uint8)
-            return QuantizedTensor(self, tuple(codes.shape), packed, scales)
+            return QuantizedTensor(self, tuple(codes.shape), packed, scales, salient=salient)
+        if self.is_binary:
+            return QuantizedTensor(
+                self, tuple(codes.shape), packed, grid.squeeze(-1).to(binary.SCALE_DTYPE), None, salient
+            )
         scales = grid.scale.squeeze(-1).to(intq.SCALE_DTYPE)
         zeros = None if self.symmetric else grid.zero.squeeze(-1).to(torch.uint8)
-        return QuantizedTensor(self, tuple(codes.shape), packed, scales, zeros)
+        return QuantizedTensor(self, tuple(codes.shape), packed, scales, zeros, salient)
 
     def grouped(self, weight: torch.Tensor) -> torch.Tensor:
         if weight.shape[-1] % self.group_size:
@@ -106,33 +144,40 @@ class QuantScheme:
             )
         return weight.reshape(*weight.shape[:-1], -1, self.group_size)
 
-    def quantize(self, weight: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> QuantizedTensor:
-        """Round-to-nearest quantisation of ``weight`` ``[..., cols]``.
+    def quantize(
+        self, weight: torch.Tensor, keep: torch.Tensor | None = None, chunk_elements: int = CHUNK_ELEMENTS
+    ) -> QuantizedTensor:
+        """Round-to-nearest quantisation of ``weight`` ``[..., cols]``; the weights ``keep`` marks (bool, same
+        shape) are left out of the grids and stored exactly as salient weights.
 
         MXFP4 uses the fused numba kernel when numba is installed (bit-identical, about 20x faster). Otherwise
         rows are processed ``chunk_elements`` at a time so every intermediate stays in cache (about twice as fast
         as whole-tensor passes on CPU); the result does not depend on the chunking.
         """
-        if self.is_float and mxfp4_fused.available():
+        if self.is_float and keep is None and mxfp4_fused.available():
             packed, scales = mxfp4_fused.quantize_mxfp4(weight, self.scale_rule)
             return QuantizedTensor(self, tuple(weight.shape), packed, scales)
         cols = weight.shape[-1]
         rows = weight.reshape(-1, cols)
+        kept_rows = None if keep is None else keep.reshape(-1, cols)
         step = max(1, chunk_elements // cols)
         parts = []
         for start in range(0, rows.shape[0], step):
             groups = self.grouped(rows[start : start + step].float())
-            grid = self.fit(groups)
+            exclude = None if kept_rows is None else self.grouped(kept_rows[start : start + step])
+            grid = self.fit(groups, exclude)
             parts.append(self.pack(self.codes(groups, grid).reshape(-1, cols), grid))
         packed = torch.cat([p.packed for p in parts]).reshape(*weight.shape[:-1], -1)
         scales = torch.cat([p.scales for p in parts]).reshape(*weight.shape[:-1], -1)
         zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]).reshape(scales.shape)
-        return QuantizedTensor(self, tuple(weight.shape), packed, scales, zeros)
+        salient = None if keep is None else from_mask(keep, weight)
+        return QuantizedTensor(self, tuple(weight.shape), packed, scales, zeros, salient)
 
 
 @dataclass
 class QuantizedTensor:
-    """A weight in a :class:`QuantScheme`: packed codes, per-group scales and (asymmetric) zero points.
+    """A weight in a :class:`QuantScheme`: packed codes, per-group scales, (asymmetric) zero points and the
+    salient weights kept exactly.
 
     ``shape`` is the logical (dequantised) shape; all stored tensors share its leading dimensions.
     """
@@ -142,8 +187,9 @@ class QuantizedTensor:
     packed: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None = None
+    salient: SalientWeights | None = None
 
-    STORED_SUFFIXES = ("", "_scales", "_zeros")
+    STORED_SUFFIXES = ("", "_scales", "_zeros", "_salient", "_salient_values")
 
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.packed, self.scheme.bits)
@@ -151,6 +197,8 @@ class QuantizedTensor:
     def grid(self) -> Grid:
         if self.scheme.is_float:
             return (self.scales.to(torch.int32) - mxfp4.E8M0_BIAS).unsqueeze(-1)
+        if self.scheme.is_binary:
+            return self.scales.float().unsqueeze(-1)
         zero = (
             torch.full(self.scales.shape, 2 ** (self.scheme.bits - 1), dtype=torch.float32)
             if self.zeros is None
@@ -160,18 +208,24 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         codes = self.scheme.grouped(self.codes())
-        return self.scheme.values(codes, self.grid()).to(dtype).reshape(self.shape)
+        dense = self.scheme.values(codes, self.grid()).to(dtype).reshape(self.shape)
+        return dense if self.salient is None else self.salient.apply(dense)
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:
-        """The tensors to write for a weight named ``name``: the packed codes take the weight's own name."""
+        """The tensors to write for a weight named ``name``: the packed codes take the weight's own name; salient
+        weights add ``<name>_salient`` (the coded bitmap) and ``<name>_salient_values``."""
         out = {name: self.packed, f"{name}_scales": self.scales}
         if self.zeros is not None:
             out[f"{name}_zeros"] = self.zeros
+        if self.salient is not None:
+            out[f"{name}_salient"] = encode_positions(self.salient.positions, self.numel, self.scheme.bitmap)
+            out[f"{name}_salient_values"] = self.salient.values
         return out
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros) if t is not None)
+        """Bytes as stored (the salient bitmap in its coded form)."""
+        return sum(t.numel() * t.element_size() for t in self.stored("w").values())
 
     @property
     def numel(self) -> int:
@@ -180,22 +234,33 @@ class QuantizedTensor:
             n *= size
         return n
 
+    @property
+    def _expert_size(self) -> int:
+        return self.numel // self.shape[0]
+
     def select(self, index: torch.Tensor) -> QuantizedTensor:
         """Rows ``index`` of the leading dimension (experts)."""
 
         def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor.index_select(0, index).contiguous()
 
+        salient = self.salient
+        if salient is not None:
+            salient = salient.of_experts([int(i) for i in index.tolist()], self._expert_size)
         return replace(
             self,
             shape=(len(index), *self.shape[1:]),
             packed=pick(self.packed),
             scales=pick(self.scales),
             zeros=pick(self.zeros),
+            salient=salient,
         )
 
     def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
         """Rows ``index`` of the second-to-last (output) dimension, e.g. the gate half of a fused gate_up."""
+
+        if self.salient is not None:
+            raise ValueError("a weight with salient weights cannot be split by rows (only the native format holds it)")
 
         def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor.index_select(-2, index).contiguous()
@@ -215,4 +280,5 @@ class QuantizedTensor:
             packed=self.packed[expert],
             scales=self.scales[expert],
             zeros=None if self.zeros is None else self.zeros[expert],
+            salient=None if self.salient is None else self.salient.of_expert(expert, self._expert_size),
         )

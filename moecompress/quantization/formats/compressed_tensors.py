@@ -76,6 +76,10 @@ def supports(scheme: QuantScheme) -> str | None:
 
     What the loaders then do with it differs by scheme; see :func:`loader_caveats`.
     """
+    if scheme.salient_fraction:
+        return "compressed-tensors has no salient (sparse bf16) weights; use --format native"
+    if scheme.is_binary:
+        return "compressed-tensors has no sign-bit (binary) weights; use --format native"
     if scheme.is_float:
         return None if scheme.group_size == 32 else f"MXFP4 blocks are 32 wide, not {scheme.group_size}"
     if not 1 <= scheme.bits <= 8:
@@ -317,6 +321,7 @@ def config_for(
     expert_modules: list[str],
     weight_keys: list[str],
     lowrank: dict | None = None,
+    salient: dict | None = None,
 ) -> dict[str, Any]:
     """``quantization_config`` targeting the routed experts (by the per-expert on-disk names vLLM looks up) and
     every other quantised linear by its exact on-disk module name."""

@@ -24,6 +24,8 @@ def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str,
         return f"--format gpt-oss is the GPT-OSS family's own layout; this model is {adapter.family}"
     if scheme.name != "mxfp4":
         return f"--format gpt-oss holds MXFP4 only, not {scheme.name}"
+    if scheme.salient_fraction:
+        return "--format gpt-oss has no salient weights; use --format native"
     if tuple(targets) != ("experts",):
         return "--format gpt-oss quantises the routed experts only (drop --targets)"
     return None
@@ -67,6 +69,11 @@ def outside_tensors(adapter: FamilyAdapter, tensors: dict[str, torch.Tensor]) ->
 
 
 def config_for(
-    adapter: FamilyAdapter, scheme: QuantScheme, expert_modules: list[str], weight_keys: list[str], lowrank=None
+    adapter: FamilyAdapter,
+    scheme: QuantScheme,
+    expert_modules: list[str],
+    weight_keys: list[str],
+    lowrank=None,
+    salient=None,
 ) -> dict[str, Any]:
     return {"quant_method": "mxfp4", "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}

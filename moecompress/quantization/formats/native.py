@@ -86,9 +86,23 @@ def config_for(
     expert_modules: list[str],
     weight_keys: list[str],
     lowrank: dict[str, dict[str, list[int]]] | None = None,
+    salient: dict[str, dict[str, list[int]]] | None = None,
 ) -> dict[str, Any]:
     """``quantization_config`` naming every quantised module by its runtime name."""
     modules = expert_modules + [runtime_key(adapter, key).removesuffix(".weight") for key in weight_keys]
     return MoecompressConfig(
-        schemes={"default": scheme.to_dict()}, modules=dict.fromkeys(modules, "default"), lowrank=lowrank
+        schemes={"default": scheme.to_dict()},
+        modules=dict.fromkeys(modules, "default"),
+        lowrank=lowrank,
+        salient=salient,
     ).to_dict()
+
+
+def salient_sizes(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, list[int]]]:
+    """From a layer's written tensors, per module and weight: ``[bitmap bytes, salient weights]``."""
+    sizes: dict[str, dict[str, list[int]]] = {}
+    for key, bitmap in tensors.items():
+        if key.endswith("_salient"):
+            module, _, param = key.removesuffix("_salient").rpartition(".")
+            sizes.setdefault(module, {})[param] = [bitmap.numel(), tensors[f"{key}_values"].numel()]
+    return sizes
