@@ -11,13 +11,11 @@ Every number and the picture in docs/lowrank.md come from this script.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from table_io import run_facts, write_results
 
 from moecompress.checkpoint import resolve_model
 from moecompress.evals.perplexity import evaluate
@@ -76,20 +74,11 @@ def main() -> None:
                     flush=True,
                 )
     results = dict(
-        date=time.strftime("%Y-%m-%d"),
-        machine=f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        torch=torch.__version__,
-        model=args.model,
-        calib=args.calib,
-        calib_tokens=args.calib_tokens,
-        data=args.data,
+        **run_facts(args),
         baseline_perplexity=base.perplexity,
         rows=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(render_markdown(results))
+    write_results(results, args.out, args.markdown, render_markdown)
     if args.png:
         plot(results, args.png)
 

@@ -7,14 +7,13 @@ Every number in docs/pruning.md comes from this script. Random pruning is averag
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from table_io import run_facts, write_results
 
 from moecompress.checkpoint import CheckpointReader, resolve_model
 from moecompress.evals.perplexity import evaluate
@@ -101,23 +100,13 @@ def main() -> None:
                         flush=True,
                     )
     results = dict(
-        date=time.strftime("%Y-%m-%d"),
-        machine=f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        torch=torch.__version__,
-        model=args.model,
-        calib=args.calib,
-        calib_tokens=args.calib_tokens,
-        data=args.data,
-        second_data=args.second_data,
+        **run_facts(args),
         baseline=dict(
             perplexity=base.perplexity, second_perplexity=base_second.perplexity, bytes=base_bytes, tokens=base.tokens
         ),
         rows=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(render_markdown(results))
+    write_results(results, args.out, args.markdown, render_markdown)
 
 
 def render_markdown(results: dict) -> str:

@@ -7,20 +7,17 @@ Every number in docs/quantization.md comes from this script.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from table_io import quantization_parser, quantize_and_evaluate, run_facts, write_results
 
 from moecompress.checkpoint import resolve_model
 from moecompress.evals.footprint import checkpoint_footprint
 from moecompress.evals.perplexity import evaluate
 from moecompress.loading import quiet_transformers
-from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+from moecompress.passes.quantize import QuantizeConfig
 
 SCHEMES = {
     "mxfp4": dict(scheme="mxfp4"),
@@ -35,17 +32,9 @@ SCHEMES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="builtin:tiny-moe")
-    parser.add_argument("--calib", default="builtin:prose")
-    parser.add_argument("--calib-tokens", type=int, default=16384)
-    parser.add_argument("--data", default="builtin:prose:heldout")
-    parser.add_argument("--second-data", default="builtin:code:heldout")
-    parser.add_argument("--second-tokens", type=int, default=32768)
+    parser = quantization_parser(__doc__.splitlines()[0], "docs/quantization_results.json")
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--methods", default="rtn,gptq")
-    parser.add_argument("--out", type=Path, default=Path("docs/quantization_results.json"))
-    parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     quiet_transformers()
@@ -60,13 +49,7 @@ def main() -> None:
             for method in args.methods.split(","):
                 out = Path(tmp) / f"{len(rows)}"
                 config = QuantizeConfig(method=method, **SCHEMES[name])
-                start = time.time()
-                report = quantize_checkpoint(
-                    model_dir, out, config, calib=args.calib, calib_tokens=args.calib_tokens, progress=False
-                )
-                seconds = time.time() - start
-                result = evaluate(out, args.data, reference_dir=model_dir, progress=False)
-                second = evaluate(out, args.second_data, max_tokens=args.second_tokens, progress=False)
+                report, result, second, seconds = quantize_and_evaluate(model_dir, out, config, args)
                 footprint = report["footprint"]
                 row = dict(
                     scheme=name,
@@ -88,14 +71,7 @@ def main() -> None:
                     flush=True,
                 )
     results = dict(
-        date=time.strftime("%Y-%m-%d"),
-        machine=f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        torch=torch.__version__,
-        model=args.model,
-        calib=args.calib,
-        calib_tokens=args.calib_tokens,
-        data=args.data,
-        second_data=args.second_data,
+        **run_facts(args),
         baseline=dict(
             perplexity=base.perplexity,
             second_perplexity=base_second.perplexity,
@@ -106,10 +82,7 @@ def main() -> None:
         ),
         rows=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(render_markdown(results))
+    write_results(results, args.out, args.markdown, render_markdown)
 
 
 def render_markdown(results: dict) -> str:
