@@ -8,6 +8,7 @@ silently initialising random weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,8 @@ class _QuantizedWeights(nn.Module):
         super().__init__()
         self.scheme = scheme
         self._salient_shapes: dict[str, tuple[int, ...]] = {}
+        self._salient_offsets: dict[str, list[int]] = {}
+        """Per weight, where each leading index's (expert's) positions start and end in the decoded positions."""
 
     def _register(self, name: str, shape: tuple[int, ...], salient: tuple[int, int] | None = None) -> None:
         *lead, cols = shape
@@ -58,15 +61,14 @@ class _QuantizedWeights(nn.Module):
         """Decode every salient bitmap of this module into positions; ``ValueError`` if one is corrupt."""
         for name, shape in self._salient_shapes.items():
             values = getattr(self, f"{name}_salient_values")
-            length = 1
-            for size in shape:
-                length *= size
             try:
                 positions = decode_positions(
-                    getattr(self, f"{name}_salient"), length, values.numel(), self.scheme.bitmap
+                    getattr(self, f"{name}_salient"), math.prod(shape), values.numel(), self.scheme.bitmap
                 )
             except ValueError as error:
                 raise ValueError(f"{name}_salient: {error}") from None
+            bounds = torch.arange(shape[0] + 1, dtype=positions.dtype) * math.prod(shape[1:])
+            self._salient_offsets[name] = torch.searchsorted(positions, bounds).tolist()
             self.register_buffer(f"{name}_salient_positions", positions.to(values.device), persistent=False)
 
     def _salient(self, name: str, index: int | None) -> SalientWeights | None:
@@ -75,10 +77,11 @@ class _QuantizedWeights(nn.Module):
             return None
         if getattr(self, f"{name}_salient_positions", None) is None:
             self.decode_salient()
-        salient = SalientWeights(
-            getattr(self, f"{name}_salient_positions"), getattr(self, f"{name}_salient_values").data
-        )
-        return salient if index is None else salient.of_expert(index, salient_expert_size(shape))
+        positions, values = getattr(self, f"{name}_salient_positions"), getattr(self, f"{name}_salient_values").data
+        if index is None:
+            return SalientWeights(positions, values)
+        start, stop = self._salient_offsets[name][index : index + 2]
+        return SalientWeights(positions[start:stop] - index * math.prod(shape[1:]), values[start:stop])
 
     def quantized(self, name: str, shape: tuple[int, ...], index: int | None = None) -> QuantizedTensor:
         """The stored weight ``name`` (or its slice ``index`` along the first dim) as a :class:`QuantizedTensor`."""
@@ -97,14 +100,6 @@ class _QuantizedWeights(nn.Module):
 
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quantize_activations(x) if self.scheme.activation_bits else x
-
-
-def salient_expert_size(shape: tuple[int, ...]) -> int:
-    """Positions per leading index of a ``[E, rows, cols]`` matrix."""
-    size = 1
-    for dim in shape[1:]:
-        size *= dim
-    return size
 
 
 class QuantizedLinear(_QuantizedWeights):
