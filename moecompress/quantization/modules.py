@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.w4a8 import fake_quantize_activations
-from .salient import VALUE_DTYPE, SalientWeights, decode_positions
+from .salient import VALUE_DTYPE, SalientWeights, decode_positions, expert_offsets
 from .scheme import QuantizedTensor, QuantScheme
 
 SalientSizes = dict[str, tuple[int, int]]
@@ -67,8 +67,7 @@ class _QuantizedWeights(nn.Module):
                 )
             except ValueError as error:
                 raise ValueError(f"{name}_salient: {error}") from None
-            bounds = torch.arange(shape[0] + 1, dtype=positions.dtype) * math.prod(shape[1:])
-            self._salient_offsets[name] = torch.searchsorted(positions, bounds).tolist()
+            self._salient_offsets[name] = expert_offsets(positions, shape[0], math.prod(shape[1:]))
             self.register_buffer(f"{name}_salient_positions", positions.to(values.device), persistent=False)
 
     def _salient(self, name: str, index: int | None) -> SalientWeights | None:
@@ -77,11 +76,12 @@ class _QuantizedWeights(nn.Module):
             return None
         if getattr(self, f"{name}_salient_positions", None) is None:
             self.decode_salient()
-        positions, values = getattr(self, f"{name}_salient_positions"), getattr(self, f"{name}_salient_values").data
+        salient = SalientWeights(
+            getattr(self, f"{name}_salient_positions"), getattr(self, f"{name}_salient_values").data
+        )
         if index is None:
-            return SalientWeights(positions, values)
-        start, stop = self._salient_offsets[name][index : index + 2]
-        return SalientWeights(positions[start:stop] - index * math.prod(shape[1:]), values[start:stop])
+            return salient
+        return salient.of_expert(index, math.prod(shape[1:]), self._salient_offsets[name])
 
     def quantized(self, name: str, shape: tuple[int, ...], index: int | None = None) -> QuantizedTensor:
         """The stored weight ``name`` (or its slice ``index`` along the first dim) as a :class:`QuantizedTensor`."""

@@ -41,21 +41,30 @@ class SalientWeights:
         dense.view(-1)[self.positions] = self.values.to(dense.dtype)
         return dense
 
-    def of_expert(self, expert: int, expert_size: int) -> SalientWeights:
-        """The salient weights of leading index ``expert`` of a ``[E, ...]`` matrix, positions local to it."""
-        start = expert * expert_size
-        bounds = torch.tensor([start, start + expert_size], dtype=self.positions.dtype, device=self.positions.device)
-        lo, hi = torch.searchsorted(self.positions, bounds).tolist()
-        return SalientWeights(self.positions[lo:hi] - start, self.values[lo:hi])
+    def of_expert(self, expert: int, expert_size: int, offsets: list[int] | None = None) -> SalientWeights:
+        """The salient weights of leading index ``expert`` of a ``[E, ...]`` matrix, positions local to it;
+        ``offsets`` (from :func:`expert_offsets`) saves the search."""
+        if offsets is None:
+            offsets = expert_offsets(self.positions, expert + 1, expert_size)
+        lo, hi = offsets[expert], offsets[expert + 1]
+        return SalientWeights(self.positions[lo:hi] - expert * expert_size, self.values[lo:hi])
 
     def of_experts(self, experts: list[int], expert_size: int) -> SalientWeights:
         """Leading indices ``experts`` (in that order) of a ``[E, ...]`` matrix, renumbered ``0..len-1``."""
-        parts = [self.of_expert(expert, expert_size) for expert in experts]
+        offsets = expert_offsets(self.positions, max(experts, default=-1) + 1, expert_size)
+        parts = [self.of_expert(expert, expert_size, offsets) for expert in experts]
         positions = [part.positions + slot * expert_size for slot, part in enumerate(parts)]
         empty = self.positions[:0]
         return SalientWeights(
             torch.cat(positions) if positions else empty, torch.cat([p.values for p in parts]) if parts else empty
         )
+
+
+def expert_offsets(positions: torch.Tensor, experts: int, expert_size: int) -> list[int]:
+    """Where each leading index's positions start among the sorted flat ``positions`` of a ``[experts, ...]``
+    matrix, and, last, where they end."""
+    bounds = torch.arange(experts + 1, dtype=positions.dtype, device=positions.device) * expert_size
+    return torch.searchsorted(positions, bounds).tolist()
 
 
 def input_rms(inputs: list[torch.Tensor], width: int) -> torch.Tensor:
