@@ -14,11 +14,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from table_io import quantization_parser, quantize_and_evaluate, run_facts, write_results
+from table_io import quantization_baseline, quantization_parser, quantize_and_evaluate, run_facts, write_results
 
 from moecompress.checkpoint import resolve_model
-from moecompress.evals.footprint import checkpoint_footprint
-from moecompress.evals.perplexity import evaluate
 from moecompress.loading import quiet_transformers
 from moecompress.passes.quantize import QuantizeConfig
 
@@ -60,9 +58,7 @@ def main() -> None:
     quiet_transformers()
 
     model_dir = resolve_model(args.model)
-    base = evaluate(model_dir, args.data, progress=False)
-    base_second = evaluate(model_dir, args.second_data, max_tokens=args.second_tokens, progress=False)
-    base_footprint = checkpoint_footprint(model_dir).to_json()
+    baseline = quantization_baseline(model_dir, args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in args.runs.split(";"):
@@ -99,12 +95,7 @@ def main() -> None:
             )
     results = dict(
         **run_facts(args),
-        baseline=dict(
-            perplexity=base.perplexity,
-            second_perplexity=base_second.perplexity,
-            expert_bits=base_footprint["classes"]["experts"]["bits_per_weight"],
-            bytes=base_footprint["file_bytes"],
-        ),
+        baseline=baseline,
         rows=rows,
     )
     write_results(results, args.out, args.markdown, render_markdown)

@@ -63,3 +63,21 @@ def quantize_and_evaluate(model_dir: Path, out: Path, config: Any, args: argpars
     result = evaluate(out, args.data, reference_dir=model_dir, progress=False)
     second = evaluate(out, args.second_data, max_tokens=args.second_tokens, progress=False)
     return report, result, second, seconds
+
+
+def quantization_baseline(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The unquantised model on both data sets, and its footprint: the tables' first row."""
+    from moecompress.evals.footprint import checkpoint_footprint
+    from moecompress.evals.perplexity import evaluate
+
+    base = evaluate(model_dir, args.data, progress=False)
+    second = evaluate(model_dir, args.second_data, max_tokens=args.second_tokens, progress=False)
+    footprint = checkpoint_footprint(model_dir).to_json()
+    return dict(
+        perplexity=base.perplexity,
+        second_perplexity=second.perplexity,
+        expert_bits=footprint["classes"]["experts"]["bits_per_weight"],
+        model_bits=footprint["total"]["bits_per_weight"],
+        bytes=footprint["file_bytes"],
+        tokens=base.tokens,
+    )
