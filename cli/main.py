@@ -16,6 +16,7 @@ from .. import __version__
 from ..errors import UserInputError
 from .numbers import human_bytes as _human_bytes
 from .numbers import human_int as _human_int
+from .qat import qat_command
 from .quantize import quantize_command
 
 MODEL_HELP = "a model directory, builtin:tiny-moe, or a Hugging Face hub id (org/name)"
@@ -337,6 +338,7 @@ def _tags(value: str) -> tuple[str, ...]:
 
 
 app.add_command(quantize_command)
+app.add_command(qat_command)
 
 
 def main() -> None:

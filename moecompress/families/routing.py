@@ -83,6 +83,22 @@ class RoutingRule:
             raise ValueError(f"unknown routing rule {self.kind!r}")
         return ids, weights * self.scaling
 
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weights this rule gives the experts ``ids`` ``[T, k]`` when they are the chosen ones, from router
+        logits ``[T, E]`` (float32). ``weights_for(logits, route(logits)[0])`` equals ``route(logits)[1]``; with
+        other ids it is how the frozen router would weigh a replayed choice."""
+        logits = logits.float()
+        if self.kind == "topk_softmax":
+            weights = torch.softmax(logits.gather(1, ids), dim=-1)
+        else:
+            scores = logits.sigmoid() if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
+            weights = scores.gather(1, ids)
+            if self.normalize:
+                weights = weights / (
+                    weights.sum(dim=-1, keepdim=True) + (0.0 if self.kind == "softmax_topk" else 1e-20)
+                )
+        return weights * self.scaling
+
     def _restrict_to_groups(self, scores: torch.Tensor, group_size_reduce: str, fill: float) -> torch.Tensor:
         tokens, experts = scores.shape
         grouped = scores.view(tokens, self.n_group, experts // self.n_group)

@@ -50,6 +50,8 @@ class QuantizeConfig:
     gptq_damp: float = 0.01
     gptq_block: int = 128
     lowrank_budget: float = 0.0
+    lowrank_rank: int = 0
+    """The same adapter rank for every expert matrix, instead of a budget (used by QAT's ``--adapter-rank``)."""
     rank_alloc: str = "load"
     load_weighting: str = "gate"
     lowrank_min_tokens: int = 64
@@ -81,6 +83,8 @@ class QuantizeConfig:
             raise UserInputError("--gptq-min-tokens must be at least 1")
         if self.lowrank_budget < 0:
             raise UserInputError("--lowrank-budget is in bits per expert weight and cannot be negative")
+        if self.lowrank_rank < 0 or (self.lowrank_rank and self.lowrank_budget):
+            raise UserInputError("give either an adapter rank (at least 1) or a low-rank budget, not both")
         if self.rank_alloc not in ALLOCATIONS:
             raise UserInputError(f"unknown --rank-alloc {self.rank_alloc!r}; choose from {', '.join(ALLOCATIONS)}")
         if self.load_weighting not in LOAD_WEIGHTINGS:
@@ -89,7 +93,7 @@ class QuantizeConfig:
             raise UserInputError(f"unknown --bitmap {self.bitmap!r}; choose from {', '.join(BITMAP_CODES)}")
         if self.salient_fraction and self.format != "native":
             raise UserInputError(f"salient weights are stored in the native format only, not {self.format}")
-        if self.lowrank_budget and self.format != "native":
+        if (self.lowrank_budget or self.lowrank_rank) and self.format != "native":
             raise UserInputError(f"low-rank adapters are stored in the native format only, not {self.format}")
         self.quant_scheme()
 
@@ -254,7 +258,8 @@ def quantize_checkpoint(
     layer_stats: dict[str, Any] = {}
     lowrank_ranks: dict[str, dict[str, list[int]]] = {}
     calibration: dict[str, Any] | None = None
-    needs_calibration = quantizer.calibrated or config.lowrank_budget > 0
+    lowrank = config.lowrank_budget > 0 or config.lowrank_rank > 0
+    needs_calibration = quantizer.calibrated or lowrank
     salient: dict[str, dict[str, list[int]]] = {}
 
     captures = None
@@ -267,18 +272,23 @@ def quantize_checkpoint(
 
     ranks: dict = {}
     lowrank_report: dict[str, Any] | None = None
-    if config.lowrank_budget > 0:
+    if lowrank:
         gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress)
-        components = _components_for_budget(config.lowrank_budget, shapes)
         max_rank = min(min(hidden, inter) for _, hidden, inter in shapes)
-        ranks = allocate(gains, loads, components, config.rank_alloc, max_rank=max_rank)
+        if config.lowrank_rank:
+            components = min(config.lowrank_rank, max_rank) * len(gains)
+            ranks = allocate(gains, loads, components, "uniform", max_rank=max_rank)
+        else:
+            components = _components_for_budget(config.lowrank_budget, shapes)
+            ranks = allocate(gains, loads, components, config.rank_alloc, max_rank=max_rank)
         predicted_none = sum(loads[k] * float(g.sum()) for k, g in gains.items())
         predicted = sum(loads[k] * float(g[ranks[k] :].sum()) for k, g in gains.items())
         lowrank_report = {
             "budget_bits_per_expert_weight": config.lowrank_budget,
             "components": components,
             "components_used": sum(ranks.values()),
-            "allocation": config.rank_alloc,
+            "allocation": "uniform" if config.lowrank_rank else config.rank_alloc,
+            "rank": config.lowrank_rank or None,
             "load_weighting": config.load_weighting,
             "predicted_weighted_error": {"without_adapters": predicted_none, "with_adapters": predicted},
         }

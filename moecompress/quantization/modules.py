@@ -152,7 +152,20 @@ class QuantizedExperts(_QuantizedWeights):
         self.down_proj_bias = _frozen((num_experts, hidden_size), dtype) if has_bias else None
         self.lowrank = ExpertAdapters(num_experts, hidden_size, intermediate_size, ranks or {}, dtype)
 
+    def cache_dequantized(self, dtype: torch.dtype) -> None:
+        """Keep every expert's dequantised weights in memory (non-persistent), so repeated forwards, as in
+        quantisation-aware training, stop unpacking the codes each time. Costs ``dtype``-size copies of the
+        experts; :meth:`drop_dequantized` frees them."""
+        pairs = [self.expert_weights(expert, dtype) for expert in range(self.num_experts)]
+        self._dequantized = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+
+    def drop_dequantized(self) -> None:
+        self._dequantized = None
+
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = getattr(self, "_dequantized", None)
+        if cached is not None and cached[0].dtype == dtype:
+            return cached[0][expert], cached[1][expert]
         gate_up = self.quantized("gate_up_proj", (2 * self.intermediate_size, self.hidden_size), expert)
         down = self.quantized("down_proj", (self.hidden_size, self.intermediate_size), expert)
         return gate_up.dequantize(dtype), down.dequantize(dtype)

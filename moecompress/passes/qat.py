@@ -1,0 +1,211 @@
+"""The routing-replay QAT pass: post-training quantisation with load-aware error adapters, then fine-tuning of
+those adapters by distillation from the full-precision model with its routes replayed (see
+:mod:`moecompress.training.loop`).
+
+1. The quantise pass writes a native checkpoint (RTN or GPTQ experts plus adapters, ``--lowrank-budget`` spent
+   by load, or one ``--adapter-rank`` everywhere) into a hidden sibling of the output: the PTQ starting point,
+   and the baseline this pass must beat at the same adapter bytes.
+2. That checkpoint is loaded through the plugin as the student, the input as the teacher; both are held whole
+   (this is one of the passes allowed to).
+3. The adapters train; the held-out evaluation runs before (= PTQ) and after, against the teacher.
+4. The output is the PTQ checkpoint with the trained adapters in place of the initial ones, written atomically.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..calibration.batches import consecutive_windows, sampled_windows, tokenize_documents
+from ..calibration.sources import load_documents
+from ..checkpoint import CheckpointReader, CheckpointWriter
+from ..checkpoint.stream import check_output_is_not_input
+from ..errors import UserInputError
+from ..evals.footprint import checkpoint_footprint
+from ..evals.perplexity import evaluate_windows
+from ..loading import load_adapter, load_model, load_tokenizer
+from ..quantization.formats.native import ADAPTER_DTYPE
+from ..training.loop import TrainingConfig, prepare_student, round_adapters_to, train_adapters
+from ..training.replay import REPLAY_WEIGHTS, ReplaySchedule
+from .prune_experts import update_report
+from .quantize import QuantizeConfig, quantize_checkpoint
+
+DEFAULT_LOWRANK_BUDGET = 0.375
+
+
+@dataclass(frozen=True)
+class QATConfig:
+    quantize: QuantizeConfig = field(
+        default_factory=lambda: QuantizeConfig(scheme="int2", lowrank_budget=DEFAULT_LOWRANK_BUDGET)
+    )
+    replay: str = "all"
+    replay_weights: str = "router"
+    steps: int = 200
+    lr: float = 1e-3
+    batch_size: int = 8
+    seq_len: int = 256
+    train_tokens: int = 65536
+    lm_loss_weight: float = 0.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        self.quantize.validate()
+        if self.quantize.format != "native":
+            raise UserInputError("QAT writes the native format (its adapters live there)")
+        if not (self.quantize.lowrank_budget or self.quantize.lowrank_rank):
+            raise UserInputError("QAT trains low-rank adapters: give --lowrank-budget B > 0 or --adapter-rank R > 0")
+        if self.replay_weights not in REPLAY_WEIGHTS:
+            raise UserInputError(f"--replay-weights must be one of {', '.join(REPLAY_WEIGHTS)}")
+        for name in ("steps", "batch_size", "train_tokens"):
+            if getattr(self, name) < 1:
+                raise UserInputError(f"--{name.replace('_', '-')} must be at least 1")
+        if not self.lr > 0:
+            raise UserInputError("--lr must be positive")
+        if self.lm_loss_weight < 0:
+            raise UserInputError("--lm-loss-weight cannot be negative")
+        ReplaySchedule.parse(self.replay)
+
+    def training(self) -> TrainingConfig:
+        return TrainingConfig(
+            steps=self.steps,
+            lr=self.lr,
+            batch_size=self.batch_size,
+            lm_loss_weight=self.lm_loss_weight,
+            replay=ReplaySchedule.parse(self.replay),
+            replay_weights=self.replay_weights,
+            seed=self.seed,
+        )
+
+
+def _adapter_key(name: str) -> bool:
+    return ".lowrank." in name and name.endswith(("_L", "_R"))
+
+
+def write_with_adapters(
+    source: Path, out_dir: Path, student: torch.nn.Module, report: dict[str, Any], overwrite: bool
+) -> None:
+    """``source``'s tensors with every adapter replaced by the student's (as stored: bf16), atomically."""
+    trained = {name: p.detach() for name, p in student.named_parameters() if _adapter_key(name)}
+    writer = CheckpointWriter(out_dir, overwrite=overwrite)
+    try:
+        with CheckpointReader(source) as reader:
+            config = dict(reader.config)
+            for key in reader.keys():
+                if _adapter_key(key):
+                    if key not in trained:
+                        raise RuntimeError(f"{key}: the student has no such adapter")
+                    writer.add({key: trained.pop(key).to(ADAPTER_DTYPE).cpu()})
+                else:
+                    writer.add(reader.read([key], check_finite=False))
+        if trained:
+            raise RuntimeError(f"trained adapters missing from the checkpoint: {sorted(trained)[:3]}")
+        writer.copy_side_files(source)
+        writer.write_json("moecompress_report.json", report)
+        writer.finish(config)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def qat_checkpoint(
+    model_dir: Path,
+    out_dir: Path,
+    config: QATConfig,
+    *,
+    data: str = "builtin:prose",
+    calib_tokens: int = 16384,
+    eval_data: str | None = "builtin:prose",
+    eval_tokens: int | None = 16384,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Quantise ``model_dir``, fine-tune the adapters with routing replay, write ``out_dir``; returns the report.
+
+    ``data`` feeds both the PTQ calibration (``calib_tokens``) and the training windows (its calibration part
+    for built-in sources); ``eval_data``'s held-out part measures before and after.
+    """
+    config.validate()
+    started = time.time()
+    out_dir = Path(out_dir)
+    check_output_is_not_input(model_dir, out_dir)
+    if out_dir.exists() and not overwrite:
+        raise UserInputError(f"{out_dir.absolute()}: output directory exists (pass --overwrite to replace it)")
+    adapter = load_adapter(model_dir)
+    schedule = ReplaySchedule.parse(config.replay)
+    schedule.check_layers(adapter.moe_layers())
+    tokenizer = load_tokenizer(model_dir)
+    train_stream = tokenize_documents(load_documents(data, default_part="calib"), tokenizer)
+    train_windows = sampled_windows(train_stream, config.seq_len, config.train_tokens, config.seed)
+    eval_windows = None
+    if eval_data:
+        eval_stream = tokenize_documents(load_documents(eval_data, default_part="heldout"), tokenizer)
+        eval_windows = consecutive_windows(eval_stream, config.seq_len, eval_tokens)
+
+    ptq_dir = out_dir.absolute().parent / f".{out_dir.name}.qat-ptq"
+    try:
+        ptq_report = quantize_checkpoint(
+            model_dir,
+            ptq_dir,
+            replace(config.quantize, seed=config.seed),
+            calib=data,
+            calib_tokens=calib_tokens,
+            seq_len=config.seq_len,
+            eval_data=None,
+            overwrite=True,
+            progress=progress,
+        )
+        device = _device()
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        student_adapter = load_adapter(ptq_dir)
+        teacher = load_model(model_dir, adapter, dtype).to(device)
+        student = load_model(ptq_dir, student_adapter, dtype).to(device)
+        for parameter in teacher.parameters():
+            parameter.requires_grad_(False)
+        trainable = prepare_student(student, dtype)
+        reference = (teacher, adapter)
+        before = evaluate_windows(student, student_adapter, eval_windows, reference, progress) if eval_windows else None
+        train_started = time.time()
+        log = train_adapters(
+            student, student_adapter, teacher, adapter, train_windows.input_ids, config.training(), trainable, progress
+        )
+        train_seconds = time.time() - train_started
+        round_adapters_to(student, ADAPTER_DTYPE)
+        after = evaluate_windows(student, student_adapter, eval_windows, reference, progress) if eval_windows else None
+        report = dict(ptq_report)
+        report.pop("eval", None)
+        report.update(
+            {
+                "pass": "qat",
+                "source": str(model_dir),
+                "quantize_config": ptq_report["config"],
+                "config": {**asdict(config), "quantize": None},
+                "qat": {
+                    "replay": schedule.describe(),
+                    "replay_weights": config.replay_weights,
+                    "data": data,
+                    "train_tokens": int(train_windows.num_tokens),
+                    "device": str(device),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "train_seconds": round(train_seconds, 2),
+                    **log.to_json(),
+                },
+            }
+        )
+        if before is not None and after is not None:
+            report["eval"] = {"data": eval_data, "before": before.to_json(), "after": after.to_json()}
+        write_with_adapters(ptq_dir, out_dir, student, report, overwrite)
+    finally:
+        shutil.rmtree(ptq_dir, ignore_errors=True)
+    report["footprint"] = checkpoint_footprint(out_dir).to_json()
+    report["seconds"] = round(time.time() - started, 2)
+    update_report(out_dir, report)
+    return report

@@ -1,0 +1,1 @@
+"""Whole-model training passes' building blocks: route recording and replay, adapter fine-tuning."""
