@@ -26,12 +26,15 @@ def load_adapter(directory: Path) -> FamilyAdapter:
         return adapter_for(reader.config, source=str(directory))
 
 
-def load_model(directory: Path, adapter: FamilyAdapter, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The model in eval mode, built by the family's transformers auto class."""
+def load_model(
+    directory: Path, adapter: FamilyAdapter, dtype: torch.dtype = torch.float32, device_map: str | None = None
+) -> torch.nn.Module:
+    """The model in eval mode, built by the family's transformers auto class; ``device_map="auto"`` spreads it
+    over the GPUs (and CPU) with accelerate."""
     import transformers
 
     auto_class = getattr(transformers, adapter.auto_class)
-    model = auto_class.from_pretrained(directory, dtype=dtype, trust_remote_code=False)
+    model = auto_class.from_pretrained(directory, dtype=dtype, device_map=device_map, trust_remote_code=False)
     return model.eval()
 
 

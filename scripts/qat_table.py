@@ -9,6 +9,7 @@ Every number in docs/qat.md comes from this script.
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.375, help="adapter bits per expert weight")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds; each row is run once per seed")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("docs/qat_results.json"))
     parser.add_argument("--markdown", type=Path, default=None)
@@ -43,17 +44,24 @@ def main() -> None:
     quiet_transformers()
 
     model_dir = resolve_model(args.model)
-    rows = []
+    rows, oracle = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for scheme in args.schemes.split(","):
+        for scheme, seed in itertools.product(args.schemes.split(","), [int(s) for s in args.seeds.split(",")]):
+            quantize = QuantizeConfig(scheme=scheme, lowrank_budget=args.budget, seed=seed)
+            oracle.append(oracle_routing(model_dir, Path(tmp) / "ptq", quantize, args))
+            print(
+                f"{scheme} seed {seed}: PTQ perplexity {oracle[-1]['free']:.3f} with its own routes, "
+                f"{oracle[-1]['replayed']:.3f} with the full-precision model's",
+                flush=True,
+            )
             for replay in args.replays.split(","):
                 config = QATConfig(
-                    quantize=QuantizeConfig(scheme=scheme, lowrank_budget=args.budget),
+                    quantize=quantize,
                     replay=replay,
                     replay_weights=args.replay_weights,
                     steps=args.steps,
                     lr=args.lr,
-                    seed=args.seed,
+                    seed=seed,
                 )
                 start = time.time()
                 report = qat_checkpoint(
@@ -69,6 +77,7 @@ def main() -> None:
                 row = dict(
                     scheme=report["scheme_description"],
                     replay=report["qat"]["replay"],
+                    seed=seed,
                     reference_perplexity=before["reference_perplexity"],
                     ptq_perplexity=before["perplexity"],
                     ptq_kl=before["kl"],
@@ -92,35 +101,91 @@ def main() -> None:
                     flush=True,
                 )
     facts = run_facts(args)
-    facts.update(steps=args.steps, lr=args.lr, seed=args.seed, budget=args.budget, replay_weights=args.replay_weights)
+    facts.update(steps=args.steps, lr=args.lr, seeds=args.seeds, budget=args.budget, replay_weights=args.replay_weights)
     results = dict(**facts, rows=rows)
     write_results(results, args.out, args.markdown, render_markdown)
     if args.plot:
         plot_losses(results, args.plot)
 
 
+def oracle_routing(model_dir: Path, out: Path, quantize: QuantizeConfig, args: argparse.Namespace) -> dict:
+    """Perplexity of the PTQ model (the QAT starting point: same config and seed) with its own routes, and with the
+    full-precision model's routes replayed at evaluation: how much of the PTQ loss misrouting accounts for."""
+    import math
+
+    import torch.nn.functional as F
+
+    from moecompress.calibration.batches import consecutive_windows, tokenize_documents
+    from moecompress.calibration.sources import load_documents
+    from moecompress.loading import load_adapter, load_model, load_tokenizer
+    from moecompress.passes.quantize import quantize_checkpoint
+    from moecompress.training.replay import RouteCapture, RouteReplay
+
+    quantize_checkpoint(model_dir, out, quantize, calib=args.data, overwrite=True, progress=False)
+    teacher_adapter, student_adapter = load_adapter(model_dir), load_adapter(out)
+    teacher, student = load_model(model_dir, teacher_adapter), load_model(out, student_adapter)
+    stream = tokenize_documents(load_documents(args.eval_data, default_part="heldout"), load_tokenizer(model_dir))
+    windows = consecutive_windows(stream, 256)
+    capture, replay = RouteCapture(teacher, teacher_adapter), RouteReplay(student, student_adapter, args.replay_weights)
+    result = {"scheme": quantize.scheme, "seed": quantize.seed}
+    for mode in ("free", "replayed"):
+        replay.active = set(student_adapter.moe_layers()) if mode == "replayed" else set()
+        nll, count = 0.0, 0
+        with torch.inference_mode():
+            for input_ids, _ in windows.batches(8):
+                teacher(input_ids=input_ids, use_cache=False)
+                replay.routes = capture.routes
+                logits = student(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+                nll -= F.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).sum().item()
+                count += input_ids[:, 1:].numel()
+        result[mode] = math.exp(nll / count)
+    return result
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _cell(values: list[float], digits: int) -> str:
+    """The mean over seeds, and each seed's value when there are several."""
+    mean = f"{_mean(values):.{digits}f}"
+    return mean if len(values) == 1 else f"{mean} ({', '.join(f'{v:.{digits}f}' for v in values)})"
+
+
 def render_markdown(results: dict) -> str:
+    rows = results["rows"]
     lines = [
-        f"{results['steps']} steps, lr {results['lr']:g}, seed {results['seed']}, adapters "
+        f"{results['steps']} steps, lr {results['lr']:g}, seeds {results['seeds']} (mean, then each seed), adapters "
         f"{results['budget']:g} bits/expert weight spent by load; replayed weights: {results['replay_weights']}. "
-        f"Full-precision perplexity {results['rows'][0]['reference_perplexity']:.2f} "
-        f"({results['rows'][0]['tokens']:,} held-out tokens).",
+        f"Full-precision perplexity {rows[0]['reference_perplexity']:.2f} ({rows[0]['tokens']:,} held-out tokens).",
         "",
         "| experts | expert bits/weight | method | perplexity | KL (nats/token) | routing agreement |",
         "|---|---|---|---|---|---|",
     ]
-    seen_ptq = set()
-    for row in results["rows"]:
-        if row["scheme"] not in seen_ptq:
-            seen_ptq.add(row["scheme"])
-            lines.append(
-                f"| {row['scheme']} | {row['expert_bits']:.3f} | PTQ (RTN + load-aware adapters) | "
-                f"{row['ptq_perplexity']:.2f} | {row['ptq_kl']:.4f} | {row['ptq_routing_agreement']:.4f} |"
-            )
+    for scheme in dict.fromkeys(row["scheme"] for row in rows):
+        group = [row for row in rows if row["scheme"] == scheme]
+        first_replay = group[0]["replay"]
+        ptq = [row for row in group if row["replay"] == first_replay]
+        bits = f"{group[0]['expert_bits']:.3f}"
         lines.append(
-            f"| {row['scheme']} | {row['expert_bits']:.3f} | QAT, replay {row['replay']} | {row['perplexity']:.2f} | "
-            f"{row['kl']:.4f} | {row['routing_agreement']:.4f} |"
+            f"| {scheme} | {bits} | PTQ (RTN + load-aware adapters) | {_cell([r['ptq_perplexity'] for r in ptq], 2)} "
+            f"| {_cell([r['ptq_kl'] for r in ptq], 4)} | {_cell([r['ptq_routing_agreement'] for r in ptq], 4)} |"
         )
+        for replay in dict.fromkeys(row["replay"] for row in group):
+            runs = [row for row in group if row["replay"] == replay]
+            lines.append(
+                f"| {scheme} | {bits} | QAT, replay {replay} | {_cell([r['perplexity'] for r in runs], 2)} | "
+                f"{_cell([r['kl'] for r in runs], 4)} | {_cell([r['routing_agreement'] for r in runs], 4)} |"
+            )
+    lines += [
+        "",
+        "PTQ perplexity with the model's own routes and with the full-precision model's routes replayed at evaluation:",
+        "",
+        "| experts | seed | own routes | full-precision routes |",
+        "|---|---|---|---|",
+    ]
+    for entry in results["oracle_routing"]:
+        lines.append(f"| {entry['scheme']} | {entry['seed']} | {entry['free']:.2f} | {entry['replayed']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -133,15 +198,14 @@ def plot_losses(results: dict, path: Path) -> None:
     schemes = list(dict.fromkeys(row["scheme"] for row in results["rows"]))
     figure, axes = plt.subplots(1, len(schemes), figsize=(5.5 * len(schemes), 4), squeeze=False)
     for axis, scheme in zip(axes[0], schemes, strict=True):
-        for row in results["rows"]:
-            if row["scheme"] != scheme:
-                continue
-            loss = torch.tensor(row["loss"])
+        group = [row for row in results["rows"] if row["scheme"] == scheme]
+        for replay in dict.fromkeys(row["replay"] for row in group):
+            loss = torch.tensor([row["loss"] for row in group if row["replay"] == replay]).mean(dim=0)
             smooth = torch.nn.functional.avg_pool1d(loss[None, None], 10, 1, padding=0)[0, 0]
-            axis.plot(range(9, 9 + smooth.numel()), smooth.tolist(), label=f"replay {row['replay']}")
+            axis.plot(range(9, 9 + smooth.numel()), smooth.tolist(), label=f"replay {replay}")
         axis.set_title(scheme)
         axis.set_xlabel("step")
-        axis.set_ylabel("training KL (10-step mean)")
+        axis.set_ylabel("training KL (10-step mean, mean over seeds)")
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -112,10 +112,6 @@ def write_with_adapters(
         raise
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def qat_checkpoint(
     model_dir: Path,
     out_dir: Path,
@@ -163,11 +159,12 @@ def qat_checkpoint(
             overwrite=True,
             progress=progress,
         )
-        device = _device()
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        on_gpu = torch.cuda.is_available()
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        device_map = "auto" if on_gpu else None
         student_adapter = load_adapter(ptq_dir)
-        teacher = load_model(model_dir, adapter, dtype).to(device)
-        student = load_model(ptq_dir, student_adapter, dtype).to(device)
+        teacher = load_model(model_dir, adapter, dtype, device_map)
+        student = load_model(ptq_dir, student_adapter, dtype, device_map)
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
         trainable = prepare_student(student, dtype)
@@ -193,7 +190,7 @@ def qat_checkpoint(
                     "replay_weights": config.replay_weights,
                     "data": data,
                     "train_tokens": int(train_windows.num_tokens),
-                    "device": str(device),
+                    "device": "cuda (accelerate device map)" if on_gpu else "cpu",
                     "dtype": str(dtype).removeprefix("torch."),
                     "train_seconds": round(train_seconds, 2),
                     **log.to_json(),

@@ -120,6 +120,7 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) 
 
 
 def _agreement(teacher: torch.Tensor, own: torch.Tensor) -> float:
+    teacher = teacher.to(own.device)
     overlap = (teacher[:, :, None] == own[:, None, :]).any(dim=-1).float().mean()
     return float(overlap)
 
@@ -148,20 +149,21 @@ def train_adapters(
     replay = RouteReplay(student, student_adapter, config.replay_weights)
     generator = torch.Generator().manual_seed(config.seed)
     order: list[int] = []
-    device = next(iter(trainable)).device
+    student_device = student.get_input_embeddings().weight.device
+    teacher_device = teacher.get_input_embeddings().weight.device
     student.train()
     try:
         for step in tqdm(range(config.steps), desc="qat", unit="step", disable=not progress):
             if len(order) < config.batch_size:
                 order += torch.randperm(windows.shape[0], generator=generator).tolist()
             batch, order = order[: config.batch_size], order[config.batch_size :]
-            input_ids = windows[batch].to(device)
+            input_ids = windows[batch].to(student_device)
             with torch.no_grad():
-                teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
+                teacher_logits = teacher(input_ids=input_ids.to(teacher_device), use_cache=False).logits
             replay.routes = capture.routes
             replay.active = config.replay.layers_at(step, config.steps, moe_layers)
             student_logits = student(input_ids=input_ids, use_cache=False).logits
-            kl = distillation_kl(student_logits, teacher_logits)
+            kl = distillation_kl(student_logits, teacher_logits.to(student_logits.device))
             loss = kl
             if config.lm_loss_weight:
                 lm = F.cross_entropy(
@@ -177,7 +179,7 @@ def train_adapters(
             log.loss.append(loss.item())
             log.kl.append(kl.item())
             log.replayed_layers.append(len(replay.active))
-            agreements = [_agreement(capture.routes[layer][0], replay.own_ids[layer]) for layer in moe_layers]
+            agreements = [_agreement(replay.routes[layer][0], replay.own_ids[layer]) for layer in moe_layers]
             log.own_route_agreement.append(sum(agreements) / len(agreements))
     finally:
         student.eval()

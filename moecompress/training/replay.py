@@ -114,7 +114,7 @@ class RouteReplay:
             self.own_ids[layer] = own_ids.detach()
             if layer not in self.active:
                 return None
-            ids, recorded = self.routes[layer]
+            ids, recorded = (route.to(own_ids.device) for route in self.routes[layer])
             if ids.shape != own_ids.shape:
                 raise RuntimeError(f"layer {layer}: recorded routes {tuple(ids.shape)} vs {tuple(own_ids.shape)}")
             weights = recorded if self.weights == "recorded" else self.rule.weights_for(logits, ids)
