@@ -6,6 +6,7 @@ turns a :class:`~moecompress.errors.UserInputError` into one line on stderr and 
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -353,6 +354,12 @@ def main() -> None:
         sys.exit(2)
     except click.exceptions.Exit as exit_:
         sys.exit(exit_.exit_code)
+    except OSError as error:
+        if debug or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {error.filename}" if error.filename else ""
+        click.echo(f"moecompress: error: no space left on the device{where}; nothing was written", err=True)
+        sys.exit(2)
     except click.ClickException as error:
         error.show()
         sys.exit(2 if isinstance(error, click.UsageError) else error.exit_code)

@@ -10,6 +10,7 @@ A killed run therefore never leaves something that looks finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -101,15 +102,31 @@ class CheckpointWriter:
         if self.work_dir.exists():
             shutil.rmtree(self.work_dir)
         self.work_dir.mkdir()
-        (self.work_dir / INCOMPLETE_MARKER).write_text("moecompress is still writing this directory\n")
+        try:
+            (self.work_dir / INCOMPLETE_MARKER).write_text("moecompress is still writing this directory\n")
+        except OSError as error:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            raise OSError(error.errno, error.strerror, str(self.out_dir)) from error
         self.max_shard_bytes = max_shard_bytes
         self._current: _ShardFile | None = None
         self._shards: list[tuple[str, list[str]]] = []
         self._keys: set[str] = set()
         self.total_bytes = 0
 
+    @contextlib.contextmanager
+    def _naming_the_output(self):
+        """An OS error while writing (a full disk above all) names the output directory, not a temporary file."""
+        try:
+            yield
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(self.out_dir)) from error
+
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write tensors now; a new shard starts whenever the current one would pass the size limit."""
+        with self._naming_the_output():
+            self._add(tensors)
+
+    def _add(self, tensors: dict[str, torch.Tensor]) -> None:
         for key, tensor in tensors.items():
             if key in self._keys:
                 raise ValueError(f"tensor {key!r} written twice")
@@ -131,11 +148,16 @@ class CheckpointWriter:
         self._current = None
 
     def write_json(self, name: str, content: dict[str, Any]) -> None:
-        (self.work_dir / name).write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
+        with self._naming_the_output():
+            (self.work_dir / name).write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
 
     def copy_side_files(self, source_dir: str | os.PathLike[str]) -> list[str]:
         """Copy the tokenizer, generation config, processor and template files (everything but weights,
         the shard index and config.json) from the input directory. Links are followed."""
+        with self._naming_the_output():
+            return self._copy_side_files(source_dir)
+
+    def _copy_side_files(self, source_dir: str | os.PathLike[str]) -> list[str]:
         copied = []
         for path in sorted(Path(source_dir).iterdir()):
             if not path.is_file() or path.name in ("config.json", INDEX_NAME, INCOMPLETE_MARKER):
@@ -148,6 +170,10 @@ class CheckpointWriter:
 
     def finish(self, config: dict[str, Any]) -> Path:
         """Name the shards, write the index and ``config.json``, then move the directory into place."""
+        with self._naming_the_output():
+            return self._finish(config)
+
+    def _finish(self, config: dict[str, Any]) -> Path:
         self._close_shard()
         total = len(self._shards)
         weight_map: dict[str, str] = {}
