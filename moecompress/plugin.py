@@ -1,11 +1,14 @@
-"""Let stock transformers classes load moecompress outputs: MoE layers with different numbers of experts, and
-the native quantised format (registered as ``quant_method: "moecompress"``, see
+"""Let stock transformers classes load moecompress outputs: MoE layers with different numbers of experts or of
+attention heads, and the native quantised format (registered as ``quant_method: "moecompress"``, see
 :mod:`moecompress.quantization.hf_quantizer`).
 
 A globally pruned checkpoint records its per-layer counts in the ``moecompress.experts_per_layer`` section of
 the decoder's config. Importing moecompress wraps ``PreTrainedModel.post_init`` (which every transformers model
 calls at the end of ``__init__``, before weights are loaded) so that each such layer's MoE block is rebuilt with
-its own count. Checkpoints without that section are untouched.
+its own count. Head-pruned checkpoints whose shapes stock transformers cannot build from the global counts
+record ``moecompress.attention_heads_per_layer`` (query heads, KV heads); each such layer's attention module is
+rebuilt the same way, with q/k norms that span the whole projection (OLMoE) resized to the projection.
+Checkpoints without those sections are untouched.
 """
 
 from __future__ import annotations
@@ -36,6 +39,44 @@ def _resize_moe_blocks(model) -> None:
         layer.mlp = type(block)(layer_config)
 
 
+class _LayerConfig:
+    """The model's config with a few attributes overridden; everything else is read through, so later changes
+    to the shared config (the attention implementation) still reach the rebuilt module."""
+
+    def __init__(self, base, **overrides):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+
+def _resize_attention(model) -> None:
+    config = getattr(model, "config", None)
+    section = getattr(config, "moecompress", None)
+    layers = getattr(model, "layers", None)
+    if not isinstance(section, dict) or not section.get("attention_heads_per_layer") or layers is None:
+        return
+    for key, (heads, kv_heads) in section["attention_heads_per_layer"].items():
+        layer = layers[int(key)]
+        attention = getattr(layer, "self_attn", None)
+        if attention is None:
+            continue
+        layer_config = _LayerConfig(config, num_attention_heads=int(heads), num_key_value_heads=int(kv_heads))
+        rebuilt = type(attention)(layer_config, int(key))
+        for norm_name, projection_name in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+            norm = getattr(rebuilt, norm_name, None)
+            width = getattr(rebuilt, projection_name).out_features
+            size = None if norm is None else norm.weight.numel()
+            if size is not None and size not in (width, rebuilt.head_dim):
+                eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+                setattr(rebuilt, norm_name, type(norm)(width, eps=eps))
+        layer.self_attn = rebuilt
+
+
 def _block_needs(block, count: int) -> bool:
     experts = getattr(block, "experts", None)
     return experts is not None and getattr(experts, "num_experts", count) != count
@@ -53,6 +94,7 @@ def install() -> None:
     @functools.wraps(original)
     def post_init(self, *args, **kwargs):
         _resize_moe_blocks(self)
+        _resize_attention(self)
         return original(self, *args, **kwargs)
 
     PreTrainedModel.post_init = post_init

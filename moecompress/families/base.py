@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .routing import RoutingRule
 
 Layout = Literal["per_expert", "fused", "fused_transposed"]
+QKNorm = Literal["none", "per_head", "per_projection"]
 ParamClass = Literal["experts", "shared_experts", "router", "attention", "embeddings", "norms", "vision", "other"]
 PARAM_CLASSES: tuple[str, ...] = (
     "experts",
@@ -110,6 +111,9 @@ class FamilyAdapter:
     shared_expert_markers: ClassVar[tuple[str, ...]] = ("shared_expert",)
     has_correction_bias: ClassVar[bool] = False
     accepts_images: ClassVar[bool] = False
+    attention_module: ClassVar[str] = "self_attn"
+    head_pruning: ClassVar[bool] = False
+    qk_norm: ClassVar[QKNorm] = "none"
 
     def __init__(self, config: dict[str, Any]):
         self.config = config
@@ -412,6 +416,70 @@ class FamilyAdapter:
             contribution = self.expert_output(moe, expert, hidden[token_pos])
             out.index_add_(0, token_pos, contribution * weights[token_pos, slot, None].to(hidden.dtype))
         return out
+
+    # ---- attention heads --------------------------------------------------------------------------------
+    def check_head_pruning(self, source: str = "model") -> None:
+        """A :class:`UserInputError` unless this family's attention is plain (grouped-query) multi-head attention
+        whose heads can be removed: q/k/v/o projections, optional q/k norms, nothing else per head."""
+        from ..errors import UserInputError
+
+        if not self.head_pruning:
+            raise UserInputError(
+                f"{source}: {self.family} has no prunable grouped-query attention heads (head pruning supports "
+                "mixtral, qwen2_moe, qwen3_moe and olmoe)"
+            )
+
+    def attention_prefix(self, layer: int) -> str:
+        """On-disk (and runtime) prefix of layer ``layer``'s attention module, ending in a dot."""
+        return f"{self.layer_prefix(layer)}{self.attention_module}."
+
+    def attention_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
+        return self.decoder_layers(model)[layer].get_submodule(self.attention_module)
+
+    def heads_in_layer(self, layer: int) -> tuple[int, int]:
+        """(query heads, KV heads) of ``layer``: the config's, or a head-pruned checkpoint's per-layer counts."""
+        per_layer = self.moecompress_section().get("attention_heads_per_layer")
+        if per_layer and str(layer) in per_layer:
+            heads, kv_heads = per_layer[str(layer)]
+            return int(heads), int(kv_heads)
+        heads, kv_heads, _ = self.head_counts()
+        return heads, kv_heads
+
+    def original_head_ids(self, layer: int) -> list[int]:
+        """Original ids of ``layer``'s query heads, from a head-pruned checkpoint's ``moecompress`` section."""
+        kept = self.moecompress_section().get("kept_heads")
+        if kept and str(layer) in kept:
+            return [int(i) for i in kept[str(layer)]]
+        return list(range(self.heads_in_layer(layer)[0]))
+
+    def stock_loads_head_counts(self, uniform: bool) -> bool:
+        """Whether stock transformers builds the right shapes from the global head counts alone: the counts are
+        uniform and no norm spans the whole projection (OLMoE sizes its q/k norms from ``hidden_size``)."""
+        return uniform and self.qk_norm != "per_projection"
+
+    def with_head_counts(self, counts: dict[int, tuple[int, int]], kept_heads: dict[int, list[int]]) -> dict[str, Any]:
+        """A config for the same model after head pruning, with an explicit ``head_dim``.
+
+        Counts that stock transformers can build rewrite ``num_attention_heads``/``num_key_value_heads``; otherwise
+        the global counts stay the original ones (so stock transformers refuses the weights' shapes instead of
+        loading them wrongly) and ``moecompress.attention_heads_per_layer`` tells the plugin each layer's counts.
+        """
+        import copy
+
+        _, _, head_dim = self.head_counts()
+        config = copy.deepcopy(self.config)
+        text = self._text_section(config)
+        text["head_dim"] = head_dim
+        section = text.setdefault("moecompress", {})
+        section["kept_heads"] = {str(layer): ids for layer, ids in sorted(kept_heads.items())}
+        values = set(counts.values())
+        if self.stock_loads_head_counts(len(values) == 1):
+            heads, kv_heads = values.pop()
+            text["num_attention_heads"], text["num_key_value_heads"] = heads, kv_heads
+            section.pop("attention_heads_per_layer", None)
+        else:
+            section["attention_heads_per_layer"] = {str(layer): list(c) for layer, c in sorted(counts.items())}
+        return config
 
     # ---- config rewriting -----------------------------------------------------------------------------
     def with_expert_counts(self, counts: dict[int, int], kept: dict[int, list[int]]) -> dict[str, Any]:

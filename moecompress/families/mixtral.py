@@ -11,6 +11,7 @@ class MixtralAdapter(FamilyAdapter):
     moe_disk_prefix = "block_sparse_moe."
     expert_names = ("w1", "w3", "w2")
     num_experts_keys = ("num_local_experts", "num_experts")
+    head_pruning = True
 
     def runtime_local_name(self, local_key: str) -> str:
         return local_key.replace("block_sparse_moe.", "mlp.", 1)

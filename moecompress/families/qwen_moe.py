@@ -1,7 +1,8 @@
 """Qwen2-MoE, Qwen3-MoE and OLMoE: ``mlp.gate`` router, per-expert ``gate/up/down_proj`` on disk.
 
 Qwen2-MoE adds a gated shared expert (left untouched by expert passes) and may interleave dense layers
-(``decoder_sparse_step``, ``mlp_only_layers``), as may Qwen3-MoE.
+(``decoder_sparse_step``, ``mlp_only_layers``), as may Qwen3-MoE. Attention: Qwen2-MoE has q/k/v biases,
+Qwen3-MoE RMS-normalises each head's q and k (``head_dim`` wide), OLMoE normalises the whole q and k projections.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ class _QwenStyleAdapter(FamilyAdapter):
 class Qwen2MoeAdapter(_QwenStyleAdapter):
     family = "qwen2_moe"
     model_types = ("qwen2_moe",)
+    head_pruning = True
 
 
 class Qwen3MoeAdapter(_QwenStyleAdapter):
     family = "qwen3_moe"
     model_types = ("qwen3_moe",)
+    head_pruning = True
+    qk_norm = "per_head"
 
 
 class OlmoeAdapter(FamilyAdapter):
     family = "olmoe"
     model_types = ("olmoe",)
+    head_pruning = True
+    qk_norm = "per_projection"

@@ -1,0 +1,348 @@
+"""Attention-head pruning: learn one binary gate per KV group (or per query head) on the frozen model, remove
+the closed units physically, distil the pruned model towards the original, write the checkpoint.
+
+Methods: ``learned`` (gates trained against KL to the original's logits under a Lagrangian sparsity objective,
+see :mod:`moecompress.heads.gates`), ``magnitude`` (the Frobenius norm of each unit's weights) and ``random``
+(seeded uniform scores). Every method removes the same number of units; distillation is the same for all.
+``scope="layer"`` removes the same number from every layer (outputs load in stock transformers);
+``scope="global"`` (KV groups only) ranks units over all layers, so counts may differ per layer and the output
+loads after ``import moecompress``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..calibration.batches import consecutive_windows, tokenize_documents
+from ..calibration.sources import load_documents
+from ..checkpoint import CheckpointReader, rewrite_checkpoint
+from ..checkpoint.stream import check_output_is_not_input
+from ..errors import UserInputError
+from ..evals.perplexity import evaluate, evaluate_windows
+from ..families import FamilyAdapter, adapter_for
+from ..heads import GateMasks, HeadGates, HeadLayout, slice_attention
+from ..heads.layout import UNITS
+from ..heads.selection import choose_keep, global_removal_counts, magnitude_scores, random_scores, removal_counts
+from ..heads.train import GateRun, GateSchedule, Teacher, distill, train_gates
+from ..loading import load_adapter, load_model, load_tokenizer
+from .prune_experts import calibration_batches, update_report
+
+Method = Literal["learned", "magnitude", "random"]
+METHODS: tuple[str, ...] = ("learned", "magnitude", "random")
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class PruneHeadsConfig:
+    ratio: float = 0.25
+    unit: Literal["kv-group", "query-head"] = "kv-group"
+    method: Method = "learned"
+    scope: Literal["layer", "global"] = "layer"
+    steps: int = 200
+    lr: float = 10.0
+    lambda_lr: float = 2.0
+    init_log_alpha: float = 2.0
+    temperature: float = 2 / 3
+    noise_bias: float = 2.0
+    warmup_fraction: float = 0.5
+    gate_objective: Literal["lm", "kl"] = "lm"
+    distill_steps: int = 100
+    distill_lr: float = 3e-4
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 0.0 < self.ratio < 1.0:
+            raise UserInputError(f"--ratio must be between 0 and 1 (exclusive), got {self.ratio}")
+        if self.unit not in UNITS:
+            raise UserInputError(f"--unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
+        if self.method not in METHODS:
+            raise UserInputError(f"unknown --method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.scope not in ("layer", "global"):
+            raise UserInputError(f"--scope must be layer or global, got {self.scope!r}")
+        if self.scope == "global" and self.unit != "kv-group":
+            raise UserInputError("--scope global ranks KV groups; query-head units are pruned per layer")
+        if self.method == "learned" and self.steps < 1:
+            raise UserInputError("--steps must be at least 1 for learned gates")
+        if self.steps < 0 or self.distill_steps < 0:
+            raise UserInputError("--steps and --distill-steps cannot be negative")
+        if self.noise_bias < 0:
+            raise UserInputError("--noise-bias biases gates toward closing and cannot be negative")
+        if self.gate_objective not in ("lm", "kl"):
+            raise UserInputError(f"--gate-objective must be lm or kl, got {self.gate_objective!r}")
+        if not 0.0 < self.warmup_fraction <= 1.0:
+            raise UserInputError("the warm-up fraction must be in (0, 1]")
+
+
+def head_layouts(adapter: FamilyAdapter, unit: str) -> list[HeadLayout]:
+    _, _, head_dim = adapter.head_counts()
+    return [HeadLayout(*adapter.heads_in_layer(layer), head_dim, unit) for layer in range(adapter.num_layers)]
+
+
+def kv_cache_bytes_per_token(kv_heads: list[int], head_dim: int, element_bytes: int) -> int:
+    """Keys and values of every layer for one token, in the checkpoint's dtype."""
+    return sum(2 * kv * head_dim * element_bytes for kv in kv_heads)
+
+
+def _attention_tensors(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {key[len(prefix) :]: tensor for key, tensor in state.items() if key.startswith(prefix)}
+
+
+def _check_input(adapter: FamilyAdapter, layouts: list[HeadLayout], model_dir: Path, unit: str) -> None:
+    adapter.check_head_pruning(str(model_dir))
+    if unit == "kv-group" and all(layout.kv_heads < 2 for layout in layouts):
+        raise UserInputError(f"{model_dir}: every layer has a single KV group; there are no KV groups to prune")
+    if unit == "query-head" and all(layout.group_size < 2 for layout in layouts):
+        raise UserInputError(
+            f"{model_dir}: every KV group has a single query head; query heads cannot be pruned uniformly"
+        )
+
+
+def _constraints(layouts: list[HeadLayout], remove: list[int], scope: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each unit's constraint index (all layers concatenated) and each constraint's target count of open units:
+    one per layer, one per (layer, KV group) for query heads, one over the model for global scope."""
+    index, targets = [], []
+    if scope == "global":
+        total = sum(layout.units for layout in layouts)
+        return torch.zeros(total, dtype=torch.long), torch.tensor([float(total - sum(remove))])
+    for layout, count in zip(layouts, remove, strict=True):
+        if layout.unit == "kv-group":
+            index += [len(targets)] * layout.units
+            targets.append(float(layout.units - count))
+        else:
+            per_group = count // layout.kv_heads
+            index += [len(targets) + layout.unit_group(u) for u in range(layout.units)]
+            targets += [float(layout.group_size - per_group)] * layout.kv_heads
+    return torch.tensor(index, dtype=torch.long), torch.tensor(targets)
+
+
+def _global_removals(layouts: list[HeadLayout], ratio: float, scores: list[torch.Tensor], learned: bool) -> list[int]:
+    if learned:
+        # gate logits share one scale across layers: compare them as they are
+        scores = [s - min(float(t.min()) for t in scores) + 1.0 for s in scores]
+    return global_removal_counts(layouts, ratio, scores)
+
+
+def build_pruned_model(
+    model: torch.nn.Module, adapter: FamilyAdapter, new_config: dict[str, Any], keep: list[list[int]], layouts
+) -> tuple[torch.nn.Module, FamilyAdapter]:
+    """The pruned model in memory: built from ``new_config`` (through the plugin where counts differ by layer)
+    and loaded with the original weights, attention sliced."""
+    import transformers
+
+    new_adapter = adapter_for(new_config)
+    config = type(model.config).from_dict(new_config)
+    student = getattr(transformers, new_adapter.auto_class).from_config(config, dtype=torch.float32)
+    state = dict(model.state_dict())
+    for layer, layout in enumerate(layouts):
+        prefix = adapter.attention_prefix(layer)
+        sliced = slice_attention(_attention_tensors(state, prefix), layout, keep[layer], adapter.qk_norm)
+        state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+        state.update({prefix + name: tensor for name, tensor in sliced.items()})
+    student.load_state_dict(state, strict=True)
+    return student.eval(), new_adapter
+
+
+def _distilled_parameters(student: torch.nn.Module, adapter: FamilyAdapter) -> list[torch.nn.Parameter]:
+    """The decoder layers' attention projections and norms: what pruning changed or feeds directly."""
+    chosen = []
+    for name, param in student.named_parameters():
+        wanted = adapter.layer_of_key(name) is not None and adapter.classify_key(name) in ("attention", "norms")
+        param.requires_grad_(wanted)
+        if wanted:
+            chosen.append(param)
+    return chosen
+
+
+def _score(
+    config: PruneHeadsConfig,
+    model: torch.nn.Module,
+    adapter: FamilyAdapter,
+    layouts: list[HeadLayout],
+    remove: list[int] | None,
+    batches: list[torch.Tensor],
+    teacher: Teacher,
+    progress: bool,
+) -> tuple[list[torch.Tensor], GateRun | None]:
+    if config.method == "random":
+        return [random_scores(layout, config.seed, layer) for layer, layout in enumerate(layouts)], None
+    if config.method == "magnitude":
+        state = model.state_dict()
+        return [
+            magnitude_scores(_attention_tensors(state, adapter.attention_prefix(layer)), layout)
+            for layer, layout in enumerate(layouts)
+        ], None
+    total = sum(layout.units for layout in layouts)
+    target_remove = remove if remove is not None else [0] * (len(layouts) - 1) + [round(config.ratio * total)]
+    constraint_of_unit, targets = _constraints(layouts, target_remove, config.scope)
+    gates = HeadGates([layout.units for layout in layouts], config.init_log_alpha, config.temperature)
+    schedule = GateSchedule(
+        config.steps, config.lr, config.lambda_lr, config.noise_bias, config.warmup_fraction, config.gate_objective
+    )
+    with GateMasks(model, adapter, layouts) as masks:
+        run = train_gates(
+            model, masks, gates, constraint_of_unit, targets, batches, teacher, schedule, config.seed, progress
+        )
+    return run.scores, run
+
+
+def _eval_windows(model_dir: Path, data: str, seq_len: int, tokens: int | None):
+    stream = tokenize_documents(load_documents(data, default_part="heldout"), load_tokenizer(model_dir))
+    return consecutive_windows(stream, seq_len, tokens)
+
+
+def prune_heads(
+    model_dir: Path,
+    out_dir: Path,
+    config: PruneHeadsConfig,
+    *,
+    calib: str = "builtin:prose",
+    calib_tokens: int = 16384,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    eval_data: str | None = None,
+    eval_tokens: int | None = 16384,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Choose, remove and distil; returns the report also saved as moecompress_report.json.
+
+    With ``eval_data`` the pruned model is evaluated against the input twice: in memory before distillation,
+    and as written (loaded back from ``out_dir``) after it.
+    """
+    config.validate()
+    started = time.time()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_output_is_not_input(model_dir, out_dir)
+    if out_dir.exists() and not overwrite:
+        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+    adapter = load_adapter(model_dir)
+    layouts = head_layouts(adapter, config.unit)
+    _check_input(adapter, layouts, model_dir, config.unit)
+    remove = removal_counts(layouts, config.ratio) if config.scope == "layer" else None
+    with CheckpointReader(model_dir) as reader:
+        element_bytes = _DTYPE_BYTES.get(reader.tensors[adapter.attention_prefix(0) + "k_proj.weight"].dtype, 4)
+    batches = [
+        b["input_ids"]
+        for b in calibration_batches(adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, 0)[0]
+    ]
+    model = load_model(model_dir, adapter)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    teacher = Teacher(lambda ids: model(input_ids=ids, use_cache=False).logits, batches, vocab)
+
+    scores, run = _score(config, model, adapter, layouts, remove, batches, teacher, progress)
+    if remove is None:
+        remove = _global_removals(layouts, config.ratio, scores, config.method == "learned")
+    keep = [choose_keep(s, layout, count) for s, layout, count in zip(scores, layouts, remove, strict=True)]
+    kept_heads = {layer: layout.kept_heads(keep[layer]) for layer, layout in enumerate(layouts)}
+    original_ids = {layer: adapter.original_head_ids(layer) for layer in range(len(layouts))}
+    counts = {layer: (len(q), len(kv)) for layer, (q, kv) in kept_heads.items()}
+    new_config = adapter.with_head_counts(
+        counts, {layer: [original_ids[layer][h] for h in q] for layer, (q, _) in kept_heads.items()}
+    )
+    student, new_adapter = build_pruned_model(model, adapter, new_config, keep, layouts)
+
+    eval_before = None
+    windows = _eval_windows(model_dir, eval_data, seq_len, eval_tokens) if eval_data else None
+    if windows is not None:
+        eval_before = evaluate_windows(student, new_adapter, windows, (model, adapter), progress=progress).to_json()
+    distill_curve: list[dict[str, float]] = []
+    if config.distill_steps:
+        parameters = _distilled_parameters(student, new_adapter)
+        distill_curve = distill(
+            student, parameters, batches, teacher, config.distill_steps, config.distill_lr, progress
+        )
+    student_state = {k: v.detach() for k, v in student.state_dict().items()}
+
+    head_dim = layouts[0].head_dim
+    report: dict[str, Any] = {
+        "pass": "prune_heads",
+        "config": asdict(config),
+        "calibration": {"source": calib, "tokens": sum(b.numel() for b in batches), "seq_len": seq_len},
+        "source": str(model_dir),
+        "family": adapter.family,
+        "unit": config.unit,
+        "units_before": sum(layout.units for layout in layouts),
+        "units_after": sum(len(k) for k in keep),
+        "uniform": len(set(counts.values())) == 1,
+        "stock_loadable": adapter.stock_loads_head_counts(len(set(counts.values())) == 1),
+        "kv_cache_bytes_per_token": {
+            "before": kv_cache_bytes_per_token([layout.kv_heads for layout in layouts], head_dim, element_bytes),
+            "after": kv_cache_bytes_per_token([kv for _, kv in counts.values()], head_dim, element_bytes),
+            "element_bytes": element_bytes,
+        },
+        "layers": {
+            str(layer): {
+                "heads_before": [layout.heads, layout.kv_heads],
+                "heads_after": list(counts[layer]),
+                "kept_units": keep[layer],
+                "kept_query_heads": [original_ids[layer][h] for h in kept_heads[layer][0]],
+                "kept_kv_heads": kept_heads[layer][1],
+                "removed_units": [u for u in range(layout.units) if u not in keep[layer]],
+                "scores": [round(float(s), 5) for s in scores[layer]],
+            }
+            for layer, layout in enumerate(layouts)
+        },
+    }
+    if run is not None:
+        report["gates"] = {
+            "trajectory_steps": run.trajectory_steps,
+            "open_probability": run.trajectory,
+            "curve": run.curve,
+        }
+    if distill_curve:
+        report["distillation"] = {"parameters": "attention and norms of every decoder layer", "curve": distill_curve}
+    if eval_before is not None:
+        report["eval_before_distillation"] = {"data": eval_data, **eval_before}
+
+    _write(model_dir, out_dir, adapter, student_state, new_config, report, overwrite, progress)
+    model = student = teacher = None  # free both models before evaluation loads two more
+    report["seconds"] = round(time.time() - started, 2)
+    if eval_data:
+        result = evaluate(
+            out_dir, eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir, progress=progress
+        )
+        report["eval"] = {"data": eval_data, **result.to_json()}
+    update_report(out_dir, report)
+    return report
+
+
+def _write(
+    model_dir: Path,
+    out_dir: Path,
+    adapter: FamilyAdapter,
+    student_state: dict[str, torch.Tensor],
+    new_config: dict[str, Any],
+    report: dict[str, Any],
+    overwrite: bool,
+    progress: bool,
+) -> None:
+    """Stream the input to ``out_dir`` with every layer's attention and norm tensors taken from the pruned (and
+    distilled) model, cast back to their on-disk dtype."""
+
+    def layer_writer(layer, moe, rest, layout):
+        prefix = adapter.layer_prefix(layer)
+        replaced = {}
+        for key, tensor in rest.items():
+            if adapter.classify_key(key) in ("attention", "norms"):
+                runtime = prefix + adapter.runtime_local_name(key[len(prefix) :])
+                replaced[key] = student_state[runtime].to(tensor.dtype).contiguous()
+            else:
+                replaced[key] = tensor
+        return adapter.join_layer(layer, moe, replaced, layout)
+
+    rewrite_checkpoint(
+        model_dir,
+        out_dir,
+        layer_writer=layer_writer,
+        config=new_config,
+        overwrite=overwrite,
+        progress=progress,
+        extra_json={"moecompress_report.json": report},
+    )
