@@ -18,6 +18,7 @@ from ..errors import UserInputError
 from .numbers import human_bytes as _human_bytes
 from .numbers import human_int as _human_int
 from .prune_heads import prune_heads_command
+from .push import push_command
 from .qat import qat_command
 from .quantize import quantize_command
 
@@ -342,6 +343,7 @@ def _tags(value: str) -> tuple[str, ...]:
 app.add_command(quantize_command)
 app.add_command(prune_heads_command)
 app.add_command(qat_command)
+app.add_command(push_command)
 
 
 def main() -> None:
