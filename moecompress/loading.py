@@ -34,7 +34,11 @@ def load_model(
     import transformers
 
     auto_class = getattr(transformers, adapter.auto_class)
-    model = auto_class.from_pretrained(directory, dtype=dtype, device_map=device_map, trust_remote_code=False)
+    try:
+        model = auto_class.from_pretrained(directory, dtype=dtype, device_map=device_map, trust_remote_code=False)
+    except (ValueError, RuntimeError, KeyError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserInputError(f"{directory}: cannot load the model: {reason}") from error
     return model.eval()
 
 

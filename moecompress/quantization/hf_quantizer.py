@@ -88,6 +88,9 @@ def _quantized_twin(
     salient: SalientSizes | None,
 ) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
+        if module.in_features % scheme.group_size:
+            raise ValueError(f"group size {scheme.group_size} does not divide the input dimension {module.in_features}")
+        _check_salient_sizes({"weight": module.in_features * module.out_features}, salient)
         dtype = module.weight.dtype
         return QuantizedLinear(
             module.in_features, module.out_features, module.bias is not None, scheme, dtype, salient=salient
@@ -97,6 +100,7 @@ def _quantized_twin(
         raise ValueError(f"moecompress cannot quantise a {type(module).__name__} module")
     experts = down.shape[0]
     intermediate = gate_up.numel() // (2 * experts * hidden)
+    _check_experts_sizes(scheme, experts, hidden, intermediate, ranks, salient)
     return QuantizedExperts(
         experts,
         hidden,
@@ -108,6 +112,48 @@ def _quantized_twin(
         ranks=ranks,
         salient=salient,
     )
+
+
+def _check_experts_sizes(
+    scheme: QuantScheme,
+    experts: int,
+    hidden: int,
+    intermediate: int,
+    ranks: dict[str, list[int]] | None,
+    salient: SalientSizes | None,
+) -> None:
+    """Refuse sizes in the config that the tensors cannot have, before anything is allocated from them (a hostile
+    config could otherwise ask for any amount of memory)."""
+    for cols in (hidden, intermediate):
+        if cols % scheme.group_size:
+            raise ValueError(f"group size {scheme.group_size} does not divide the expert dimension {cols}")
+    limit = min(hidden, intermediate)
+    for which, per_expert in (ranks or {}).items():
+        if which not in ("gate", "up", "down") or not isinstance(per_expert, list) or len(per_expert) != experts:
+            raise ValueError(f"lowrank[{which!r}] must list one rank per expert ({experts})")
+        if any(not isinstance(rank, int) or not 0 <= rank <= limit for rank in per_expert):
+            raise ValueError(f"lowrank[{which!r}] ranks must be integers from 0 to {limit}")
+    _check_salient_sizes(
+        {"gate_up_proj": experts * 2 * intermediate * hidden, "down_proj": experts * hidden * intermediate}, salient
+    )
+
+
+def _check_salient_sizes(numel: dict[str, int], salient: SalientSizes | None) -> None:
+    for param, (nbytes, count) in (salient or {}).items():
+        if param not in numel:
+            raise ValueError(f"salient sizes name {param!r}, which this module does not have")
+        if not 0 <= count <= numel[param] or not 0 <= nbytes <= numel[param] // 4 + 4096:
+            raise ValueError(f"salient sizes of {param} ({nbytes} bytes, {count} weights) exceed the weight")
+
+
+def check_all_loaded(model: torch.nn.Module) -> None:
+    """Every tensor a quantised module registered must have come from the checkpoint: transformers would
+    otherwise initialise it at random and only warn."""
+    for name, module in model.named_modules():
+        if isinstance(module, _QuantizedWeights):
+            for param_name, param in module.named_parameters():
+                if not getattr(param, "_is_hf_initialized", False):
+                    raise ValueError(f"{name}.{param_name} is missing from the checkpoint")
 
 
 def replace_quantized_modules(model: torch.nn.Module, config: MoecompressConfig) -> None:
@@ -124,14 +170,17 @@ def replace_quantized_modules(model: torch.nn.Module, config: MoecompressConfig)
         parent_name, _, child = name.rpartition(".")
         device = next(module.parameters()).device
         with torch.device(device):
-            twin = _quantized_twin(
-                module,
-                config.scheme_of(name),
-                adapter.activation,
-                hidden,
-                config.lowrank.get(name),
-                config.salient_of(name),
-            )
+            try:
+                twin = _quantized_twin(
+                    module,
+                    config.scheme_of(name),
+                    adapter.activation,
+                    hidden,
+                    config.lowrank.get(name),
+                    config.salient_of(name),
+                )
+            except (ValueError, TypeError, KeyError) as error:
+                raise ValueError(f"quantization_config for {name}: {error}") from None
         setattr(model.get_submodule(parent_name) if parent_name else model, child, twin)
 
 
@@ -161,6 +210,7 @@ class MoecompressHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        check_all_loaded(model)
         decode_salient_bitmaps(model)
         return model
 
