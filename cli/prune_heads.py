@@ -73,10 +73,11 @@ import click
 @click.option(
     "--noise-bias",
     type=click.FloatRange(min=0),
-    default=2.0,
+    default=0.0,
     show_default=True,
     help="Shift of the gates' logistic sampling noise toward closing at the start of training, decaying linearly "
-    "to 0 over the warm-up (the first half of --steps); 0 disables it.",
+    "to 0 over the warm-up (the first half of --steps). 0 (default) disables it: on tiny-moe 2.0 tied at 25% "
+    "and hurt at 50% (docs/heads.md).",
 )
 @click.option(
     "--gate-objective",

@@ -23,8 +23,9 @@ from moecompress.checkpoint import resolve_model
 from moecompress.loading import quiet_transformers
 from moecompress.passes.prune_heads import PruneHeadsConfig, prune_heads
 
+# "learned" is the noise-biased variant (bias 2.0, decaying to 0 over the warm-up); the pass's default is no bias.
 VARIANTS = {
-    "learned": {"method": "learned"},
+    "learned": {"method": "learned", "noise_bias": 2.0},
     "learned, no noise bias": {"method": "learned", "noise_bias": 0.0},
     "magnitude": {"method": "magnitude"},
     "random": {"method": "random"},
