@@ -39,9 +39,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/qat_results.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the loss curves (needs matplotlib)")
+    parser.add_argument("--oracle-only", action="store_true", help="only add the oracle-routing rows to --out")
+    parser.add_argument("--merge", type=Path, nargs="+", help="combine these results files (same settings) into --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
+    if args.oracle_only:
+        oracle_only(args)
+        return
+    if args.merge:
+        merge(args)
+        return
 
     model_dir = resolve_model(args.model)
     rows, oracle = [], []
@@ -94,15 +102,57 @@ def main() -> None:
                     seconds=time.time() - start,
                 )
                 rows.append(row)
+                write_all(args, rows, oracle)
                 print(
                     f"{row['scheme']:28s} replay {row['replay']:10s} PTQ {row['ptq_perplexity']:.3f} -> QAT "
                     f"{row['perplexity']:.3f} (KL {row['ptq_kl']:.4f} -> {row['kl']:.4f}, agreement "
                     f"{row['ptq_routing_agreement']:.4f} -> {row['routing_agreement']:.4f}) {row['seconds']:.0f}s",
                     flush=True,
                 )
+    write_all(args, rows, oracle)
+
+
+def write_all(args: argparse.Namespace, rows: list[dict], oracle: list[dict]) -> None:
     facts = run_facts(args)
     facts.update(steps=args.steps, lr=args.lr, seeds=args.seeds, budget=args.budget, replay_weights=args.replay_weights)
-    results = dict(**facts, rows=rows)
+    results = dict(**facts, rows=rows, oracle_routing=oracle)
+    write_results(results, args.out, args.markdown, render_markdown)
+    if args.plot:
+        plot_losses(results, args.plot)
+
+
+def merge(args: argparse.Namespace) -> None:
+    """One results file from runs of this script split by scheme (e.g. run in parallel)."""
+    import json
+
+    parts = [json.loads(path.read_text()) for path in args.merge]
+    settings = ("steps", "lr", "budget", "replay_weights", "model", "data")
+    for part in parts[1:]:
+        differing = [key for key in settings if part.get(key) != parts[0].get(key)]
+        if differing:
+            raise SystemExit(f"cannot merge runs whose {differing} differ")
+    results = dict(parts[0])
+    results["rows"] = [row for part in parts for row in part["rows"]]
+    results["seeds"] = ",".join(str(seed) for seed in sorted({row["seed"] for row in results["rows"]}))
+    results["oracle_routing"] = [entry for part in parts for entry in part.get("oracle_routing", [])]
+    write_results(results, args.out, args.markdown, render_markdown)
+    if args.plot:
+        plot_losses(results, args.plot)
+
+
+def oracle_only(args: argparse.Namespace) -> None:
+    """Add the oracle-routing rows to an existing results file (``--out``) whose runs lack them."""
+    import json
+
+    results = json.loads(args.out.read_text())
+    model_dir = resolve_model(args.model)
+    oracle = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scheme, seed in dict.fromkeys((row["scheme"].split()[0], row["seed"]) for row in results["rows"]):
+            quantize = QuantizeConfig(scheme=scheme, lowrank_budget=results["budget"], seed=seed)
+            oracle.append(oracle_routing(model_dir, Path(tmp) / "ptq", quantize, args))
+            print(oracle[-1], flush=True)
+    results["oracle_routing"] = oracle
     write_results(results, args.out, args.markdown, render_markdown)
     if args.plot:
         plot_losses(results, args.plot)
@@ -155,7 +205,8 @@ def _cell(values: list[float], digits: int) -> str:
 def render_markdown(results: dict) -> str:
     rows = results["rows"]
     lines = [
-        f"{results['steps']} steps, lr {results['lr']:g}, seeds {results['seeds']} (mean, then each seed), adapters "
+        f"{results['steps']} steps, lr {results['lr']:g}, seeds {results['seeds']} (the mean, then each seed's value "
+        f"where a row ran with several), adapters "
         f"{results['budget']:g} bits/expert weight spent by load; replayed weights: {results['replay_weights']}. "
         f"Full-precision perplexity {rows[0]['reference_perplexity']:.2f} ({rows[0]['tokens']:,} held-out tokens).",
         "",

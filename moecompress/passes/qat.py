@@ -43,7 +43,7 @@ class QATConfig:
     quantize: QuantizeConfig = field(
         default_factory=lambda: QuantizeConfig(scheme="int2", lowrank_budget=DEFAULT_LOWRANK_BUDGET)
     )
-    replay: str = "all"
+    replay: str = "none"
     replay_weights: str = "router"
     steps: int = 200
     lr: float = 1e-3
