@@ -21,6 +21,7 @@ from .prune_heads import prune_heads_command
 from .push import push_command
 from .qat import qat_command
 from .quantize import quantize_command
+from .trust_options import trust_options
 
 MODEL_HELP = "a model directory, builtin:tiny-moe, or a Hugging Face hub id (org/name)"
 
@@ -42,6 +43,7 @@ def app(ctx: click.Context, debug: bool) -> None:
 
 
 @app.command("inspect")
+@trust_options
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect_command(model: str, as_json: bool) -> None:
@@ -82,6 +84,7 @@ def inspect_command(model: str, as_json: bool) -> None:
 
 
 @app.command("eval")
+@trust_options
 @click.argument("model")
 @click.option(
     "--data",
@@ -145,6 +148,7 @@ def eval_command(
 
 
 @app.command("prune")
+@trust_options
 @click.argument("model")
 @click.option(
     "--out",

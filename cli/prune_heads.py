@@ -7,8 +7,11 @@ from pathlib import Path
 
 import click
 
+from .trust_options import trust_options
+
 
 @click.command("prune-heads")
+@trust_options
 @click.argument("model")
 @click.option(
     "--out",

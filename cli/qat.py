@@ -8,9 +8,11 @@ from pathlib import Path
 import click
 
 from .numbers import human_bytes
+from .trust_options import trust_options
 
 
 @click.command("qat")
+@trust_options
 @click.argument("model")
 @click.option(
     "--out",

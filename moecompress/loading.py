@@ -1,4 +1,5 @@
-"""Load a model directory with stock transformers classes (never remote code), and its tokenizer."""
+"""Load a model directory with the family's transformers auto class, and its tokenizer. Remote code and pickle
+weights only with the user's consent (:mod:`moecompress.trust`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from . import trust
 from .checkpoint import CheckpointReader
 from .errors import UserInputError
 from .families import FamilyAdapter, adapter_for
@@ -35,7 +37,13 @@ def load_model(
 
     auto_class = getattr(transformers, adapter.auto_class)
     try:
-        model = auto_class.from_pretrained(directory, dtype=dtype, device_map=device_map, trust_remote_code=False)
+        model = auto_class.from_pretrained(
+            directory,
+            dtype=dtype,
+            device_map=device_map,
+            trust_remote_code=trust.CURRENT.remote_code,
+            use_safetensors=None if trust.CURRENT.pickle else True,
+        )
     except (ValueError, RuntimeError, KeyError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserInputError(f"{directory}: cannot load the model: {reason}") from error
@@ -46,6 +54,6 @@ def load_tokenizer(directory: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust.CURRENT.remote_code)
     except (OSError, ValueError) as error:
         raise UserInputError(f"{directory}: no usable tokenizer ({str(error).splitlines()[0]})") from None

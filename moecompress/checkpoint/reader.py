@@ -17,10 +17,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .. import trust
 from ..errors import UserInputError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 _DTYPE_BYTES = {
     "F64": 8,
@@ -38,6 +41,25 @@ _DTYPE_BYTES = {
     "U16": 2,
     "U32": 4,
     "U64": 8,
+}
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 
 
@@ -104,9 +126,15 @@ class CheckpointReader:
             self.config: dict[str, Any] = json.loads(config_path.read_text())
         except json.JSONDecodeError as error:
             raise UserInputError(f"{config_path}: invalid JSON ({error})") from None
+        self._pickled: dict[str, dict[str, torch.Tensor]] = {}
+        """Memory-mapped state dicts of pickle shards (only with --allow-pickle)."""
         self.shard_files = self._shard_files()
         self.tensors: dict[str, TensorInfo] = {}
         for shard in self.shard_files:
+            if shard in self._pickled:
+                for key, tensor in self._pickled[shard].items():
+                    self.tensors[key] = TensorInfo(shard, SAFETENSORS_DTYPES[tensor.dtype], tuple(tensor.shape))
+                continue
             header = read_safetensors_header(self.directory / shard)
             for key, entry in header.items():
                 if key != "__metadata__":
@@ -129,7 +157,41 @@ class CheckpointReader:
         found = sorted(p.name for p in self.directory.glob("*.safetensors"))
         if found:
             return found
+        pickled = self._pickle_shards()
+        if pickled:
+            return pickled
         raise UserInputError(f"{self.directory}: no safetensors weights (model.safetensors or {INDEX_NAME})")
+
+    def _pickle_shards(self) -> list[str]:
+        """Pickle weight files, refused unless pickle is allowed, then opened with ``weights_only=True``."""
+        index_path = self.directory / PICKLE_INDEX_NAME
+        if index_path.is_file():
+            try:
+                files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError) as error:
+                raise UserInputError(f"{index_path}: invalid shard index ({error})") from None
+        else:
+            files = sorted(p.name for p in self.directory.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES)
+        if not files:
+            return []
+        if not trust.CURRENT.pickle:
+            raise UserInputError(
+                f"{self.directory}: the weights are pickle files ({files[0]}), which can run code when loaded; "
+                "pass --allow-pickle to read them with torch.load(weights_only=True)"
+            )
+        for name in files:
+            path = self.directory / name
+            if not path.is_file():
+                raise UserInputError(f"{index_path}: names shard {name!r}, which is missing")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad files
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise UserInputError(f"{path}: refused by torch.load(weights_only=True): {reason}") from None
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise UserInputError(f"{path}: not a state dict of tensors")
+            self._pickled[name] = state
+        return files
 
     # ---- metadata -------------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -155,6 +217,13 @@ class CheckpointReader:
                 raise KeyError(f"{self.directory}: no tensor {key!r}") from None
         out: dict[str, torch.Tensor] = {}
         for shard, shard_keys in by_shard.items():
+            if shard in self._pickled:
+                for key in shard_keys:
+                    tensor = self._pickled[shard][key].clone()
+                    if check_finite and tensor.is_floating_point() and not _all_finite(tensor):
+                        raise UserInputError(f"{self.directory / shard}: tensor {key!r} holds NaN or Inf values")
+                    out[key] = tensor
+                continue
             with safe_open(str(self.directory / shard), framework="pt") as handle:
                 for key in shard_keys:
                     tensor = handle.get_tensor(key)

@@ -20,30 +20,11 @@ from typing import Any
 import torch
 
 from ..errors import UserInputError
-from .reader import INDEX_NAME, SINGLE_NAME
+from .reader import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 
 INCOMPLETE_MARKER = "MOECOMPRESS_INCOMPLETE"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".onnx")
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
@@ -60,13 +41,13 @@ class _ShardFile:
         self.size = 0
 
     def append(self, key: str, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"{key}: dtype {tensor.dtype} cannot be stored in safetensors")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         self.handle.write(data.tobytes())
         nbytes = data.size
         self.entries[key] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [self.size, self.size + nbytes],
         }
