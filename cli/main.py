@@ -21,6 +21,7 @@ from .prune_heads import prune_heads_command
 from .push import push_command
 from .qat import qat_command
 from .quantize import quantize_command
+from .run import run_command
 from .trust_options import trust_options
 
 MODEL_HELP = "a model directory, builtin:tiny-moe, or a Hugging Face hub id (org/name)"
@@ -347,6 +348,7 @@ def _tags(value: str) -> tuple[str, ...]:
 app.add_command(quantize_command)
 app.add_command(prune_heads_command)
 app.add_command(qat_command)
+app.add_command(run_command)
 app.add_command(push_command)
 
 

@@ -1,0 +1,86 @@
+"""Recipes: validated whole before any work (errors name the key's path, exit 2), run pass after pass with the
+same results as the passes run by hand."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import run_cli
+
+from moecompress.errors import UserInputError
+from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
+from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+from moecompress.recipes import load_recipe, parse_recipe, run_recipe
+
+DEFAULT = Path(__file__).parent.parent / "recipes" / "default.yaml"
+
+
+def _recipe(*passes, **top):
+    return {"model": "builtin:tiny-moe", **top, "passes": list(passes)}
+
+
+def test_the_default_recipe_is_maep_mxfp4_lowrank_and_eval():
+    recipe = load_recipe(DEFAULT)
+    assert [name for name, _ in recipe.passes] == ["prune_experts", "quantize"]
+    prune, quantize = (config for _, config in recipe.passes)
+    assert prune.method == "maep" and prune.ratio == 0.25
+    assert quantize.scheme == "mxfp4" and quantize.lowrank_budget == 0.375
+    assert recipe.evaluation is not None and recipe.model == "builtin:tiny-moe"
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (_recipe({"quantize": {}}, modle="x"), "modle: unknown key"),
+        (_recipe({"quantize": {"schem": "int4"}}), "passes[0].quantize.schem: unknown key"),
+        (_recipe({"prune_experts": {"ratio": "a lot"}}), "passes[0].prune_experts.ratio: expected float"),
+        (_recipe({"prune_experts": {"scope": "everywhere"}}), "passes[0].prune_experts.scope: 'everywhere' is not"),
+        (_recipe({"prune_experts": {"ratio": 1.5}}), "passes[0].prune_experts: --ratio must be between 0 and 1"),
+        (_recipe({"quantize": {"scheme": "int3"}}), "passes[0].quantize: unknown scheme"),
+        (_recipe({"quantize": {}}, {"prune_experts": {}}), "passes[1].prune_experts: pruning must come before"),
+        (_recipe({"quantize": {}}, {"qat": {}}), "passes[1].qat: the model is already quantised by passes[0]"),
+        (_recipe({"lowrank": {"lowrank_budget": 0.5}}), "passes[0].lowrank: lowrank must directly follow"),
+        (_recipe({"quantize": {}}, {"lowrank": {"budget": 1}}), "passes[1].lowrank.budget: unknown key"),
+        (_recipe({"eval": {}}, {"quantize": {}}), "passes[1].quantize: eval must be the last pass"),
+        (_recipe({"teleport": {}}), "passes[0].teleport: unknown pass"),
+        (_recipe(), "passes: expected a non-empty list"),
+        (_recipe({"quantize": {}}, calibration={"tokens": 10, "seq_len": 256}), "calibration.tokens: 10 is less"),
+        (_recipe({"qat": {"quantize": {"group_size": "big"}}}), "passes[0].qat.quantize.group_size: expected int"),
+    ],
+)
+def test_bad_recipes_name_the_key(document, message):
+    with pytest.raises(UserInputError) as raised:
+        parse_recipe(document)
+    assert message in str(raised.value)
+
+
+def test_the_cli_refuses_a_bad_recipe_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_recipe({"quantize": {"scheme": "mxfp4", "method": "magic"}})))
+    result = run_cli("run", str(bad), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    assert result.stderr.strip().count("\n") == 0 and "passes[0].quantize.method" in result.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("passes: [quantize: {")
+    result = run_cli("run", str(broken), "--dry-run")
+    assert result.returncode == 2 and "not valid YAML" in result.stderr
+
+
+def test_a_recipe_gives_the_same_checkpoint_as_its_passes_run_by_hand(tiny_with_tokenizer, tmp_path):
+    source = tiny_with_tokenizer["qwen3_moe"]
+    document = _recipe(
+        {"prune_experts": {"ratio": 0.25}},
+        {"quantize": {"scheme": "int4"}},
+        {"lowrank": {"lowrank_budget": 0.5}},
+        calibration={"tokens": 1024, "seq_len": 64},
+    )
+    report = run_recipe(parse_recipe(document), source, tmp_path / "recipe", progress=False)
+    assert report["recipe"]["passes"][1] == "quantize: scheme=int4, lowrank_budget=0.5"
+    common = dict(calib="builtin:prose", calib_tokens=1024, seq_len=64, progress=False)
+    prune_experts(source, tmp_path / "pruned", PruneExpertsConfig(ratio=0.25), **common)
+    quantize_checkpoint(
+        tmp_path / "pruned", tmp_path / "hand", QuantizeConfig(scheme="int4", lowrank_budget=0.5), **common
+    )
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "recipe" / name).read_bytes() == (tmp_path / "hand" / name).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hand", "pruned", "recipe"]  # intermediates removed
