@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..evals.routing import routing_agreement
 from ..families import FamilyAdapter
 from ..quantization.modules import QuantizedExperts
 from .replay import ReplaySchedule, RouteCapture, RouteReplay
@@ -119,12 +120,6 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) 
     return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
 
-def _agreement(teacher: torch.Tensor, own: torch.Tensor) -> float:
-    teacher = teacher.to(own.device)
-    overlap = (teacher[:, :, None] == own[:, None, :]).any(dim=-1).float().mean()
-    return float(overlap)
-
-
 def train_adapters(
     student: torch.nn.Module,
     student_adapter: FamilyAdapter,
@@ -179,8 +174,11 @@ def train_adapters(
             log.loss.append(loss.item())
             log.kl.append(kl.item())
             log.replayed_layers.append(len(replay.active))
-            agreements = [_agreement(replay.routes[layer][0], replay.own_ids[layer]) for layer in moe_layers]
-            log.own_route_agreement.append(sum(agreements) / len(agreements))
+            total, count = routing_agreement(
+                {layer: ids.cpu() for layer, (ids, _) in replay.routes.items()},
+                {layer: ids.cpu() for layer, ids in replay.own_ids.items()},
+            )
+            log.own_route_agreement.append(total / count)
     finally:
         student.eval()
         capture.remove()
