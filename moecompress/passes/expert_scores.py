@@ -26,6 +26,7 @@ class TokenExpertStats:
     delta_h: torch.Tensor  # [T, E] ‖ΔH‖ per token and expert
     output_norm: torch.Tensor  # [T] ‖H_t‖
     routed_counts: torch.Tensor  # [E]
+    reap_sum: torch.Tensor  # [E] sum over routed tokens of gate weight × ‖f_e(x)‖ (float64)
 
 
 def _expert_outputs(
@@ -55,7 +56,7 @@ def layer_expert_stats(
     num_experts = moe.num_experts
     tokens = hidden.shape[0]
     counts = torch.zeros(num_experts)
-    reap_sum = torch.zeros(num_experts)
+    reap_sum = torch.zeros(num_experts, dtype=torch.float64)
     delta_h = torch.zeros(tokens, num_experts)
     output_norm = torch.zeros(tokens)
     eye = torch.eye(num_experts, dtype=torch.bool)
@@ -94,7 +95,7 @@ def layer_expert_stats(
         output_norm[start : start + n] = combined.norm(dim=-1)
         gate_norm = weights * routed.norm(dim=-1)  # [n, k]
         counts += torch.bincount(ids.reshape(-1), minlength=num_experts).float()
-        reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1), minlength=num_experts)
+        reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1).double(), minlength=num_experts)
         for e in range(num_experts):
             rows = changed[e].nonzero().squeeze(1)
             if rows.numel() == 0:
@@ -104,10 +105,11 @@ def layer_expert_stats(
             delta_h[start + rows, e] = (combined[rows] - new_combined).norm(dim=-1)
     return TokenExpertStats(
         frequency=counts / tokens,
-        reap=torch.where(counts > 0, reap_sum / counts.clamp_min(1), torch.zeros_like(reap_sum)),
+        reap=torch.where(counts > 0, reap_sum / counts.clamp_min(1), 0.0).float(),
         delta_h=delta_h,
         output_norm=output_norm,
         routed_counts=counts,
+        reap_sum=reap_sum,
     )
 
 

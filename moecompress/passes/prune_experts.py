@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..calibration import distributed
 from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
@@ -94,13 +95,24 @@ def _tag_mask(capture: LayerCapture, tags: tuple[str, ...]) -> torch.Tensor:
 
 
 def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpertsConfig) -> LayerScores:
-    """The chosen method's score of every expert in one layer (higher = more important)."""
+    """The chosen method's score of every expert in one layer (higher = more important).
+
+    Under ``torch.distributed`` the capture holds this rank's tokens only; every statistic is then a sum and
+    a count added over ranks, so all ranks get the scores of the whole calibration set."""
     stats = layer_expert_stats(adapter, capture.moe, capture.moe_input)
+    tokens, counts, reap_sum, delta_h_sum = distributed.sum_over_ranks(
+        torch.tensor(float(stats.delta_h.shape[0])),
+        stats.routed_counts,
+        stats.reap_sum,
+        stats.delta_h.double().sum(dim=0),
+    )
     extra: dict[str, Any] = {}
+    frequency = (counts / tokens).float()
+    reap = torch.where(counts > 0, reap_sum / counts.clamp_min(1), 0.0).float()
     if config.method == "frequency":
-        score = stats.frequency
+        score = frequency
     elif config.method == "reap":
-        score = stats.reap
+        score = reap
     elif config.method == "random":
         generator = torch.Generator().manual_seed(config.seed * 100_003 + capture.layer)
         score = torch.rand(capture.moe.num_experts, generator=generator)
@@ -110,9 +122,9 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         layer=capture.layer,
         expert_ids=list(capture.moe.expert_ids),
         score=score,
-        frequency=stats.frequency,
-        reap=stats.reap,
-        delta_h=stats.delta_h.mean(dim=0),
+        frequency=frequency,
+        reap=reap,
+        delta_h=(delta_h_sum / tokens).float(),
         extra=extra,
     )
     if config.method == "maep" and config.greedy:
@@ -149,9 +161,34 @@ def _greedy_removal_order(
     return order, marginal
 
 
-def _aggregate(delta_h: torch.Tensor, config: PruneExpertsConfig) -> torch.Tensor:
-    """Per expert, the mean over tokens of ‖ΔH‖² (the expected squared output error; default) or of ‖ΔH‖."""
-    return (delta_h**2).mean(dim=0) if config.aggregate == "mean_sq" else delta_h.mean(dim=0)
+def _aggregate(
+    delta_h: torch.Tensor, masks: list[torch.Tensor], config: PruneExpertsConfig
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Per mask and expert, the mean over the masked tokens of all ranks of ‖ΔH‖² (the expected squared output
+    error; default) or of ‖ΔH‖, and the masks' global token counts. A mask without any token gives zeros."""
+    values = (delta_h.double() ** 2) if config.aggregate == "mean_sq" else delta_h.double()
+    sums = [values[mask].sum(dim=0) for mask in masks]
+    counts = [torch.tensor(float(mask.sum())) for mask in masks]
+    totals = distributed.sum_over_ranks(*sums, *counts)
+    sums, counts = totals[: len(masks)], [int(count) for count in totals[len(masks) :]]
+    means = [(total / n).float() if n else torch.zeros(delta_h.shape[1]) for total, n in zip(sums, counts, strict=True)]
+    return means, counts
+
+
+def _lowest_attention(capture: LayerCapture, candidates: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Mask of the ``fraction`` of candidate tokens, over all ranks, that receive the least attention (ties to the
+    earlier token). The candidates' values are gathered in rank order, which is the single-process token order,
+    so every rank picks exactly what one process would."""
+    if capture.attention_received is None:
+        raise RuntimeError("MAEP with prune tags needs the attention each token receives")
+    received, sizes = distributed.gather_in_rank_order(capture.attention_received[candidates].float())
+    count = max(1, math.ceil(fraction * received.numel())) if received.numel() else 0
+    chosen = torch.zeros(received.numel(), dtype=torch.bool)
+    chosen[received.argsort(stable=True)[:count]] = True
+    start = sum(sizes[: distributed.rank()])
+    prune = torch.zeros_like(candidates)
+    prune[candidates.nonzero().squeeze(1)] = chosen[start : start + int(candidates.sum())]
+    return prune
 
 
 def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExpertsConfig):
@@ -161,23 +198,16 @@ def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExper
             if config.preserve_tags
             else torch.ones_like(capture.tags, dtype=torch.bool)
         )
-        return _aggregate(delta_h[preserve], config), {"preserve_tokens": int(preserve.sum())}
+        (signal,), (tokens,) = _aggregate(delta_h, [preserve], config)
+        return signal, {"preserve_tokens": tokens}
     candidates = _tag_mask(capture, config.prune_tags)
     preserve = _tag_mask(capture, config.preserve_tags) if config.preserve_tags else ~candidates
-    if capture.attention_received is None:
-        raise RuntimeError("MAEP with prune tags needs the attention each token receives")
-    received = capture.attention_received[candidates]
-    count = max(1, math.ceil(config.low_attention_fraction * received.numel())) if received.numel() else 0
-    prune = torch.zeros_like(candidates)
-    if count:
-        lowest = received.argsort()[:count]
-        prune[candidates.nonzero().squeeze(1)[lowest]] = True
-    preserve_signal = _aggregate(delta_h[preserve], config) if preserve.any() else torch.zeros(delta_h.shape[1])
-    prune_signal = _aggregate(delta_h[prune], config) if prune.any() else torch.zeros(delta_h.shape[1])
+    prune = _lowest_attention(capture, candidates, config.low_attention_fraction)
+    (preserve_signal, prune_signal), (preserve_tokens, prune_tokens) = _aggregate(delta_h, [preserve, prune], config)
     score = preserve_signal - config.prune_weight * prune_signal
     extra = {
-        "preserve_tokens": int(preserve.sum()),
-        "prune_tokens": int(prune.sum()),
+        "preserve_tokens": preserve_tokens,
+        "prune_tokens": prune_tokens,
         "preserve_signal": preserve_signal.tolist(),
         "prune_signal": prune_signal.tolist(),
     }
@@ -330,6 +360,30 @@ def calibration_batches(
     windows = sampled_windows(stream, seq_len, calib_tokens, seed)
     batches = [{"input_ids": ids} for ids, _ in windows.batches(batch_size)]
     return batches, windows.tags.reshape(-1), windows.tag_names
+
+
+def measure_experts(
+    model_dir: Path,
+    adapter: FamilyAdapter,
+    batches: list[dict[str, torch.Tensor]],
+    tags: torch.Tensor,
+    tag_names: list[str],
+    config: PruneExpertsConfig,
+    *,
+    progress: bool = True,
+) -> list[LayerScores]:
+    """The measuring sweep. Under ``torch.distributed`` each rank sweeps its share of the batches and every rank
+    returns the scores of the whole calibration set."""
+    shard = distributed.shard_calibration(batches, tags)
+    sweep = CalibrationSweep(
+        model_dir,
+        shard.batches,
+        shard.tags,
+        tag_names,
+        capture_attention=config.method == "maep" and bool(config.prune_tags),
+        progress=progress and distributed.is_writer(),
+    )
+    return [score_layer(adapter, capture, config) for capture in sweep.run()]
 
 
 def prune_experts(

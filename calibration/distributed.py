@@ -1,0 +1,115 @@
+"""Calibration sharded over the ranks of a ``torch.distributed`` job (``torchrun``, ``accelerate launch``).
+
+Each rank runs the layer-wise sweep on its own contiguous block of whole calibration batches, keeps every
+statistic as sums and counts, and the sums are added over ranks in float64, so the result equals the
+single-process one up to float64 rounding of the additions. Contiguous blocks in rank order also make a
+gather in rank order the single-process token order. Rank 0 alone writes. Outside a distributed job every
+function here is the identity on one rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserInputError
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_from_environment() -> bool:
+    """Join the job ``torchrun`` or ``accelerate launch`` describes in the environment (``WORLD_SIZE`` above 1)
+    unless a process group exists already; NCCL where CUDA is available, gloo otherwise. True when distributed."""
+    if active():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
+        return False
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_writer() -> bool:
+    """Only rank 0 writes files and prints."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_over_ranks(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor summed over ranks, in float64 (one all-reduce for all of them)."""
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+    if active() and world_size() > 1:
+        flat = flat.to(_device())
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat = flat.cpu()
+    out, start = [], 0
+    for tensor in tensors:
+        out.append(flat[start : start + tensor.numel()].reshape(tensor.shape))
+        start += tensor.numel()
+    return out
+
+
+def gather_in_rank_order(values: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's 1-D ``values`` concatenated in rank order (lengths may differ), and each rank's length."""
+    values = values.detach().reshape(-1)
+    if not active() or world_size() <= 1:
+        return values, [values.numel()]
+    device = _device()
+    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size())]
+    dist.all_gather(lengths, torch.tensor([values.numel()], dtype=torch.long, device=device))
+    sizes = [int(n) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=values.dtype, device=device)
+    padded[: values.numel()] = values.to(device)
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded)
+    return torch.cat([piece[:n].cpu() for piece, n in zip(pieces, sizes, strict=True)]), sizes
+
+
+@dataclass
+class CalibrationShard:
+    """This rank's batches and the tags of their tokens (flat, in the batches' order)."""
+
+    batches: list[dict[str, torch.Tensor]]
+    tags: torch.Tensor
+
+
+def shard_calibration(batches: list[dict[str, torch.Tensor]], tags: torch.Tensor) -> CalibrationShard:
+    """Rank ``r`` of ``W`` gets batches ``[r·n/W, (r+1)·n/W)`` whole (a batch's tensors are never split, so each
+    token is computed exactly as in one process) and the slice of ``tags`` their ``input_ids`` cover."""
+    tags = tags.reshape(-1)
+    count, ranks, me = len(batches), world_size(), rank()
+    if ranks == 1:
+        return CalibrationShard(batches, tags)
+    if count < ranks:
+        raise UserInputError(
+            f"{count} calibration batch(es) cannot be shared by {ranks} ranks; "
+            "give more calibration tokens or a smaller batch size"
+        )
+    sizes = [int(batch["input_ids"].numel()) for batch in batches]
+    if sum(sizes) != tags.numel():
+        raise ValueError(f"the batches hold {sum(sizes)} tokens but {tags.numel()} tags were given")
+    first, last = me * count // ranks, (me + 1) * count // ranks
+    offset = sum(sizes[:first])
+    return CalibrationShard(batches[first:last], tags[offset : offset + sum(sizes[first:last])])
