@@ -21,7 +21,9 @@ from .prune_heads import prune_heads_command
 from .push import push_command
 from .qat import qat_command
 from .quantize import quantize_command
+from .report import report_command
 from .run import run_command
+from .run_options import run_and_summarise, run_options
 from .trust_options import trust_options
 
 MODEL_HELP = "a model directory, builtin:tiny-moe, or a Hugging Face hub id (org/name)"
@@ -132,7 +134,7 @@ def eval_command(
         reference_dir=reference_dir,
         progress=sys.stderr.isatty(),
     )
-    payload = {"model": str(model_dir), "data": data, **result.to_json()}
+    payload = {"model": str(model_dir), "data": data, **result.to_json(with_speed=True)}
     if reference_dir is not None:
         payload["reference"] = str(reference_dir)
     if json_out is not None:
@@ -150,6 +152,7 @@ def eval_command(
 
 @app.command("prune")
 @trust_options
+@run_options
 @click.argument("model")
 @click.option(
     "--out",
@@ -285,6 +288,9 @@ def prune_command(
     eval_tokens: int,
     no_eval: bool,
     overwrite: bool,
+    resume: bool,
+    quiet: bool,
+    log_json: bool,
 ) -> None:
     """Remove routed experts from MODEL and write the smaller checkpoint to --out.
 
@@ -293,7 +299,8 @@ def prune_command(
     moecompress_report.json lists each layer's kept original expert ids and every expert's scores.
     """
     from ..checkpoint import resolve_model
-    from ..passes.prune_experts import PruneExpertsConfig, prune_experts
+    from ..passes.prune_experts import PruneExpertsConfig
+    from ..recipes import Calibration, Evaluation, Recipe
 
     if ratio is None and keep is None:
         ratio = 0.25
@@ -311,34 +318,20 @@ def prune_command(
         greedy=greedy,
         seed=seed,
     )
-    report = prune_experts(
-        resolve_model(model),
-        out_dir,
-        config,
-        calib=calib,
-        calib_tokens=calib_tokens,
-        seq_len=seq_len,
-        image_size=image_size,
-        eval_data=None if no_eval else eval_data,
-        eval_tokens=eval_tokens,
-        overwrite=overwrite,
-        progress=sys.stderr.isatty(),
+    config.validate()
+    recipe = Recipe(
+        model=model,
+        calibration=Calibration(source=calib, tokens=calib_tokens, seq_len=seq_len, seed=seed, image_size=image_size),
+        passes=[("prune_experts", config)],
+        evaluation=None if no_eval else Evaluation(data=eval_data, tokens=eval_tokens),
     )
+    report = run_and_summarise(recipe, resolve_model(model), out_dir, overwrite=overwrite, resume=resume)
     counts = [len(layer["kept"]) for layer in report["layers"].values()]
     click.echo(
         f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "
         f"experts ({method}, scope {scope}); kept per layer: {', '.join(map(str, counts))}"
-    )
-    click.echo(
-        f"wrote {out_dir} in {report['seconds']:.1f}s"
         + ("" if report["uniform"] else "  (per-layer counts differ: load after `import moecompress`)")
     )
-    if "eval" in report:
-        result = report["eval"]
-        click.echo(
-            f"perplexity {result['reference_perplexity']:.3f} -> {result['perplexity']:.3f} on {eval_data}; "
-            f"KL {result['kl']:.4f} nats/token; routing agreement {result['routing_agreement']:.4f}"
-        )
 
 
 def _tags(value: str) -> tuple[str, ...]:
@@ -350,6 +343,7 @@ app.add_command(prune_heads_command)
 app.add_command(qat_command)
 app.add_command(run_command)
 app.add_command(push_command)
+app.add_command(report_command)
 
 
 def main() -> None:

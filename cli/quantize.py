@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from .numbers import human_bytes as _human_bytes
+from .run_options import run_and_summarise, run_options
 from .trust_options import trust_options
 
 
 @click.command("quantize")
 @trust_options
+@run_options
 @click.argument("model")
 @click.option(
     "--out",
@@ -168,6 +169,9 @@ def quantize_command(
     eval_tokens: int,
     no_eval: bool,
     overwrite: bool,
+    resume: bool,
+    quiet: bool,
+    log_json: bool,
 ) -> None:
     """Quantise MODEL's routed experts (and --targets) and write the checkpoint to --out.
 
@@ -176,7 +180,8 @@ def quantize_command(
     scale and zero point included), GPTQ's per-expert token counts and fallbacks, and the evaluation.
     """
     from ..checkpoint import resolve_model
-    from ..passes.quantize import QuantizeConfig, quantize_checkpoint
+    from ..passes.quantize import QuantizeConfig
+    from ..recipes import Calibration, Evaluation, Recipe
 
     config = QuantizeConfig(
         scheme=scheme,
@@ -195,24 +200,20 @@ def quantize_command(
         load_weighting=load_weighting,
         seed=seed,
     )
-    report = quantize_checkpoint(
-        resolve_model(model),
-        out_dir,
-        config,
-        calib=calib,
-        calib_tokens=calib_tokens,
-        seq_len=seq_len,
-        eval_data=None if no_eval else eval_data,
-        eval_tokens=eval_tokens,
-        overwrite=overwrite,
-        progress=sys.stderr.isatty(),
+    config.validate()
+    recipe = Recipe(
+        model=model,
+        calibration=Calibration(source=calib, tokens=calib_tokens, seq_len=seq_len, seed=seed),
+        passes=[("quantize", config)],
+        evaluation=None if no_eval else Evaluation(data=eval_data, tokens=eval_tokens),
     )
+    report = run_and_summarise(recipe, resolve_model(model), out_dir, overwrite=overwrite, resume=resume)
     footprint = report["footprint"]
     source = report["source_footprint"]
     experts = footprint["classes"].get("experts", {})
     click.echo(
         f"quantised {report['quantized_modules']} modules to {report['scheme_description']} ({method}, "
-        f"format {output_format}) in {report['seconds']:.1f}s"
+        f"format {output_format})"
     )
     click.echo(
         f"experts {experts.get('bits_per_weight', 0):.3f} bits/weight; whole model "
@@ -236,9 +237,3 @@ def quantize_command(
     fallback = sum(len(v) for v in report["rtn_fallback_experts"].values())
     if fallback:
         click.echo(f"{fallback} experts had fewer than {gptq_min_tokens} calibration tokens and used rtn (see report)")
-    if "eval" in report:
-        result = report["eval"]
-        click.echo(
-            f"perplexity {result['reference_perplexity']:.3f} -> {result['perplexity']:.3f} on {eval_data}; "
-            f"KL {result['kl']:.4f} nats/token; routing agreement {result['routing_agreement']:.4f}"
-        )

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..calibration.batches import TokenWindows, consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..errors import UserInputError
 from ..families import FamilyAdapter
 from ..loading import load_adapter, load_model, load_tokenizer
+from ..progress import bar as progress_bar
 from .routing import RouteRecorder, routing_agreement
 
 
@@ -35,8 +35,14 @@ class EvalResult:
     routing_agreement: float | None = None
     reference_perplexity: float | None = None
 
-    def to_json(self) -> dict:
-        return {key: value for key, value in asdict(self).items() if value is not None}
+    def to_json(self, with_speed: bool = False) -> dict:
+        """The figures as JSON; the speed (a wall-clock figure) only when asked, so that a report written into a
+        checkpoint is the same on every rerun."""
+        return {
+            key: value
+            for key, value in asdict(self).items()
+            if value is not None and (with_speed or key != "tokens_per_second")
+        }
 
 
 def _batch_size(seq_len: int, vocab: int) -> int:
@@ -67,7 +73,7 @@ def evaluate_windows(
     total_batches = math.ceil(windows.input_ids.shape[0] / batch_size)
     try:
         with torch.inference_mode():
-            for input_ids, _ in tqdm(
+            for input_ids, _ in progress_bar(
                 windows.batches(batch_size), total=total_batches, desc="eval", unit="batch", disable=not progress
             ):
                 start = time.perf_counter()

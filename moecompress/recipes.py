@@ -23,7 +23,11 @@ removed at the end); the last compressing pass writes the output directory.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import shutil
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,11 +36,14 @@ from typing import Any
 
 import yaml
 
+from .checkpoint.stream import check_output_is_not_input
+from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
 from .errors import UserInputError
 from .passes.prune_experts import PruneExpertsConfig
 from .passes.prune_heads import PruneHeadsConfig
 from .passes.qat import QATConfig
 from .passes.quantize import QuantizeConfig
+from .progress import event
 
 CONFIGS: dict[str, type] = {
     "prune_experts": PruneExpertsConfig,
@@ -54,6 +61,9 @@ class Calibration:
     tokens: int = 16384
     seq_len: int = 256
     seed: int = 0
+    """The seed of the calibration windows (and of every pass that does not set its own)."""
+    image_size: int = 224
+    """Side in pixels of calibration images (image+caption sources of vision-language models)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,8 @@ def parse_recipe(document: Any, source: str = "recipe") -> Recipe:
                 raise UserInputError(f"{path}: the model is already quantised by {quantized_at}")
             quantized_at = path
         config = _dataclass(CONFIGS[name], params, path)
+        if "seed" not in (params or {}) and any(f.name == "seed" for f in dataclasses.fields(config)):
+            config = dataclasses.replace(config, seed=calibration.seed)
         _validated(config, path)
         recipe.passes.append((name, config))
     if not recipe.passes:
@@ -215,52 +227,203 @@ def describe(recipe: Recipe) -> list[str]:
     return lines
 
 
+def recipe_digest(recipe: Recipe, model_dir: Path) -> str:
+    """What a resumed run must share with the run it continues: the model and every parameter."""
+    described = {
+        "model": str(Path(model_dir).absolute()),
+        "calibration": dataclasses.asdict(recipe.calibration),
+        "passes": [[name, dataclasses.asdict(config)] for name, config in recipe.passes],
+        "evaluation": None if recipe.evaluation is None else dataclasses.asdict(recipe.evaluation),
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _tree_hashes(directory: Path) -> dict[str, str]:
+    return {path.name: file_sha256(path) for path in sorted(directory.iterdir()) if path.is_file()}
+
+
+class RunState:
+    """A recipe run's hidden sibling ``.OUT.run``: one directory per pass (``step-i``), the writers' work
+    directories of the pass under way, and ``manifest.json`` naming the finished passes with their files' hashes.
+    The output directory appears only when every pass and the evaluation are done."""
+
+    def __init__(self, out_dir: Path, digest: str, resume: bool):
+        self.directory = out_dir.parent / f".{out_dir.name}.run"
+        self.manifest_path = self.directory / "manifest.json"
+        self.digest = digest
+        self.finished: dict[int, dict[str, str]] = {}
+        self._reports: dict[int, dict[str, Any]] = {}
+        manifest = self._read_manifest() if resume else None
+        if manifest is not None and manifest.get("recipe") != digest:
+            raise UserInputError(
+                f"{self.directory}: the interrupted run used another recipe or model; "
+                "run without --resume to start over"
+            )
+        if manifest is None:
+            if self.directory.exists():
+                shutil.rmtree(self.directory)
+            self.directory.mkdir(parents=True)
+            (self.directory / INCOMPLETE_MARKER).write_text("moecompress is still running this recipe\n")
+            self._write_manifest()
+        else:
+            self.finished = {int(index): hashes for index, hashes in manifest.get("finished", {}).items()}
+            self._reports = {int(index): report for index, report in manifest.get("reports", {}).items()}
+
+    def _read_manifest(self) -> dict[str, Any] | None:
+        try:
+            manifest = json.loads(self.manifest_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
+
+    def _write_manifest(self) -> None:
+        temporary = self.manifest_path.with_suffix(".json.tmp")
+        finished = {str(index): hashes for index, hashes in sorted(self.finished.items())}
+        reports = {str(index): report for index, report in sorted(self._reports.items())}
+        manifest = {"recipe": self.digest, "finished": finished, "reports": reports}
+        temporary.write_text(json.dumps(manifest) + "\n")
+        os.replace(temporary, self.manifest_path)
+
+    def step(self, index: int) -> Path:
+        return self.directory / f"step-{index}"
+
+    def last_intact_step(self) -> int | None:
+        """The latest finished pass whose directory still has exactly the recorded bytes."""
+        for index in sorted(self.finished, reverse=True):
+            step = self.step(index)
+            if step.is_dir() and _tree_hashes(step) == self.finished[index]:
+                return index
+        return None
+
+    def reports(self, before: int) -> list[dict[str, Any]]:
+        """The reports of the finished passes with an index below ``before``, in order."""
+        return [self._reports[index] for index in sorted(self._reports) if index < before]
+
+    def mark_finished(self, index: int, report: dict[str, Any]) -> None:
+        self.finished = {i: h for i, h in self.finished.items() if i < index}
+        self._reports = {i: r for i, r in self._reports.items() if i < index}
+        self.finished[index] = _tree_hashes(self.step(index))
+        self._reports[index] = report
+        self._write_manifest()
+        for earlier in range(index):
+            shutil.rmtree(self.step(earlier), ignore_errors=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"moecompress": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def run_recipe(
-    recipe: Recipe, model_dir: Path, out_dir: Path, *, overwrite: bool = False, progress: bool = True
+    recipe: Recipe,
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run the passes in order; returns the last pass's report, with the recipe and the evaluation added."""
+    """Run the passes in order, then the evaluation; returns the last pass's report with the recipe, the earlier
+    passes' reports, the evaluation and the outcome (the summary table's figures) added.
+
+    Each pass reads the previous pass's output from the run's hidden directory; the output directory appears,
+    in one rename, only at the very end. With ``resume`` a run that was killed continues: finished passes whose
+    files are intact are skipped, the pass under way continues from its last finished layer, and the output is
+    byte-identical to an uninterrupted run.
+    """
     from .evals.perplexity import evaluate
     from .passes.prune_experts import prune_experts, update_report
     from .passes.prune_heads import prune_heads
     from .passes.qat import qat_checkpoint
     from .passes.quantize import quantize_checkpoint
+    from .run_summary import load_report, measure_outcome
 
-    out_dir = Path(out_dir)
+    model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
+    check_output_is_not_input(model_dir, out_dir)
     if out_dir.exists() and not overwrite:
-        raise UserInputError(f"{out_dir.absolute()}: output directory exists (pass --overwrite to replace it)")
+        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+    state = RunState(out_dir, recipe_digest(recipe, model_dir), resume)
     calib = recipe.calibration
     common = dict(calib=calib.source, calib_tokens=calib.tokens, seq_len=calib.seq_len, eval_data=None)
-    intermediates = [out_dir.absolute().parent / f".{out_dir.name}.step-{i}" for i in range(len(recipe.passes))]
-    source, report = model_dir, {}
+    total = len(recipe.passes)
+    done = state.last_intact_step() if resume else None
+    source = model_dir if done is None else state.step(done)
+    if done is not None:
+        event("resume", f"resuming after pass {done + 1}/{total} ({recipe.passes[done][0]}), already finished")
+    reports = state.reports(before=total - 1)
     try:
-        for index, (name, config) in enumerate(recipe.passes):
-            last = index == len(recipe.passes) - 1
-            target = out_dir if last else intermediates[index]
-            options = dict(overwrite=True if not last else overwrite, progress=progress)
+        for index in range(0 if done is None else done + 1, total):
+            name, config = recipe.passes[index]
+            target = state.step(index)
+            started = time.monotonic()
+            event("pass", f"pass {index + 1}/{total}: {name} started", index=index, name=name, state="start")
+            options = dict(overwrite=True, progress=progress)
             if name == "prune_experts":
-                report = prune_experts(source, target, config, **common, **options)
+                report = prune_experts(
+                    source, target, config, **common, **options, image_size=calib.image_size, resume=resume
+                )
             elif name == "prune_heads":
                 report = prune_heads(source, target, config, **common, **options)
             elif name == "quantize":
-                report = quantize_checkpoint(source, target, config, **common, **options)
+                report = quantize_checkpoint(source, target, config, **common, **options, resume=resume)
             else:
                 report = qat_checkpoint(
                     source, target, config, data=calib.source, calib_tokens=calib.tokens, eval_data=None, **options
                 )
+            seconds = time.monotonic() - started
+            event(
+                "pass",
+                f"pass {index + 1}/{total}: {name} done in {seconds:.1f}s",
+                index=index,
+                name=name,
+                state="end",
+                seconds=round(seconds, 2),
+            )
+            state.mark_finished(index, report)
+            if index < total - 1:
+                reports.append(report)
             source = target
-    finally:
-        for directory in intermediates[:-1]:
-            shutil.rmtree(directory, ignore_errors=True)
-    report["recipe"] = {"model": str(model_dir), "passes": describe(recipe)}
-    if recipe.evaluation is not None:
-        result = evaluate(
-            out_dir,
-            recipe.evaluation.data,
-            seq_len=calib.seq_len,
-            max_tokens=recipe.evaluation.tokens,
-            reference_dir=model_dir,
-            progress=progress,
-        )
-        report["eval"] = {"data": recipe.evaluation.data, **result.to_json()}
-    update_report(out_dir, report)
+        final = state.step(total - 1)
+        report = load_report(final)
+        report.pop("previous_passes", None)
+        report["recipe"] = {"model": str(model_dir), "passes": describe(recipe)}
+        report["previous_passes"] = reports
+        evaluation = None
+        if recipe.evaluation is not None:
+            event("eval", f"evaluating on {recipe.evaluation.data}", state="start")
+            result = evaluate(
+                final,
+                recipe.evaluation.data,
+                seq_len=calib.seq_len,
+                max_tokens=recipe.evaluation.tokens,
+                reference_dir=model_dir,
+                progress=progress,
+            )
+            evaluation = {"data": recipe.evaluation.data, **result.to_json()}
+            report["eval"] = evaluation
+        report["outcome"] = measure_outcome(model_dir, final, evaluation)
+        report["versions"] = _versions()
+        update_report(final, report)
+        _move_into_place(final, out_dir)
+    except (UserInputError, OSError):
+        state.remove()
+        raise
+    state.remove()
     return report
+
+
+def _move_into_place(final: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        backup = out_dir.parent / f".{out_dir.name}.replaced"
+        os.replace(out_dir, backup)
+        os.replace(final, out_dir)
+        shutil.rmtree(backup)
+    else:
+        os.replace(final, out_dir)

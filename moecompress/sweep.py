@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointReader, group_keys_by_layer
 from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights, adapter_for
 from .memory import release_freed_memory
+from .progress import bar as progress_bar
+from .sweep_state import LayerResult, SweepState
 
 
 @dataclass
@@ -36,6 +37,9 @@ class LayerCapture:
     tag_names: list[str]
     attention_received: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    result: LayerResult | None = None
+    """Set by the consumer when the sweep is resumable: what a resumed run needs of this layer's work (it is
+    committed with the layer's output hidden states)."""
     replacement: MoEWeights | None = None
     """Set by the consumer before it asks for the next layer: the block's new weights (e.g. quantised), through
     which the sweep then recomputes this layer's outputs, so later layers calibrate on what they will really
@@ -203,14 +207,20 @@ class CalibrationSweep:
         module.to("meta")
         release_freed_memory()
 
-    def run(self) -> Iterator[LayerCapture]:
+    def run(self, state: SweepState | None = None, label: str = "calibration") -> Iterator[LayerCapture]:
         """Yield a :class:`LayerCapture` for every MoE layer, in order (the measuring sweep).
 
         Each layer's outputs, computed with its original weights (or with the ``replacement`` the consumer set on
-        the capture), become the next layer's inputs.
+        the capture), become the next layer's inputs. With a ``state`` every finished layer is committed to it
+        (outputs and the consumer's ``result``), and a state that holds commits resumes after the last one: the
+        layers before are not run again (their results are in ``state.results()``).
         """
         hidden = [plan.hidden for plan in self.plans]
-        for layer in tqdm(range(self.adapter.num_layers), desc="calibration", unit="layer", disable=not self.progress):
+        start = 0
+        if state is not None and state.last_layer is not None:
+            hidden, start = state.hidden(), state.start_layer
+        layers = range(start, self.adapter.num_layers)
+        for layer in progress_bar(layers, desc=label, unit="layer", disable=not self.progress, initial=start):
             module, moe = self._materialise(layer)
             captured_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
@@ -231,6 +241,7 @@ class CalibrationSweep:
             outputs = self._forward_layer(module, layer, hidden)
             for handle in handles:
                 handle.remove()
+            result = None
             if moe is not None:
                 capture = LayerCapture(
                     layer=layer,
@@ -245,12 +256,15 @@ class CalibrationSweep:
                 if capture.replacement is not None:
                     self._load_moe(module, layer, capture.replacement)
                     outputs = self._forward_layer(module, layer, hidden)
+                result = capture.result
                 del capture
             self._release(module)
             hidden = [
                 out + plan.injections[layer] if layer in plan.injections else out
                 for out, plan in zip(outputs, self.plans, strict=True)
             ]
+            if state is not None:
+                state.commit(layer, hidden, result)
         self.reader.close()
 
     def _forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:

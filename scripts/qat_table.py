@@ -98,7 +98,6 @@ def main() -> None:
                     loss=report["qat"]["loss"],
                     own_route_agreement=report["qat"]["own_route_agreement"],
                     tokens=after["tokens"],
-                    train_seconds=report["qat"]["train_seconds"],
                     seconds=time.time() - start,
                 )
                 rows.append(row)

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import UserInputError
 from ..families import FamilyAdapter, MoEWeights, adapter_for
 from ..families.base import Layout
 from ..memory import release_freed_memory
+from ..progress import bar as progress_bar
 from .reader import CheckpointReader
 from .writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
 
@@ -43,6 +43,14 @@ def check_output_is_not_input(source: Path, out_dir: Path) -> None:
         raise UserInputError(f"{out_dir}: the output may not be the input directory, inside it, or around it")
 
 
+def layer_unit(layer: int) -> str:
+    """The writer unit that holds decoder layer ``layer``'s tensors."""
+    return f"layer-{layer}"
+
+
+OUTSIDE_UNIT = "outside"
+
+
 def rewrite_checkpoint(
     source: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -54,7 +62,10 @@ def rewrite_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
-    extra_json: dict[str, dict[str, Any]] | None = None,
+    extra_json: dict[str, dict[str, Any]] | Callable[[], dict[str, dict[str, Any]]] | None = None,
+    writer: CheckpointWriter | None = None,
+    unit_meta: Callable[[str], Any] | None = None,
+    restore_unit: Callable[[str, Any], None] | None = None,
 ) -> Path:
     """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
 
@@ -62,31 +73,54 @@ def rewrite_checkpoint(
     adapter's ``join_layer``) turns a layer's view and other tensors into the tensors to write, and
     ``outside_fn`` rewrites the tensors outside the decoder layers (embeddings, head); ``config`` (or a function
     returning it, called once every layer is written) replaces the source's config.json; ``extra_json`` files
-    (a report) are written inside the same atomic finish.
+    (a report), or a function returning them, are written inside the same atomic finish.
     Peak memory is one layer's tensors.
+
+    ``writer`` is an open (possibly resumed) :class:`CheckpointWriter` for ``out_dir``; layers it already holds
+    are not read or rewritten again: ``restore_unit(unit, meta)`` gets the ``unit_meta(unit)`` journalled with
+    each of them instead (units: :data:`OUTSIDE_UNIT`, then :func:`layer_unit` of each layer), so the caller can
+    rebuild what it accumulates as it goes.
+    A failure that resuming cannot mend (bad input, a full disk) removes the work directory; any other
+    interruption leaves it, marked incomplete, for ``resume``.
     """
     source = Path(source)
     check_output_is_not_input(source, Path(out_dir))
     with CheckpointReader(source) as reader:
         adapter = adapter_for(reader.config, source=str(source))
         layers, outside = group_keys_by_layer(reader, adapter)
-        writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+        if writer is None:
+            writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
         try:
-            outside_tensors = reader.read(outside)
-            writer.add(outside_fn(outside_tensors) if outside_fn is not None else outside_tensors)
+
+            def add(unit: str, tensors: dict[str, torch.Tensor]) -> None:
+                writer.add(tensors, unit=unit, meta=unit_meta(unit) if unit_meta is not None else None)
+
+            if OUTSIDE_UNIT in writer.units:
+                if restore_unit is not None:
+                    restore_unit(OUTSIDE_UNIT, writer.units[OUTSIDE_UNIT].meta)
+            else:
+                outside_tensors = reader.read(outside)
+                add(OUTSIDE_UNIT, outside_fn(outside_tensors) if outside_fn is not None else outside_tensors)
             join = layer_writer if layer_writer is not None else adapter.join_layer
-            for layer, keys in tqdm(layers.items(), desc="layers", unit="layer", disable=not progress):
+            for layer, keys in progress_bar(layers.items(), desc="writing", unit="layer", disable=not progress):
+                unit = layer_unit(layer)
+                if unit in writer.units:
+                    if restore_unit is not None:
+                        restore_unit(unit, writer.units[unit].meta)
+                    continue
                 moe, rest, layout = adapter.split_layer(layer, reader.read(keys))
                 if moe is not None and layer_fn is not None:
                     moe = layer_fn(layer, moe)
-                writer.add(join(layer, moe, rest, layout))
-                del moe, rest
+                written = join(layer, moe, rest, layout)
+                add(unit, written)
+                del moe, rest, written
                 release_freed_memory()
             writer.copy_side_files(source)
-            for name, content in (extra_json or {}).items():
+            files = extra_json() if callable(extra_json) else extra_json
+            for name, content in (files or {}).items():
                 writer.write_json(name, content)
             final_config = config() if callable(config) else config
             return writer.finish(final_config if final_config is not None else reader.config)
-        except BaseException:
+        except (UserInputError, OSError):
             writer.abort()
             raise

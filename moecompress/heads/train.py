@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
+from ..progress import bar as progress_bar
 from .gates import HeadGates, SparsityLagrangian
 from .masks import GateMasks
 
@@ -95,7 +95,7 @@ def train_gates(
     generator = torch.Generator().manual_seed(seed)
     record_every = max(1, schedule.steps // 20)
     run = GateRun(scores=[])
-    for step in tqdm(range(schedule.steps), desc="gates", unit="step", disable=not progress):
+    for step in progress_bar(range(schedule.steps), desc="gates", unit="step", disable=not progress):
         if step % record_every == 0:
             _record(run, step, gates)
         index = step % len(batches)
@@ -146,7 +146,7 @@ def distill(
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     record_every = max(1, steps // 20)
     curve = []
-    for step in tqdm(range(steps), desc="distill", unit="step", disable=not progress):
+    for step in progress_bar(range(steps), desc="distill", unit="step", disable=not progress):
         index = step % len(batches)
         kl = teacher.kl(index, student(input_ids=batches[index], use_cache=False).logits)
         optimizer.zero_grad()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,12 +30,14 @@ from ..calibration import distributed
 from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
-from ..checkpoint import rewrite_checkpoint
+from ..checkpoint import CheckpointWriter, rewrite_checkpoint
+from ..checkpoint.stream import check_output_is_not_input
 from ..errors import UserInputError
 from ..evals.perplexity import evaluate
 from ..families import FamilyAdapter
 from ..loading import load_adapter, load_tokenizer
 from ..sweep import CalibrationSweep, LayerCapture
+from ..sweep_state import LayerResult, SweepState
 from .expert_scores import layer_expert_stats
 
 Method = Literal["maep", "reap", "frequency", "random"]
@@ -87,6 +88,23 @@ class LayerScores:
     extra: dict[str, Any] = field(default_factory=dict)
     removal_order: list[int] | None = None
     removal_scores: list[float] | None = None
+
+    def to_result(self) -> LayerResult:
+        """The scores as a sweep state keeps them for a resumed run (tensors exact, the rest JSON)."""
+        tensors = {"score": self.score, "frequency": self.frequency, "reap": self.reap, "delta_h": self.delta_h}
+        meta = {
+            "layer": self.layer,
+            "expert_ids": self.expert_ids,
+            "extra": self.extra,
+            "removal_order": self.removal_order,
+            "removal_scores": self.removal_scores,
+        }
+        return tensors, meta
+
+    @classmethod
+    def from_result(cls, result: LayerResult) -> LayerScores:
+        tensors, meta = result
+        return cls(**meta, **tensors)
 
 
 def _tag_mask(capture: LayerCapture, tags: tuple[str, ...]) -> torch.Tensor:
@@ -400,28 +418,42 @@ def prune_experts(
     eval_tokens: int | None = 16384,
     overwrite: bool = False,
     progress: bool = True,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Score, choose and write a pruned checkpoint; returns the report also saved as moecompress_report.json.
 
     With ``eval_data`` the written checkpoint is evaluated against the input (perplexity, KL, routing
-    agreement) and the results join the report.
+    agreement) and the results join the report. With ``resume`` a run killed during the scoring sweep or the
+    writing continues from its last finished layer and writes the same bytes as an uninterrupted run.
     """
     config.validate()
-    started = time.time()
+    check_output_is_not_input(Path(model_dir), Path(out_dir))
     adapter = load_adapter(model_dir)
     batches, tags, tag_names = calibration_batches(
         adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size
     )
-    needs_attention = config.method == "maep" and bool(config.prune_tags)
-    sweep = CalibrationSweep(model_dir, batches, tags, tag_names, capture_attention=needs_attention, progress=progress)
-    layer_scores = [score_layer(adapter, capture, config) for capture in sweep.run()]
+    writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
+    try:
+        state = SweepState(writer.state_dir / "prune-scores")
+        needs_attention = config.method == "maep" and bool(config.prune_tags)
+        sweep = CalibrationSweep(
+            model_dir, batches, tags, tag_names, capture_attention=needs_attention, progress=progress
+        )
+        layer_scores = [LayerScores.from_result(result) for _, result in sorted(state.results().items())]
+        for capture in sweep.run(state, label="scoring experts"):
+            scores = score_layer(adapter, capture, config)
+            capture.result = scores.to_result()
+            layer_scores.append(scores)
+    except (UserInputError, OSError):
+        writer.abort()
+        raise
     report = write_pruned(
         model_dir,
         out_dir,
         adapter,
         layer_scores,
         config,
-        overwrite=overwrite,
+        writer=writer,
         progress=progress,
         calibration={
             "source": calib,
@@ -432,7 +464,6 @@ def prune_experts(
             "tag_counts": torch.bincount(tags, minlength=len(tag_names)).tolist(),
         },
     )
-    report["seconds"] = round(time.time() - started, 2)
     if eval_data:
         result = evaluate(
             Path(out_dir),
@@ -443,7 +474,7 @@ def prune_experts(
             progress=progress,
         )
         report["eval"] = {"data": eval_data, **result.to_json()}
-    update_report(Path(out_dir), report)
+        update_report(Path(out_dir), report)
     return report
 
 
@@ -463,11 +494,17 @@ def write_pruned(
     config: PruneExpertsConfig,
     *,
     calibration: dict[str, Any],
+    writer: CheckpointWriter | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Apply the selection to the checkpoint and write it with its report."""
-    removals = choose_removals(layer_scores, config, adapter.top_k, group_limit(adapter))
+    """Apply the selection to the checkpoint and write it (through ``writer`` when one is open) with its report."""
+    try:
+        removals = choose_removals(layer_scores, config, adapter.top_k, group_limit(adapter))
+    except UserInputError:
+        if writer is not None:
+            writer.abort()
+        raise
     by_layer = {s.layer: s for s in layer_scores}
     keep_positions = {
         layer: [e for e in range(len(by_layer[layer].expert_ids)) if e not in set(removed)]
@@ -508,5 +545,6 @@ def write_pruned(
         overwrite=overwrite,
         progress=progress,
         extra_json={"moecompress_report.json": report},
+        writer=writer,
     )
     return report

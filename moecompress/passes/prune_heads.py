@@ -11,7 +11,6 @@ loads after ``import moecompress``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -215,7 +214,6 @@ def prune_heads(
     and as written (loaded back from ``out_dir``) after it.
     """
     config.validate()
-    started = time.time()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
     if out_dir.exists() and not overwrite:
@@ -303,7 +301,6 @@ def prune_heads(
 
     _write(model_dir, out_dir, adapter, student_state, new_config, report, overwrite, progress)
     model = student = teacher = None  # free both models before evaluation loads two more
-    report["seconds"] = round(time.time() - started, 2)
     if eval_data:
         result = evaluate(
             out_dir, eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir, progress=progress

@@ -14,7 +14,6 @@ those adapters by distillation from the full-precision model with its routes rep
 from __future__ import annotations
 
 import shutil
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -130,7 +129,6 @@ def qat_checkpoint(
     for built-in sources); ``eval_data``'s held-out part measures before and after.
     """
     config.validate()
-    started = time.time()
     out_dir = Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
     if out_dir.exists() and not overwrite:
@@ -170,11 +168,9 @@ def qat_checkpoint(
         trainable = prepare_student(student, dtype)
         reference = (teacher, adapter)
         before = evaluate_windows(student, student_adapter, eval_windows, reference, progress) if eval_windows else None
-        train_started = time.time()
         log = train_adapters(
             student, student_adapter, teacher, adapter, train_windows.input_ids, config.training(), trainable, progress
         )
-        train_seconds = time.time() - train_started
         round_adapters_to(student, ADAPTER_DTYPE)
         after = evaluate_windows(student, student_adapter, eval_windows, reference, progress) if eval_windows else None
         report = dict(ptq_report)
@@ -192,7 +188,6 @@ def qat_checkpoint(
                     "train_tokens": int(train_windows.num_tokens),
                     "device": "cuda (accelerate device map)" if on_gpu else "cpu",
                     "dtype": str(dtype).removeprefix("torch."),
-                    "train_seconds": round(train_seconds, 2),
                     **log.to_json(),
                 },
             }
@@ -203,6 +198,5 @@ def qat_checkpoint(
     finally:
         shutil.rmtree(ptq_dir, ignore_errors=True)
     report["footprint"] = checkpoint_footprint(out_dir).to_json()
-    report["seconds"] = round(time.time() - started, 2)
     update_report(out_dir, report)
     return report

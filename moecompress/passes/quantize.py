@@ -7,14 +7,15 @@ projection), ``lm_head``. Routers, norms, embeddings and biases always stay in t
 
 from __future__ import annotations
 
-import time
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from ..checkpoint import rewrite_checkpoint
+from ..checkpoint import CheckpointWriter, rewrite_checkpoint
+from ..checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
 from ..errors import UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluate
@@ -28,6 +29,7 @@ from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, a
 from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, QuantScheme
 from ..sweep import CalibrationSweep
+from ..sweep_state import SweepState
 from .prune_experts import calibration_batches, update_report
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
@@ -209,19 +211,32 @@ def _components_for_budget(budget_bits: float, moe_shapes: list[tuple[int, int, 
 
 
 def _measure_lowrank(
-    model_dir: Path, quantizer: _ExpertQuantizer, calibration_inputs, progress: bool
+    model_dir: Path, quantizer: _ExpertQuantizer, calibration_inputs, progress: bool, state: SweepState
 ) -> tuple[dict, dict, list]:
-    """The measuring sweep: every expert matrix's σ² and load (no factors kept)."""
+    """The measuring sweep: every expert matrix's σ² and load (no factors kept); resumable through ``state``."""
     gains, loads, shapes = {}, {}, []
+
+    def absorb(layer: int, result) -> None:
+        tensors, meta = result
+        for expert, which, load in meta["loads"]:
+            gains[(layer, expert, which)] = tensors[f"{expert}.{which}"]
+            loads[(layer, expert, which)] = load
+        shapes.append(tuple(meta["shape"]))
+
+    for layer, result in sorted(state.results().items()):
+        absorb(layer, result)
     sweep = CalibrationSweep(model_dir, *calibration_inputs, progress=progress)
-    for capture in sweep.run():
+    for capture in sweep.run(state, label="measuring quantisation error"):
         moe = capture.moe
         quantized = quantizer.quantize(capture.layer, moe, capture)
         errors = quantizer.errors(moe, quantized, capture, keep=0, keep_inputs=False)
-        for (expert, which), spectrum in errors.spectra.items():
-            gains[(capture.layer, expert, which)] = spectrum.sigma2
-            loads[(capture.layer, expert, which)] = errors.loads[(expert, which)]
-        shapes.append((moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size))
+        tensors = {f"{expert}.{which}": spectrum.sigma2 for (expert, which), spectrum in errors.spectra.items()}
+        meta = {
+            "loads": [[expert, which, errors.loads[(expert, which)]] for expert, which in errors.spectra],
+            "shape": [moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size],
+        }
+        capture.result = (tensors, meta)
+        absorb(capture.layer, capture.result)
     return gains, loads, shapes
 
 
@@ -238,15 +253,17 @@ def quantize_checkpoint(
     eval_tokens: int | None = 16384,
     overwrite: bool = False,
     progress: bool = True,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Quantise ``model_dir`` into ``out_dir``; returns the report also saved as moecompress_report.json.
 
     With a low-rank budget there are two sweeps over the calibration data: a measuring one (every expert
     matrix's error spectrum and load, for the global allocation) and the rewriting one, which recomputes the
-    same quantisation and spectra, keeps the allocated components and writes the adapters.
+    same quantisation and spectra, keeps the allocated components and writes the adapters. With ``resume`` a
+    killed run continues after the last layer both its sweep and its writer had finished, with the same bytes.
     """
     config.validate()
-    started = time.time()
+    check_output_is_not_input(Path(model_dir), Path(out_dir))
     adapter = load_adapter(model_dir)
     _refuse_quantized_input(adapter.config, model_dir)
     scheme = config.quant_scheme()
@@ -254,15 +271,9 @@ def quantize_checkpoint(
     layout = _format_module(config.format)
     tensors = _TensorQuantizer(adapter, scheme, config.targets)
     quantizer = _ExpertQuantizer(adapter, scheme, config)
-    expert_modules: list[str] = []
-    layer_stats: dict[str, Any] = {}
-    lowrank_ranks: dict[str, dict[str, list[int]]] = {}
-    calibration: dict[str, Any] | None = None
     lowrank = config.lowrank_budget > 0 or config.lowrank_rank > 0
     needs_calibration = quantizer.calibrated or lowrank
-    salient: dict[str, dict[str, list[int]]] = {}
-
-    captures = None
+    calibration: dict[str, Any] | None = None
     if needs_calibration:
         batches, tags, tag_names = calibration_batches(
             adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, 224
@@ -270,106 +281,42 @@ def quantize_checkpoint(
         calibration = {"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len, "seed": config.seed}
         calibration_inputs = (batches, tags, tag_names)
 
-    ranks: dict = {}
-    lowrank_report: dict[str, Any] | None = None
-    if lowrank:
-        gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress)
-        max_rank = min(min(hidden, inter) for _, hidden, inter in shapes)
-        if config.lowrank_rank:
-            components = min(config.lowrank_rank, max_rank) * len(gains)
-            ranks = allocate(gains, loads, components, "uniform", max_rank=max_rank)
-        else:
-            components = _components_for_budget(config.lowrank_budget, shapes)
-            ranks = allocate(gains, loads, components, config.rank_alloc, max_rank=max_rank)
-        predicted_none = sum(loads[k] * float(g.sum()) for k, g in gains.items())
-        predicted = sum(loads[k] * float(g[ranks[k] :].sum()) for k, g in gains.items())
-        lowrank_report = {
-            "budget_bits_per_expert_weight": config.lowrank_budget,
-            "components": components,
-            "components_used": sum(ranks.values()),
-            "allocation": "uniform" if config.lowrank_rank else config.rank_alloc,
-            "rank": config.lowrank_rank or None,
-            "load_weighting": config.load_weighting,
-            "predicted_weighted_error": {"without_adapters": predicted_none, "with_adapters": predicted},
+    writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
+    try:
+        ranks: dict = {}
+        lowrank_report: dict[str, Any] | None = None
+        if lowrank:
+            measure_state = SweepState(writer.state_dir / "lowrank-measure")
+            gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress, measure_state)
+            ranks, lowrank_report = _allocate_ranks(config, gains, loads, shapes)
+        captures = None
+        if needs_calibration:
+            rewrite_state = SweepState(writer.state_dir / "quantize-rewrite")
+            resume_at = rewrite_state.start_layer
+            if any(layer_unit(layer) not in writer.units for layer in range(resume_at)):
+                rewrite_state.clear()
+                resume_at = 0
+            writer.keep_units({OUTSIDE_UNIT, *(layer_unit(layer) for layer in range(resume_at))})
+            captures = CalibrationSweep(model_dir, *calibration_inputs, progress=progress).run(
+                rewrite_state, label="calibrating"
+            )
+        report = {
+            "pass": "quantize",
+            "config": asdict(config),
+            "scheme": scheme.to_dict(),
+            "scheme_description": scheme.describe(),
+            "source": str(model_dir),
+            "family": adapter.family,
+            "calibration": calibration,
         }
-    if needs_calibration:
-        captures = CalibrationSweep(model_dir, *calibration_inputs, progress=progress).run()
-
-    measured = {"without_adapters": 0.0, "with_adapters": 0.0}
-
-    def quantize_moe(layer: int, moe: MoEWeights) -> QuantizedMoE:
-        capture = None
-        if captures is not None:
-            capture = next(captures)
-            if capture.layer != layer:
-                raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
-        quantized = quantizer.quantize(layer, moe, capture)
-        if ranks:
-            layer_ranks = {(e, w): r for (lay, e, w), r in ranks.items() if lay == layer}
-            errors = quantizer.errors(moe, quantized, capture, keep=max(layer_ranks.values()), keep_inputs=True)
-            quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
-            measured["without_adapters"] += measured_error(errors, {})
-            measured["with_adapters"] += measured_error(errors, layer_ranks)
-            lowrank_ranks[native.experts_module(adapter, layer)] = {
-                which: [layer_ranks[(e, which)] for e in range(moe.num_experts)] for which in ("gate", "up", "down")
-            }
-            quantized.stats["lowrank_ranks"] = lowrank_ranks[native.experts_module(adapter, layer)]
-            quantized.stats["lowrank_plain_svd"] = errors.plain_svd
-        return quantized
-
-    def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:
-        quantized = None
-        if moe is not None:
-            quantized = quantize_moe(layer, moe)
-            expert_modules.append(native.experts_module(adapter, layer))
-            layer_stats[str(layer)] = quantized.stats
-        written = layout.layer_tensors(adapter, layer, quantized, tensors(rest))
-        salient.update(native.salient_sizes(written))
-        return written
-
-    def write_outside(outside: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return layout.outside_tensors(adapter, tensors(outside))
-
-    report: dict[str, Any] = {
-        "pass": "quantize",
-        "config": asdict(config),
-        "scheme": scheme.to_dict(),
-        "scheme_description": scheme.describe(),
-        "source": str(model_dir),
-        "family": adapter.family,
-        "calibration": calibration,
-        "layers": layer_stats,
-    }
-    if lowrank_report is not None:
-        lowrank_report["measured_weighted_error"] = measured
-        report["lowrank"] = lowrank_report
-    new_config = dict(adapter.config)
-
-    def finish_config() -> dict[str, Any]:
-        new_config["quantization_config"] = layout.config_for(
-            adapter, scheme, expert_modules, tensors.keys, lowrank_ranks or None, salient or None
+        _write_quantized(
+            model_dir, out_dir, report, lowrank_report, layout, tensors, quantizer, ranks, captures, writer, progress
         )
-        return new_config
-
-    rewrite_checkpoint(
-        model_dir,
-        out_dir,
-        layer_writer=write_layer,
-        outside_fn=write_outside,
-        config=finish_config,
-        overwrite=overwrite,
-        progress=progress,
-        extra_json={"moecompress_report.json": report},
-    )
-    if captures is not None:
-        captures.close()
-    report["rtn_fallback_experts"] = {
-        layer: stats["rtn_fallback"] for layer, stats in layer_stats.items() if stats.get("rtn_fallback")
-    }
-    report["quantized_modules"] = len(expert_modules) + len(tensors.keys)
+    except (UserInputError, OSError):
+        writer.abort()
+        raise
     report["footprint"] = checkpoint_footprint(Path(out_dir)).to_json()
     report["source_footprint"] = checkpoint_footprint(Path(model_dir)).to_json()
-    report["seconds"] = round(time.time() - started, 2)
     if eval_data:
         result = evaluate(
             Path(out_dir),
@@ -382,3 +329,136 @@ def quantize_checkpoint(
         report["eval"] = {"data": eval_data, **result.to_json()}
     update_report(Path(out_dir), report)
     return report
+
+
+def _allocate_ranks(config: QuantizeConfig, gains: dict, loads: dict, shapes: list) -> tuple[dict, dict[str, Any]]:
+    """One rank budget spent over every expert matrix of every layer (or a uniform rank)."""
+    max_rank = min(min(hidden, inter) for _, hidden, inter in shapes)
+    if config.lowrank_rank:
+        components = min(config.lowrank_rank, max_rank) * len(gains)
+        ranks = allocate(gains, loads, components, "uniform", max_rank=max_rank)
+    else:
+        components = _components_for_budget(config.lowrank_budget, shapes)
+        ranks = allocate(gains, loads, components, config.rank_alloc, max_rank=max_rank)
+    predicted_none = sum(loads[k] * float(g.sum()) for k, g in gains.items())
+    predicted = sum(loads[k] * float(g[ranks[k] :].sum()) for k, g in gains.items())
+    return ranks, {
+        "budget_bits_per_expert_weight": config.lowrank_budget,
+        "components": components,
+        "components_used": sum(ranks.values()),
+        "allocation": "uniform" if config.lowrank_rank else config.rank_alloc,
+        "rank": config.lowrank_rank or None,
+        "load_weighting": config.load_weighting,
+        "predicted_weighted_error": {"without_adapters": predicted_none, "with_adapters": predicted},
+    }
+
+
+def _write_quantized(
+    model_dir: Path,
+    out_dir: Path,
+    report: dict[str, Any],
+    lowrank_report: dict[str, Any] | None,
+    layout,
+    tensors: _TensorQuantizer,
+    quantizer: _ExpertQuantizer,
+    ranks: dict,
+    captures,
+    writer: CheckpointWriter,
+    progress: bool,
+) -> None:
+    """The rewriting sweep: quantise and write layer after layer, completing ``report`` (but its footprint).
+
+    Everything accumulated per layer is also journalled with the layer's unit, so a resumed run restores it
+    for the layers it does not redo, in the same order."""
+    expert_modules: list[str] = []
+    layer_stats: dict[str, Any] = {}
+    lowrank_ranks: dict[str, dict[str, list[int]]] = {}
+    salient: dict[str, dict[str, list[int]]] = {}
+    measured = {"without_adapters": 0.0, "with_adapters": 0.0}
+    pending: dict[str, Any] = {}
+    adapter, scheme = quantizer.adapter, quantizer.scheme
+
+    def quantize_moe(layer: int, moe: MoEWeights, meta: dict[str, Any]) -> QuantizedMoE:
+        capture = None
+        if captures is not None:
+            capture = next(captures)
+            if capture.layer != layer:
+                raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
+        quantized = quantizer.quantize(layer, moe, capture)
+        if ranks:
+            layer_ranks = {(e, w): r for (lay, e, w), r in ranks.items() if lay == layer}
+            errors = quantizer.errors(moe, quantized, capture, keep=max(layer_ranks.values()), keep_inputs=True)
+            quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
+            meta["measured"] = [measured_error(errors, {}), measured_error(errors, layer_ranks)]
+            meta["lowrank_ranks"] = {
+                which: [layer_ranks[(e, which)] for e in range(moe.num_experts)] for which in ("gate", "up", "down")
+            }
+            quantized.stats["lowrank_ranks"] = meta["lowrank_ranks"]
+            quantized.stats["lowrank_plain_svd"] = errors.plain_svd
+        return quantized
+
+    def restore(unit: str, meta: dict[str, Any]) -> None:
+        tensors.keys.extend(meta["tensor_keys"])
+        salient.update(meta.get("salient", {}))
+        if "layer" not in meta:
+            return
+        module = native.experts_module(adapter, meta["layer"])
+        expert_modules.append(module)
+        layer_stats[str(meta["layer"])] = meta["stats"]
+        if "lowrank_ranks" in meta:
+            lowrank_ranks[module] = meta["lowrank_ranks"]
+            measured["without_adapters"] += meta["measured"][0]
+            measured["with_adapters"] += meta["measured"][1]
+
+    def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:
+        first_key = len(tensors.keys)
+        meta: dict[str, Any] = {}
+        quantized = None
+        if moe is not None:
+            quantized = quantize_moe(layer, moe, meta)
+            meta.update(layer=layer, stats=quantized.stats)
+        written = layout.layer_tensors(adapter, layer, quantized, tensors(rest))
+        meta.update(tensor_keys=tensors.keys[first_key:], salient=native.salient_sizes(written))
+        del tensors.keys[first_key:]
+        pending[layer_unit(layer)] = meta
+        restore(layer_unit(layer), json.loads(json.dumps(meta)))
+        return written
+
+    def write_outside(outside: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        first_key = len(tensors.keys)
+        written = layout.outside_tensors(adapter, tensors(outside))
+        pending[OUTSIDE_UNIT] = {"tensor_keys": tensors.keys[first_key:]}
+        return written
+
+    report["layers"] = layer_stats
+    new_config = dict(adapter.config)
+
+    def finish_config() -> dict[str, Any]:
+        new_config["quantization_config"] = layout.config_for(
+            adapter, scheme, expert_modules, tensors.keys, lowrank_ranks or None, salient or None
+        )
+        return new_config
+
+    def final_report() -> dict[str, dict[str, Any]]:
+        report["rtn_fallback_experts"] = {
+            layer: stats["rtn_fallback"] for layer, stats in layer_stats.items() if stats.get("rtn_fallback")
+        }
+        report["quantized_modules"] = len(expert_modules) + len(tensors.keys)
+        if lowrank_report is not None:
+            report["lowrank"] = {**lowrank_report, "measured_weighted_error": measured}
+        return {"moecompress_report.json": report}
+
+    rewrite_checkpoint(
+        model_dir,
+        out_dir,
+        layer_writer=write_layer,
+        outside_fn=write_outside,
+        config=finish_config,
+        progress=progress,
+        extra_json=final_report,
+        writer=writer,
+        unit_meta=pending.pop,
+        restore_unit=restore,
+    )
+    if captures is not None:
+        captures.close()

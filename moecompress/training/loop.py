@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..evals.routing import routing_agreement
 from ..families import FamilyAdapter
+from ..progress import bar as progress_bar
 from ..quantization.modules import QuantizedExperts
 from .replay import ReplaySchedule, RouteCapture, RouteReplay
 
@@ -148,7 +148,7 @@ def train_adapters(
     teacher_device = teacher.get_input_embeddings().weight.device
     student.train()
     try:
-        for step in tqdm(range(config.steps), desc="qat", unit="step", disable=not progress):
+        for step in progress_bar(range(config.steps), desc="qat", unit="step", disable=not progress):
             if len(order) < config.batch_size:
                 order += torch.randperm(windows.shape[0], generator=generator).tolist()
             batch, order = order[: config.batch_size], order[config.batch_size :]

@@ -1,0 +1,62 @@
+"""Options every pipeline command shares (``--resume``, ``--quiet``, ``--log-json``) and the one way they all
+run: a recipe (a one-pass recipe for the shortcut commands) through :func:`~moecompress.recipes.run_recipe`,
+ending with the summary table."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .. import progress
+
+
+def _configure(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    ctx.meta[f"moecompress.{param.name}"] = value
+    quiet, log_json = ctx.meta.get("moecompress.quiet", False), ctx.meta.get("moecompress.log_json", False)
+    if quiet and log_json:
+        raise click.UsageError("--quiet and --log-json exclude each other")
+    progress.configure(quiet=quiet, log_json=log_json)
+    return value
+
+
+def run_options(command: Callable) -> Callable:
+    command = click.option(
+        "--resume",
+        is_flag=True,
+        help="Continue a run that was killed (same recipe and --out): finished passes and layers are kept, and the "
+        "output is byte-identical to an uninterrupted run.",
+    )(command)
+    command = click.option(
+        "--log-json",
+        is_flag=True,
+        callback=_configure,
+        help="Progress and milestones as JSON lines on stderr (the summary also, as one JSON object).",
+    )(command)
+    return click.option(
+        "--quiet", "-q", is_flag=True, callback=_configure, help="No progress output; errors and results only."
+    )(command)
+
+
+def run_and_summarise(recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, resume: bool) -> dict[str, Any]:
+    """Run ``recipe``, then print where the output is and the summary table (stdout)."""
+    from ..recipes import run_recipe
+    from ..run_summary import format_table
+
+    started = time.monotonic()
+    report = run_recipe(recipe, model_dir, out_dir, overwrite=overwrite, resume=resume, progress=True)
+    seconds = time.monotonic() - started
+    if progress.MODE == "json":
+        click.echo(
+            json.dumps(
+                {"event": "summary", "out": str(out_dir), "seconds": round(seconds, 2), "outcome": report["outcome"]}
+            ),
+            err=True,
+        )
+    click.echo(f"wrote {out_dir} in {seconds:.1f}s")
+    click.echo(format_table(report["outcome"]))
+    return report

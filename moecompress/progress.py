@@ -1,0 +1,109 @@
+"""How long work shows itself: a bar on a terminal, timestamped lines elsewhere (CI logs), JSON lines for
+machines, or nothing.
+
+Library code wraps its loops in :func:`bar` and announces milestones with :func:`event`; the command line picks
+the :data:`MODE` once (``--quiet``, ``--log-json``, or by whether stderr is a terminal). Everything goes to
+stderr, so stdout keeps only the results (the summary table).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
+from typing import Any, Literal, TypeVar
+
+from tqdm.auto import tqdm
+
+Mode = Literal["auto", "bars", "lines", "json", "quiet"]
+MODE: Mode = "auto"
+"""``auto``: bars on a terminal, lines otherwise. Set by the CLI (:func:`configure`)."""
+LINE_INTERVAL_S = 10.0
+"""Plain and JSON modes report a loop at its start, at most this often while it runs, and at its end."""
+
+Item = TypeVar("Item")
+
+
+def configure(*, quiet: bool = False, log_json: bool = False) -> None:
+    global MODE
+    MODE = "quiet" if quiet else "json" if log_json else "auto"
+
+
+def _mode() -> Mode:
+    if MODE != "auto":
+        return MODE
+    return "bars" if sys.stderr.isatty() else "lines"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _emit(record: dict[str, Any], text: str) -> None:
+    if _mode() == "json":
+        print(json.dumps({"time": _now(), **record}), file=sys.stderr, flush=True)
+    else:
+        print(f"{_now()} {text}", file=sys.stderr, flush=True)
+
+
+def event(kind: str, message: str, **fields: Any) -> None:
+    """A milestone (a pass starting or ending, a resumed state found): one line, or one JSON object."""
+    if _mode() == "quiet":
+        return
+    _emit({"event": kind, "message": message, **fields}, message)
+
+
+def bar(
+    iterable: Iterable[Item],
+    *,
+    desc: str,
+    unit: str,
+    total: int | None = None,
+    initial: int = 0,
+    disable: bool = False,
+) -> Iterator[Item]:
+    """``iterable``, shown as ``desc`` progresses; ``disable`` (a library caller's ``progress=False``) hides it."""
+    mode = _mode()
+    if disable or mode == "quiet":
+        yield from iterable
+        return
+    if total is None and hasattr(iterable, "__len__"):
+        total = initial + len(iterable)  # type: ignore[arg-type]
+    if mode == "bars":
+        yield from tqdm(iterable, desc=desc, unit=unit, total=total, initial=initial)
+        return
+    yield from _lines(iterable, desc, unit, total, initial)
+
+
+def _lines(iterable: Iterable[Item], desc: str, unit: str, total: int | None, initial: int) -> Iterator[Item]:
+    started = last = time.monotonic()
+    done = initial
+
+    def report(state: str) -> None:
+        elapsed = time.monotonic() - started
+        of = f"/{total}" if total is not None else ""
+        percent = f" ({100 * done / total:.0f}%)" if total else ""
+        _emit(
+            {
+                "event": "progress",
+                "task": desc,
+                "state": state,
+                "done": done,
+                "total": total,
+                "unit": unit,
+                "elapsed_s": round(elapsed, 1),
+            },
+            f"{desc}: {done}{of} {unit}{percent}, {elapsed:.1f}s"
+            + (" (resumed)" if state == "start" and initial else ""),
+        )
+
+    report("start")
+    for item in iterable:
+        yield item
+        done += 1
+        if time.monotonic() - last >= LINE_INTERVAL_S:
+            last = time.monotonic()
+            report("running")
+    report("end")

@@ -1,0 +1,96 @@
+"""What a calibration sweep leaves on disk so that a killed run can resume it where it stopped.
+
+After every layer the sweep commits the hidden states leaving that layer (the next layer's inputs, exactly as
+computed) and the consumer's result for the layer (its scores or statistics: tensors plus JSON). A resumed sweep
+starts at the layer after the last commit with those hidden states, and the consumer takes the stored results of
+the layers before it instead of recomputing them. Everything is safetensors and JSON: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+LayerResult = tuple[dict[str, torch.Tensor], Any]
+"""A consumer's result for one layer: named tensors and JSON-ready metadata."""
+
+_HIDDEN = "hidden.safetensors"
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(temporary), metadata=metadata)
+    os.replace(temporary, path)
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    return load_file(str(path)), metadata
+
+
+class SweepState:
+    """The resumable state of one sweep, kept in ``directory`` (inside the output's work directory)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.last_layer: int | None = None
+        self._hidden: list[torch.Tensor] | None = None
+        self._results: dict[int, LayerResult] = {}
+        self._read()
+
+    def _read(self) -> None:
+        path = self.directory / _HIDDEN
+        if not path.is_file():
+            return
+        try:
+            tensors, metadata = _load(path)
+            last = int(metadata["after_layer"])
+            layers = json.loads(metadata["result_layers"])
+            results = {}
+            for layer in layers:
+                stored, meta = _load(self.directory / f"layer-{layer:05d}.safetensors")
+                results[layer] = (stored, json.loads(meta["meta"]))
+        except (OSError, KeyError, ValueError, SafetensorError):
+            return
+        self.last_layer = last
+        self._hidden = [tensors[f"batch-{i}"] for i in range(len(tensors))]
+        self._results = results
+
+    @property
+    def start_layer(self) -> int:
+        return 0 if self.last_layer is None else self.last_layer + 1
+
+    def hidden(self) -> list[torch.Tensor]:
+        if self._hidden is None:
+            raise RuntimeError("no committed hidden states to resume from")
+        return self._hidden
+
+    def results(self) -> dict[int, LayerResult]:
+        """The stored results of the layers before :attr:`start_layer`, by layer."""
+        return dict(self._results)
+
+    def clear(self) -> None:
+        """Forget every commit (the sweep starts again at layer 0)."""
+        for path in self.directory.glob("*.safetensors"):
+            path.unlink()
+        self.last_layer, self._hidden, self._results = None, None, {}
+
+    def commit(self, layer: int, hidden: list[torch.Tensor], result: LayerResult | None) -> None:
+        """Record ``layer`` as done: its result first, then the hidden states leaving it."""
+        if result is not None:
+            tensors, meta = result
+            _save(self.directory / f"layer-{layer:05d}.safetensors", tensors, {"meta": json.dumps(meta)})
+            self._results[layer] = result
+        metadata = {"after_layer": str(layer), "result_layers": json.dumps(sorted(self._results))}
+        _save(self.directory / _HIDDEN, {f"batch-{i}": h for i, h in enumerate(hidden)}, metadata)
+        self.last_layer = layer

@@ -1,0 +1,140 @@
+"""Resume: a recipe run killed (SIGKILL) at several points and resumed each time writes exactly the bytes of an
+uninterrupted run; the writer's journal and the sweep states survive a kill and are checked on reopening."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import tree_hashes
+
+from moecompress.checkpoint import CheckpointWriter
+from moecompress.sweep_state import SweepState
+
+RECIPE = {
+    "model": "builtin:tiny-moe",
+    "calibration": {"source": "builtin:prose", "tokens": 1024, "seq_len": 128, "seed": 3},
+    "passes": [
+        {"prune_experts": {"method": "maep", "ratio": 0.25}},
+        {"quantize": {"scheme": "int4", "method": "gptq"}},
+        {"lowrank": {"lowrank_budget": 0.5}},
+        {"eval": {"data": "builtin:prose", "tokens": 1024}},
+    ],
+}
+
+
+def _start(recipe: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "moecompress.cli.main", "run", str(recipe), "--out", str(out), "--quiet", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _kill_when(process: subprocess.Popen, condition, timeout: float = 240.0) -> bool:
+    """SIGKILL ``process`` as soon as ``condition()`` holds; False when it finished first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        if condition():
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return True
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError("the run neither reached the kill point nor finished")
+
+
+def _journal_units(work: Path) -> int:
+    journal = work / "journal.jsonl"
+    return len(journal.read_text().splitlines()) - 1 if journal.is_file() else 0
+
+
+def test_killed_at_several_points_and_resumed_gives_the_same_bytes(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    out = tmp_path / "runs" / "out"
+    uninterrupted = _start(recipe, out)
+    assert uninterrupted.wait() == 0, uninterrupted.stderr.read()
+    reference = tmp_path / "reference"
+    out.rename(reference)
+
+    run = out.parent / ".out.run"
+    points = [
+        ("pruning sweep", lambda: (run / ".step-0.incomplete/state/prune-scores/hidden.safetensors").exists()),
+        ("pruned layers written", lambda: _journal_units(run / ".step-0.incomplete") >= 3),
+        (
+            "low-rank measuring sweep",
+            lambda: (run / ".step-1.incomplete/state/lowrank-measure/hidden.safetensors").exists(),
+        ),
+        ("quantised layers written", lambda: _journal_units(run / ".step-1.incomplete") >= 3),
+        ("evaluation", lambda: (run / "step-1").is_dir()),
+    ]
+    killed = []
+    for index, (name, condition) in enumerate(points):
+        process = _start(recipe, out, *(["--resume"] if index else []))
+        if _kill_when(process, condition):
+            killed.append(name)
+            assert not out.exists(), f"killed during {name}, the output must not exist yet"
+        else:
+            assert process.returncode == 0, process.stderr.read()
+            shutil.rmtree(out)
+            pytest.fail(f"the run finished before the kill point {name!r}")
+    assert killed == [name for name, _ in points]
+    final = _start(recipe, out, "--resume")
+    assert final.wait() == 0, final.stderr.read()
+    assert not run.exists()
+    assert tree_hashes(out) == tree_hashes(reference)
+
+
+def test_the_writer_keeps_intact_units_and_drops_a_damaged_one(tmp_path):
+    out = tmp_path / "out"
+    tensors = [{f"t{i}.{j}": torch.full((5 + j,), float(i)) for j in range(3)} for i in range(4)]
+    writer = CheckpointWriter(out, max_shard_bytes=64)
+    for i, unit in enumerate(tensors[:3]):
+        writer.add(unit, unit=f"u{i}", meta={"i": i})
+    (writer.work_dir / writer.units["u2"].part).write_bytes(b"damaged")
+    resumed = CheckpointWriter(out, max_shard_bytes=64, resume=True)
+    assert list(resumed.units) == ["u0", "u1"] and resumed.units["u1"].meta == {"i": 1}
+    with pytest.raises(ValueError, match="written twice"):
+        resumed.add(tensors[0], unit="u0")
+    for i in (2, 3):
+        resumed.add(tensors[i], unit=f"u{i}")
+    resumed.finish({"model_type": "x"})
+    fresh = tmp_path / "fresh"
+    writer = CheckpointWriter(fresh, max_shard_bytes=64)
+    for i, unit in enumerate(tensors):
+        writer.add(unit, unit=f"u{i}")
+    writer.finish({"model_type": "x"})
+    assert tree_hashes(out) == tree_hashes(fresh)
+    assert not (tmp_path / ".out.incomplete").exists()
+
+
+def test_a_fresh_writer_ignores_an_old_journal(tmp_path):
+    writer = CheckpointWriter(tmp_path / "out")
+    writer.add({"a": torch.ones(3)}, unit="u0")
+    assert CheckpointWriter(tmp_path / "out").units == {}
+    assert list(CheckpointWriter(tmp_path / "out", resume=True).units) == []
+
+
+def test_a_sweep_state_resumes_after_its_last_commit(tmp_path):
+    state = SweepState(tmp_path / "s")
+    hidden = [torch.randn(2, 3), torch.randn(1, 3)]
+    state.commit(0, hidden, ({"score": torch.arange(4.0)}, {"layer": 0}))
+    state.commit(1, [h + 1 for h in hidden], None)
+    again = SweepState(tmp_path / "s")
+    assert again.start_layer == 2
+    assert all(torch.equal(a, b + 1) for a, b in zip(again.hidden(), hidden, strict=True))
+    stored_tensors, meta = again.results()[0]
+    assert torch.equal(stored_tensors["score"], torch.arange(4.0)) and meta == {"layer": 0}
+    (tmp_path / "s" / "hidden.safetensors").write_bytes(b"torn")
+    assert SweepState(tmp_path / "s").start_layer == 0
