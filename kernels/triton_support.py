@@ -42,7 +42,12 @@ def use_kernels(tensor: torch.Tensor) -> bool:
 
 def dot_dtype(tensor: torch.Tensor):
     """The operand type of ``tl.dot``: bf16 on a GPU (tensor cores; bf16 × bf16 products are exact in the fp32
-    accumulator), fp32 under the interpreter, whose bf16 handling is broken in triton 3.9."""
+    accumulator), fp32 under the interpreter, whose bf16 handling is broken in triton 3.9. On a GPU the kernels
+    take bf16 activations only (an fp32 ``tl.dot`` there would round its inputs to tf32)."""
     import triton.language as tl
 
-    return tl.float32 if tensor.device.type == "cpu" else tl.bfloat16
+    if tensor.device.type == "cpu":
+        return tl.float32
+    if tensor.dtype != torch.bfloat16:
+        raise ValueError(f"the Triton kernels take bf16 activations on a GPU, got {tensor.dtype}")
+    return tl.bfloat16
