@@ -208,13 +208,24 @@ def tiny_tokenizer(vocab_size: int = 384):
 
 
 def write_synthetic_qwen3_moe(
-    directory: Path, layers: int, hidden: int, experts: int, inter: int, vocab_dir: Path | None = None
+    directory: Path,
+    layers: int,
+    hidden: int,
+    experts: int,
+    inter: int,
+    vocab_dir: Path | None = None,
+    *,
+    heads: int = 8,
+    kv_heads: int = 4,
+    head_dim: int | None = None,
+    top_k: int = 2,
+    max_shard_bytes: int = 512 * 2**20,
 ) -> dict:
     """A random bf16 Qwen3-MoE checkpoint of any size, written layer by layer (never held whole), for
     benchmarks. ``vocab_dir``'s tokenizer files are copied in when given. Returns ``{"layer_bytes": ...}``."""
     from transformers import Qwen3MoeConfig
 
-    heads, kv_heads, head_dim = 8, 4, hidden // 8
+    head_dim = head_dim or hidden // heads
     config = Qwen3MoeConfig(
         vocab_size=2048,
         hidden_size=hidden,
@@ -225,7 +236,7 @@ def write_synthetic_qwen3_moe(
         moe_intermediate_size=inter,
         intermediate_size=4 * hidden,
         num_experts=experts,
-        num_experts_per_tok=2,
+        num_experts_per_tok=top_k,
         norm_topk_prob=True,
         tie_word_embeddings=True,
         max_position_embeddings=512,
@@ -239,7 +250,7 @@ def write_synthetic_qwen3_moe(
 
     from .checkpoint import CheckpointWriter
 
-    writer = CheckpointWriter(directory, max_shard_bytes=512 * 2**20)
+    writer = CheckpointWriter(directory, max_shard_bytes=max_shard_bytes)
     writer.add(
         {"model.embed_tokens.weight": rand(2048, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     )

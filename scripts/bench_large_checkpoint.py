@@ -1,0 +1,195 @@
+"""A checkpoint larger than memory: wall time and peak RSS of calibrated expert pruning and MXFP4 RTN quantisation,
+against the time to copy the same shard files, all measured in one run.
+
+Synthesises a random bf16 checkpoint with Qwen3-30B-A3B's decoder layer shapes (hidden 2048, 128 experts of
+intermediate 768, top-8, 32 query heads of 128 / 4 KV groups) and as many layers as reach ``--min-gib``, in
+``--shard-gib`` shards as on the hub; the vocabulary is tiny-moe's 2,048 tokens (so the built-in calibration text
+tokenises), not Qwen's 151,936. Then, each in a child process and in this order: copy the shard files (with
+fsync), ``moecompress quantize --scheme mxfp4 --method rtn``, copy again, ``moecompress prune --ratio 0.25``
+(MAEP on ``--calib-tokens`` tokens). Each command's output is fsynced inside its wall time and deleted after it.
+Peak RSS is the largest sum of RSS over the child's process tree, sampled every 20 ms, and the kernel's
+``ru_maxrss`` of the child. Prints one JSON object; everything is written under ``--dir`` and removed at the end.
+
+Run: python scripts/bench_large_checkpoint.py [--min-gib 12] [--dir /tmp] [--skip-prune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from moecompress.checkpoint import resolve_model
+from moecompress.synthetic import write_synthetic_qwen3_moe
+
+SHAPES = dict(hidden=2048, experts=128, inter=768, heads=32, kv_heads=4, head_dim=128, top_k=8)
+
+COPY = """
+import os, shutil, sys
+from pathlib import Path
+source, target = Path(sys.argv[1]), Path(sys.argv[2])
+target.mkdir()
+for path in sorted(source.iterdir()):
+    shutil.copyfile(path, target / path.name)
+    with open(target / path.name, "rb") as handle:
+        os.fsync(handle.fileno())
+"""
+
+
+def layer_bytes(hidden: int, experts: int, inter: int, heads: int, kv_heads: int, head_dim: int, **_: int) -> int:
+    attention = 2 * heads * head_dim * hidden + 2 * kv_heads * head_dim * hidden + 2 * head_dim
+    return 2 * (3 * experts * inter * hidden + experts * hidden + attention + 2 * hidden)
+
+
+def fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def tree_rss(process: psutil.Process) -> int:
+    total = 0
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            total += member.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_measured(command: list[str], output: Path | None) -> dict:
+    """Run ``command`` to the end, then fsync ``output``; wall seconds and peak RSS of the process tree."""
+    start = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os.execvp(command[0], command)
+    process = psutil.Process(pid)
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], tree_rss(process))
+            except psutil.Error:
+                pass
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, status, usage = os.wait4(pid, 0)
+    done.set()
+    sampler.join()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(command[:5])} exited with {code}")
+    if output is not None:
+        fsync_tree(output)
+    return {
+        "seconds": round(time.perf_counter() - start, 2),
+        "peak_tree_rss_bytes": peak[0],
+        "ru_maxrss_bytes": usage.ru_maxrss * 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-gib", type=float, default=12.0, help="Smallest checkpoint size on disk, GiB.")
+    parser.add_argument("--shard-gib", type=float, default=4.0)
+    parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--dir", type=Path, default=None, help="Where to write (default: the temporary directory).")
+    parser.add_argument("--skip-prune", action="store_true")
+    args = parser.parse_args()
+    per_layer = layer_bytes(**SHAPES)
+    layers = math.ceil(args.min_gib * 2**30 / per_layer)
+    cli = [sys.executable, "-m", "moecompress.cli.main"]
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "shapes": {**SHAPES, "layers": layers, "vocab": 2048},
+    }
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_large_") as tmp:
+        root = Path(tmp)
+        source = root / "source"
+        started = time.perf_counter()
+        write_synthetic_qwen3_moe(
+            source,
+            layers,
+            SHAPES["hidden"],
+            SHAPES["experts"],
+            SHAPES["inter"],
+            resolve_model("builtin:tiny-moe"),
+            heads=SHAPES["heads"],
+            kv_heads=SHAPES["kv_heads"],
+            head_dim=SHAPES["head_dim"],
+            top_k=SHAPES["top_k"],
+            max_shard_bytes=int(args.shard_gib * 2**30),
+        )
+        fsync_tree(source)
+        result["synthesis_seconds"] = round(time.perf_counter() - started, 1)
+        result["checkpoint_bytes"] = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+        result["shards"] = len(list(source.glob("*.safetensors")))
+
+        def step(name: str, command: list[str], output: Path) -> None:
+            result[name] = run_measured(command, output)
+            if name != "copy_1" and name != "copy_2":
+                result[name]["output_bytes"] = sum(p.stat().st_size for p in output.glob("*.safetensors"))
+            shutil.rmtree(output)
+            print(name, json.dumps(result[name]), file=sys.stderr, flush=True)
+
+        step("copy_1", [sys.executable, "-c", COPY, str(source), str(root / "copy")], root / "copy")
+        quantized = root / "quantized"
+        step(
+            "quantize_mxfp4_rtn",
+            [
+                *cli,
+                "quantize",
+                str(source),
+                "--out",
+                str(quantized),
+                "--scheme",
+                "mxfp4",
+                "--method",
+                "rtn",
+                "--no-eval",
+            ],
+            quantized,
+        )
+        step("copy_2", [sys.executable, "-c", COPY, str(source), str(root / "copy")], root / "copy")
+        copy_seconds = (result["copy_1"]["seconds"] + result["copy_2"]["seconds"]) / 2
+        result["quantize_over_copy"] = round(result["quantize_mxfp4_rtn"]["seconds"] / copy_seconds, 2)
+        if not args.skip_prune:
+            pruned = root / "pruned"
+            step(
+                "prune_maep",
+                [
+                    *cli,
+                    "prune",
+                    str(source),
+                    "--out",
+                    str(pruned),
+                    "--ratio",
+                    "0.25",
+                    "--calib-tokens",
+                    str(args.calib_tokens),
+                    "--no-eval",
+                ],
+                pruned,
+            )
+            result["prune_over_copy"] = round(result["prune_maep"]["seconds"] / copy_seconds, 2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
