@@ -51,16 +51,20 @@ def run_command(
     if name is None:
         raise UserInputError(f"{recipe}: no model (give one in the recipe or with --model)")
     calibration = parsed.calibration
-    if not quiet or dry_run:
-        click.echo(
-            f"model {name}; calibration {calibration.source}, {calibration.tokens} tokens of {calibration.seq_len}, "
-            f"seed {calibration.seed}",
-            err=not dry_run,
-        )
-        for index, line in enumerate(describe(parsed)):
-            click.echo(f"  {index + 1}. {line}", err=not dry_run)
+    header = (
+        f"model {name}; calibration {calibration.source}, {calibration.tokens} tokens of {calibration.seq_len}, "
+        f"seed {calibration.seed}"
+    )
+    steps = [f"  {index + 1}. {line}" for index, line in enumerate(describe(parsed))]
     if dry_run:
+        click.echo("\n".join([header, *steps]))
         return
+    if log_json:
+        from ..progress import event
+
+        event("recipe", header, passes=describe(parsed))
+    elif not quiet:
+        click.echo("\n".join([header, *steps]), err=True)
     if out_dir is None:
         raise UserInputError("--out is required (or pass --dry-run)")
     run_and_summarise(parsed, resolve_model(name), out_dir, overwrite=overwrite, resume=resume)

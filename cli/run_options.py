@@ -4,7 +4,6 @@ ending with the summary table."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,13 +49,14 @@ def run_and_summarise(recipe, model_dir: Path, out_dir: Path, *, overwrite: bool
     started = time.monotonic()
     report = run_recipe(recipe, model_dir, out_dir, overwrite=overwrite, resume=resume, progress=True)
     seconds = time.monotonic() - started
-    if progress.MODE == "json":
-        click.echo(
-            json.dumps(
-                {"event": "summary", "out": str(out_dir), "seconds": round(seconds, 2), "outcome": report["outcome"]}
-            ),
-            err=True,
-        )
+    progress.event(
+        "summary",
+        f"wrote {out_dir} in {seconds:.1f}s",
+        out=str(out_dir),
+        seconds=round(seconds, 2),
+        outcome=report["outcome"],
+        only_json=True,
+    )
     click.echo(f"wrote {out_dir} in {seconds:.1f}s")
     click.echo(format_table(report["outcome"]))
     return report

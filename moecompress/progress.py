@@ -41,18 +41,34 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _emit(record: dict[str, Any], text: str) -> None:
+_held: list[str] = []
+"""Plain-line mode holds "started" lines until something slow follows them, so that quick work (and a quick
+failure, whose one-line error should stand alone) prints nothing it does not need."""
+
+
+def _emit(record: dict[str, Any], text: str, *, hold: bool = False) -> None:
     if _mode() == "json":
         print(json.dumps({"time": _now(), **record}), file=sys.stderr, flush=True)
-    else:
-        print(f"{_now()} {text}", file=sys.stderr, flush=True)
-
-
-def event(kind: str, message: str, **fields: Any) -> None:
-    """A milestone (a pass starting or ending, a resumed state found): one line, or one JSON object."""
-    if _mode() == "quiet":
         return
-    _emit({"event": kind, "message": message, **fields}, message)
+    line = f"{_now()} {text}"
+    if hold:
+        _held.append(line)
+        return
+    for held in _held:
+        print(held, file=sys.stderr)
+    _held.clear()
+    print(line, file=sys.stderr, flush=True)
+
+
+def event(kind: str, message: str, *, starting: bool = False, only_json: bool = False, **fields: Any) -> None:
+    """A milestone (a pass starting or ending, a resumed state found): one line, or one JSON object.
+    ``starting`` lines are held back in plain-line mode until a slow loop reports (see :data:`_held`);
+    ``only_json`` ones are for machines (what the text output already shows otherwise)."""
+    if _mode() == "quiet" or (only_json and _mode() != "json"):
+        return
+    if not starting:
+        _held.clear()
+    _emit({"event": kind, "message": message, **fields}, message, hold=starting)
 
 
 def bar(
@@ -80,8 +96,10 @@ def bar(
 def _lines(iterable: Iterable[Item], desc: str, unit: str, total: int | None, initial: int) -> Iterator[Item]:
     started = last = time.monotonic()
     done = initial
+    shown = False
 
     def report(state: str) -> None:
+        nonlocal shown
         elapsed = time.monotonic() - started
         of = f"/{total}" if total is not None else ""
         percent = f" ({100 * done / total:.0f}%)" if total else ""
@@ -97,7 +115,9 @@ def _lines(iterable: Iterable[Item], desc: str, unit: str, total: int | None, in
             },
             f"{desc}: {done}{of} {unit}{percent}, {elapsed:.1f}s"
             + (" (resumed)" if state == "start" and initial else ""),
+            hold=state == "start",
         )
+        shown = shown or state == "running"
 
     report("start")
     for item in iterable:
@@ -106,4 +126,7 @@ def _lines(iterable: Iterable[Item], desc: str, unit: str, total: int | None, in
         if time.monotonic() - last >= LINE_INTERVAL_S:
             last = time.monotonic()
             report("running")
-    report("end")
+    if shown or _mode() == "json":
+        report("end")
+    elif _held:
+        _held.pop()

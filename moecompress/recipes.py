@@ -23,6 +23,7 @@ removed at the end); the last compressing pass writes the output directory.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -363,7 +364,14 @@ def run_recipe(
             name, config = recipe.passes[index]
             target = state.step(index)
             started = time.monotonic()
-            event("pass", f"pass {index + 1}/{total}: {name} started", index=index, name=name, state="start")
+            event(
+                "pass",
+                f"pass {index + 1}/{total}: {name} started",
+                index=index,
+                name=name,
+                state="start",
+                starting=True,
+            )
             options = dict(overwrite=True, progress=progress)
             if name == "prune_experts":
                 report = prune_experts(
@@ -397,7 +405,7 @@ def run_recipe(
         report["previous_passes"] = reports
         evaluation = None
         if recipe.evaluation is not None:
-            event("eval", f"evaluating on {recipe.evaluation.data}", state="start")
+            event("eval", f"evaluating on {recipe.evaluation.data}", state="start", starting=True)
             result = evaluate(
                 final,
                 recipe.evaluation.data,
@@ -412,8 +420,13 @@ def run_recipe(
         report["versions"] = _versions()
         update_report(final, report)
         _move_into_place(final, out_dir)
-    except (UserInputError, OSError):
+    except UserInputError:
         state.remove()
+        raise
+    except OSError as error:
+        state.remove()
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(error.errno, error.strerror, str(out_dir)) from error
         raise
     state.remove()
     return report

@@ -24,8 +24,16 @@ _HIDDEN = "hidden.safetensors"
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write atomically; tensors that share storage (one result under two names) are saved as copies."""
     temporary = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(temporary), metadata=metadata)
+    storages: set[int] = set()
+    separate = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        separate[name] = tensor.clone() if storage in storages else tensor
+        storages.add(storage)
+    save_file(separate, str(temporary), metadata=metadata)
     os.replace(temporary, path)
 
 

@@ -1,6 +1,7 @@
 """Recipes: validated whole before any work (errors name the key's path, exit 2), run pass after pass with the
 same results as the passes run by hand."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,55 @@ def test_a_recipe_gives_the_same_checkpoint_as_its_passes_run_by_hand(tiny_with_
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "recipe" / name).read_bytes() == (tmp_path / "hand" / name).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hand", "pruned", "recipe"]  # intermediates removed
+
+
+def _small_recipe(tmp_path):
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            _recipe(
+                {"prune_experts": {"ratio": 0.25}},
+                {"quantize": {"scheme": "mxfp4"}},
+                {"eval": {"tokens": 1024}},
+                calibration={"tokens": 1024, "seq_len": 128},
+            )
+        )
+    )
+    return recipe
+
+
+def test_run_prints_the_summary_and_report_reprints_and_plots_it(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", str(_small_recipe(tmp_path)), "--out", str(out), "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    experts_row = next(line for line in lines if line.startswith("routed experts"))
+    assert experts_row.split()[2:4] == ["32", "24"]
+    report = json.loads((out / "moecompress_report.json").read_text())
+    outcome = report["outcome"]
+    assert outcome["experts"] == [32, 24] and outcome["perplexity"][0] == report["eval"]["reference_perplexity"]
+    assert outcome["bytes"][1] < outcome["bytes"][0] and [p["pass"] for p in report["previous_passes"]] == [
+        "prune_experts"
+    ]
+    assert set(report["versions"]) == {"moecompress", "torch", "transformers"}
+    again = run_cli("report", str(out), "--plot", str(tmp_path / "size.png"))
+    assert again.returncode == 0, again.stderr
+    assert experts_row in again.stdout and f"{outcome['perplexity'][1]:.3f}" in again.stdout
+    assert (tmp_path / "size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = run_cli("report", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "no such directory" in missing.stderr
+
+
+def test_log_json_gives_one_json_object_per_stderr_line(tmp_path):
+    result = run_cli("run", str(_small_recipe(tmp_path)), "--out", str(tmp_path / "out"), "--log-json")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stderr.splitlines()]
+    kinds = {record["event"] for record in records}
+    assert {"pass", "progress", "summary"} <= kinds and all("time" in record for record in records)
+    ends = [r for r in records if r["event"] == "pass" and r["state"] == "end"]
+    assert [r["name"] for r in ends] == ["prune_experts", "quantize"]
+    summary = next(r for r in records if r["event"] == "summary")
+    assert summary["outcome"]["experts"] == [32, 24]
+    both = run_cli("run", str(_small_recipe(tmp_path)), "--out", str(tmp_path / "x"), "--quiet", "--log-json")
+    assert both.returncode == 2 and "exclude each other" in both.stderr

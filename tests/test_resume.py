@@ -138,3 +138,10 @@ def test_a_sweep_state_resumes_after_its_last_commit(tmp_path):
     assert torch.equal(stored_tensors["score"], torch.arange(4.0)) and meta == {"layer": 0}
     (tmp_path / "s" / "hidden.safetensors").write_bytes(b"torn")
     assert SweepState(tmp_path / "s").start_layer == 0
+
+
+def test_a_sweep_state_keeps_one_result_stored_under_two_names(tmp_path):
+    score = torch.arange(4.0)
+    SweepState(tmp_path / "s").commit(0, [torch.zeros(1, 2)], ({"score": score, "reap": score}, {}))
+    stored_tensors, _ = SweepState(tmp_path / "s").results()[0]
+    assert torch.equal(stored_tensors["score"], score) and torch.equal(stored_tensors["reap"], score)
