@@ -1,5 +1,5 @@
 """Inference modules for quantised weights: they hold the packed tensors under the original parameter names and
-dequantise on the fly (the torch reference path; GPU kernels replace the dequantise-then-matmul later).
+dequantise on the fly (the torch reference path); on CUDA, :mod:`.dispatch` runs the Triton kernels instead.
 
 The packed codes take the original parameter's name on purpose: a stock transformers install without moecompress
 then sees a uint8 tensor of the wrong shape where it expects the float weight and refuses to load, instead of
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.w4a8 import fake_quantize_activations
+from . import dispatch
 from .salient import VALUE_DTYPE, SalientWeights, decode_positions, expert_offsets
 from .scheme import QuantizedTensor, QuantScheme
 
@@ -120,6 +121,9 @@ class QuantizedLinear(_QuantizedWeights):
         self.bias = _frozen((out_features,), dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = dispatch.linear(self, x)
+        if out is not None:
+            return out
         weight = self.quantized("weight", (self.out_features, self.in_features)).dequantize(x.dtype)
         return F.linear(self._inputs(x), weight, None if self.bias is None else self.bias.to(x.dtype))
 
@@ -171,6 +175,9 @@ class QuantizedExperts(_QuantizedWeights):
         return gate_up.dequantize(dtype), down.dequantize(dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        fused = dispatch.experts(self, hidden_states, top_k_index, top_k_weights)
+        if fused is not None:
+            return fused
         out = torch.zeros_like(hidden_states)
         inter = self.intermediate_size
         for expert in top_k_index.unique().tolist():
