@@ -3,19 +3,31 @@
 Each rank runs the layer-wise sweep on its own contiguous block of whole calibration batches, keeps every
 statistic as sums and counts, and the sums are added over ranks in float64, so the result equals the
 single-process one up to float64 rounding of the additions. Contiguous blocks in rank order also make a
-gather in rank order the single-process token order. Rank 0 alone writes. Outside a distributed job every
-function here is the identity on one rank.
+gather in rank order the single-process token order. Rank 0 alone writes (:func:`on_writer`); the others wait
+for it and return its result. Outside a distributed job every function here is the identity on one rank.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UserInputError
+
+T = TypeVar("T")
+
+WRITER_WAIT = timedelta(hours=24)
+"""How long the other ranks wait for rank 0 to write (a checkpoint of hundreds of GB, an evaluation). A rank
+that dies ends the job through the launcher, so this is a last resort, not the way failures are noticed."""
+
+_control: tuple[Any, Any] | None = None
 
 
 def active() -> bool:
@@ -49,6 +61,58 @@ def is_writer() -> bool:
 def barrier() -> None:
     if active():
         dist.barrier()
+
+
+def _control_group():
+    """A gloo group with a long timeout for rank 0's hand-over: the default group's timeout (NCCL's minutes) is
+    for collectives that all ranks reach together, not for waiting on rank 0's writing."""
+    global _control
+    world = dist.group.WORLD
+    if _control is None or _control[0] is not world:
+        _control = (world, dist.new_group(backend="gloo", timeout=WRITER_WAIT))
+    return _control[1]
+
+
+@contextmanager
+def collective_phase() -> Iterator[None]:
+    """Work every rank does together (the measuring sweep). An error escaping it is not handed over by an
+    enclosing :func:`on_writer`: the other ranks are inside collectives, not waiting for rank 0; each raises its own
+    error or is stopped by the launcher when this rank exits."""
+    try:
+        yield
+    except BaseException as error:
+        error.shared_over_ranks = True
+        raise
+
+
+def on_writer(work: Callable[[], T], *, share: bool = True) -> T | None:
+    """Rank 0 alone runs ``work`` (whatever writes files); the other ranks wait for it and get its result (None
+    with ``share=False``, for results that are rank 0's own, such as an open writer). An error in ``work`` is
+    raised on every rank: a :class:`UserInputError` as one with the same message, anything else as a
+    RuntimeError naming it. Every rank must call this at the same point; outside a job it is ``work()``."""
+    if world_size() <= 1:
+        return work()
+    group = _control_group()
+    if is_writer():
+        try:
+            value = work()
+        except BaseException as error:
+            if not getattr(error, "shared_over_ranks", False):
+                message = ["error", isinstance(error, UserInputError), f"{type(error).__name__}: {error}", str(error)]
+                dist.broadcast_object_list([message], src=0, group=group)
+                error.shared_over_ranks = True
+            raise
+        dist.broadcast_object_list([["ok", value if share else None]], src=0, group=group)
+        return value
+    received: list[Any] = [None]
+    dist.broadcast_object_list(received, src=0, group=group)
+    status, *payload = received[0]
+    if status == "ok":
+        return payload[0]
+    is_user_error, described, message = payload
+    error = UserInputError(message) if is_user_error else RuntimeError(f"rank 0 failed: {described}")
+    error.shared_over_ranks = True
+    raise error
 
 
 def _device() -> torch.device:
