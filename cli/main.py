@@ -298,6 +298,7 @@ def prune_command(
     the lowest are removed (router rows and biases sliced, shared experts untouched, config rewritten), and
     moecompress_report.json lists each layer's kept original expert ids and every expert's scores.
     """
+    from ..calibration import distributed
     from ..checkpoint import resolve_model
     from ..passes.prune_experts import PruneExpertsConfig
     from ..recipes import Calibration, Evaluation, Recipe
@@ -326,6 +327,8 @@ def prune_command(
         evaluation=None if no_eval else Evaluation(data=eval_data, tokens=eval_tokens),
     )
     report = run_and_summarise(recipe, resolve_model(model), out_dir, overwrite=overwrite, resume=resume)
+    if not distributed.is_writer():
+        return
     counts = [len(layer["kept"]) for layer in report["layers"].values()]
     click.echo(
         f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "

@@ -42,13 +42,17 @@ def run_options(command: Callable) -> Callable:
 
 
 def run_and_summarise(recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, resume: bool) -> dict[str, Any]:
-    """Run ``recipe``, then print where the output is and the summary table (stdout)."""
+    """Run ``recipe``, then print where the output is and the summary table (stdout; under ``torchrun`` rank 0
+    alone prints)."""
+    from ..calibration import distributed
     from ..recipes import run_recipe
     from ..run_summary import format_table
 
     started = time.monotonic()
     report = run_recipe(recipe, model_dir, out_dir, overwrite=overwrite, resume=resume, progress=True)
     seconds = time.monotonic() - started
+    if not distributed.is_writer():
+        return report
     progress.event(
         "summary",
         f"wrote {out_dir} in {seconds:.1f}s",

@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
 from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
 from .errors import UserInputError
@@ -249,7 +250,7 @@ class RunState:
     The output directory appears only when every pass and the evaluation are done."""
 
     def __init__(self, out_dir: Path, digest: str, resume: bool):
-        self.directory = out_dir.parent / f".{out_dir.name}.run"
+        self.directory = self.directory_of(out_dir)
         self.manifest_path = self.directory / "manifest.json"
         self.digest = digest
         self.finished: dict[int, dict[str, str]] = {}
@@ -270,6 +271,10 @@ class RunState:
             self.finished = {int(index): hashes for index, hashes in manifest.get("finished", {}).items()}
             self._reports = {int(index): report for index, report in manifest.get("reports", {}).items()}
 
+    @staticmethod
+    def directory_of(out_dir: Path) -> Path:
+        return out_dir.parent / f".{out_dir.name}.run"
+
     def _read_manifest(self) -> dict[str, Any] | None:
         try:
             manifest = json.loads(self.manifest_path.read_text())
@@ -286,7 +291,11 @@ class RunState:
         os.replace(temporary, self.manifest_path)
 
     def step(self, index: int) -> Path:
-        return self.directory / f"step-{index}"
+        return self.step_of(self.directory, index)
+
+    @staticmethod
+    def step_of(directory: Path, index: int) -> Path:
+        return directory / f"step-{index}"
 
     def last_intact_step(self) -> int | None:
         """The latest finished pass whose directory still has exactly the recorded bytes."""
@@ -338,7 +347,55 @@ def run_recipe(
     in one rename, only at the very end. With ``resume`` a run that was killed continues: finished passes whose
     files are intact are skipped, the pass under way continues from its last finished layer, and the output is
     byte-identical to an uninterrupted run.
+
+    Under ``torchrun`` (``WORLD_SIZE`` above 1) a recipe of one ``prune_experts`` pass shares its calibration over
+    the ranks: rank 0 alone creates the run directory and the output and evaluates, the others take part in the
+    measuring sweep, wait for rank 0 and return the same report. The output is that of a single-process run.
     """
+    from .passes.prune_experts import prune_experts
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
+    check_output_is_not_input(model_dir, out_dir)
+    distributed.init_from_environment()
+    ranks = distributed.world_size()
+    if ranks > 1 and resume:
+        raise UserInputError(f"--resume needs a single process, not {ranks} ranks; run it without torchrun")
+    if ranks > 1 and [name for name, _ in recipe.passes] != ["prune_experts"]:
+        raise UserInputError(
+            f"with {ranks} ranks a recipe can only be one prune_experts pass (the one whose calibration is shared); "
+            "run the others in a single process"
+        )
+    state = distributed.on_writer(lambda: _start_run(recipe, model_dir, out_dir, overwrite, resume), share=False)
+    calib = recipe.calibration
+    common = dict(calib=calib.source, calib_tokens=calib.tokens, seq_len=calib.seq_len, eval_data=None)
+    if not distributed.is_writer():
+        _, config = recipe.passes[0]
+        target = RunState.step_of(RunState.directory_of(out_dir), 0)
+        prune_experts(
+            model_dir, target, config, **common, overwrite=True, progress=progress, image_size=calib.image_size
+        )
+        return distributed.on_writer(lambda: None)
+    return distributed.on_writer(
+        lambda: _run_passes(recipe, model_dir, out_dir, state, common, progress=progress, resume=resume)
+    )
+
+
+def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, resume: bool) -> RunState:
+    if out_dir.exists() and not overwrite:
+        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+    return RunState(out_dir, recipe_digest(recipe, model_dir), resume)
+
+
+def _run_passes(
+    recipe: Recipe,
+    model_dir: Path,
+    out_dir: Path,
+    state: RunState,
+    common: dict[str, Any],
+    *,
+    progress: bool,
+    resume: bool,
+) -> dict[str, Any]:
     from .evals.perplexity import evaluate
     from .passes.prune_experts import prune_experts, update_report
     from .passes.prune_heads import prune_heads
@@ -346,13 +403,7 @@ def run_recipe(
     from .passes.quantize import quantize_checkpoint
     from .run_summary import load_report, measure_outcome
 
-    model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
-    check_output_is_not_input(model_dir, out_dir)
-    if out_dir.exists() and not overwrite:
-        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
-    state = RunState(out_dir, recipe_digest(recipe, model_dir), resume)
     calib = recipe.calibration
-    common = dict(calib=calib.source, calib_tokens=calib.tokens, seq_len=calib.seq_len, eval_data=None)
     total = len(recipe.passes)
     done = state.last_intact_step() if resume else None
     source = model_dir if done is None else state.step(done)

@@ -389,9 +389,13 @@ def measure_experts(
     config: PruneExpertsConfig,
     *,
     progress: bool = True,
+    state: SweepState | None = None,
 ) -> list[LayerScores]:
     """The measuring sweep. Under ``torch.distributed`` each rank sweeps its share of the batches and every rank
-    returns the scores of the whole calibration set."""
+    returns the scores of the whole calibration set. With a ``state`` (one process only) every layer's scores are
+    committed to it, and the layers a killed run finished are taken from it instead of being measured again."""
+    if state is not None and distributed.world_size() > 1:
+        raise RuntimeError("a sweep state is kept by a single process only")
     shard = distributed.shard_calibration(batches, tags)
     sweep = CalibrationSweep(
         model_dir,
@@ -401,7 +405,12 @@ def measure_experts(
         capture_attention=config.method == "maep" and bool(config.prune_tags),
         progress=progress and distributed.is_writer(),
     )
-    return [score_layer(adapter, capture, config) for capture in sweep.run()]
+    layer_scores = [] if state is None else [LayerScores.from_result(r) for _, r in sorted(state.results().items())]
+    for capture in sweep.run(state, label="scoring experts"):
+        scores = score_layer(adapter, capture, config)
+        capture.result = scores.to_result()
+        layer_scores.append(scores)
+    return layer_scores
 
 
 def prune_experts(
@@ -425,57 +434,59 @@ def prune_experts(
     With ``eval_data`` the written checkpoint is evaluated against the input (perplexity, KL, routing
     agreement) and the results join the report. With ``resume`` a run killed during the scoring sweep or the
     writing continues from its last finished layer and writes the same bytes as an uninterrupted run.
+
+    Under ``torchrun`` (``WORLD_SIZE`` above 1) the ranks share the calibration batches; rank 0 alone creates
+    ``out_dir`` and writes the checkpoint, report and evaluation, the others wait for it and return the same
+    report. The output is byte-identical to a single-process run; ``resume`` needs a single process.
     """
     config.validate()
+    distributed.init_from_environment()
+    ranks = distributed.world_size()
+    if resume and ranks > 1:
+        raise UserInputError(f"--resume needs a single process, not {ranks} ranks; run it without torchrun")
     check_output_is_not_input(Path(model_dir), Path(out_dir))
     adapter = load_adapter(model_dir)
     batches, tags, tag_names = calibration_batches(
         adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size
     )
-    writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
+    writer = distributed.on_writer(lambda: CheckpointWriter(out_dir, overwrite=overwrite, resume=resume), share=False)
     try:
-        state = SweepState(writer.state_dir / "prune-scores")
-        needs_attention = config.method == "maep" and bool(config.prune_tags)
-        sweep = CalibrationSweep(
-            model_dir, batches, tags, tag_names, capture_attention=needs_attention, progress=progress
-        )
-        layer_scores = [LayerScores.from_result(result) for _, result in sorted(state.results().items())]
-        for capture in sweep.run(state, label="scoring experts"):
-            scores = score_layer(adapter, capture, config)
-            capture.result = scores.to_result()
-            layer_scores.append(scores)
+        with distributed.collective_phase():
+            state = SweepState(writer.state_dir / "prune-scores") if ranks == 1 else None
+            layer_scores = measure_experts(
+                model_dir, adapter, batches, tags, tag_names, config, progress=progress, state=state
+            )
     except (UserInputError, OSError):
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
-    report = write_pruned(
-        model_dir,
-        out_dir,
-        adapter,
-        layer_scores,
-        config,
-        writer=writer,
-        progress=progress,
-        calibration={
-            "source": calib,
-            "tokens": int(tags.numel()),
-            "seq_len": seq_len,
-            "seed": config.seed,
-            "tags": tag_names,
-            "tag_counts": torch.bincount(tags, minlength=len(tag_names)).tolist(),
-        },
-    )
-    if eval_data:
-        result = evaluate(
-            Path(out_dir),
-            eval_data,
-            seq_len=seq_len,
-            max_tokens=eval_tokens,
-            reference_dir=model_dir,
-            progress=progress,
+    calibration = {
+        "source": calib,
+        "tokens": int(tags.numel()),
+        "seq_len": seq_len,
+        "seed": config.seed,
+        "tags": tag_names,
+        "tag_counts": torch.bincount(tags, minlength=len(tag_names)).tolist(),
+    }
+
+    def write() -> dict[str, Any]:
+        report = write_pruned(
+            model_dir, out_dir, adapter, layer_scores, config, writer=writer, progress=progress, calibration=calibration
         )
-        report["eval"] = {"data": eval_data, **result.to_json()}
-        update_report(Path(out_dir), report)
-    return report
+        if eval_data:
+            result = evaluate(
+                Path(out_dir),
+                eval_data,
+                seq_len=seq_len,
+                max_tokens=eval_tokens,
+                reference_dir=model_dir,
+                progress=progress,
+            )
+            report["eval"] = {"data": eval_data, **result.to_json()}
+            update_report(Path(out_dir), report)
+        return report
+
+    return distributed.on_writer(write)
 
 
 def update_report(out_dir: Path, report: dict[str, Any]) -> None:
