@@ -15,6 +15,7 @@ import click
 
 from .. import __version__
 from ..errors import UserInputError
+from .bench import bench_group
 from .numbers import human_bytes as _human_bytes
 from .numbers import human_int as _human_int
 from .prune_heads import prune_heads_command
@@ -347,6 +348,7 @@ app.add_command(qat_command)
 app.add_command(run_command)
 app.add_command(push_command)
 app.add_command(report_command)
+app.add_command(bench_group)
 
 
 def main() -> None:
