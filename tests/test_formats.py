@@ -165,3 +165,37 @@ def test_fused_mxfp4_kernel_is_bit_identical_to_the_reference(rule, dtype):
         reference = mxfp4.quantize_mxfp4(w, rule)
         fused = mxfp4_fused.quantize_mxfp4(w, rule)
         assert torch.equal(fused[0], reference[0]) and torch.equal(fused[1], reference[1])
+
+
+@pytest.mark.parametrize("rule", ["floor", "ceil"])
+def test_fused_mxfp4_kernel_on_every_finite_bf16_value(rule):
+    """The bf16 kernel widens by table lookup and finds a block's largest magnitude on the bits: every finite
+    bf16 value, in blocks of mixed magnitudes (shuffled) and of neighbouring ones (sorted), as the reference."""
+    from moecompress.kernels import mxfp4_fused
+
+    if not mxfp4_fused.available():
+        pytest.skip("numba not installed")
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[torch.isfinite(values)]
+    values = values[: values.numel() // 256 * 256]
+    shuffled = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))]
+    for w in (shuffled.reshape(-1, 256), values.reshape(-1, 256)):
+        reference = mxfp4.quantize_mxfp4(w, rule)
+        fused = mxfp4_fused.quantize_mxfp4(w, rule)
+        assert torch.equal(fused[0], reference[0]) and torch.equal(fused[1], reference[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_finite_check_finds_every_nan_and_inf(dtype):
+    from moecompress.kernels.finite import all_finite
+
+    values = torch.randn(3 * 2**16 + 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    values[11] = torch.finfo(dtype).max
+    values[12] = -torch.finfo(dtype).max
+    values[13] = torch.finfo(dtype).tiny / 4
+    assert all_finite(values)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for position in (0, 2**16 + 3, values.numel() - 1):
+            broken = values.clone()
+            broken[position] = bad
+            assert not all_finite(broken), (bad, position)
