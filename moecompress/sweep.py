@@ -179,8 +179,8 @@ class CalibrationSweep:
         return plans
 
     def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
-        tensors = self.reader.read(self.layer_keys.get(layer, []))
-        moe, rest, _ = self.adapter.split_layer(layer, tensors)
+        tensors = self.reader.pending(self.layer_keys.get(layer, []))
+        moe, rest, _ = self.adapter.split_layer(layer, tensors, consume=True)
         state = self.adapter.runtime_layer_state(layer, moe, rest)
         state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         module = self.adapter.decoder_layers(self._meta_model)[layer]

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .. import trust
 from ..errors import UserInputError
+from ..kernels.finite import all_finite
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -62,6 +62,8 @@ SAFETENSORS_DTYPES = {
     torch.uint64: "U64",
 }
 
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -70,6 +72,8 @@ class TensorInfo:
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
+    """Where the tensor's bytes start in the file (safetensors only)."""
 
     @property
     def numel(self) -> int:
@@ -85,6 +89,11 @@ class TensorInfo:
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file, validated against the file's size."""
+    return _header_and_data_start(path)[0]
+
+
+def _header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
+    """The validated header and the file offset where the data section starts."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
@@ -101,15 +110,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     if end > data_len:
         raise UserInputError(f"{path}: truncated safetensors file ({data_len} data bytes, header needs {end})")
-    return header
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """True when no element is NaN or Inf. A float32 sum is one pass without a mask; only when it is not finite
-    (a NaN or Inf, or, in theory, finite values summing past 3e38) is the exact elementwise test run."""
-    if torch.isfinite(tensor.sum(dtype=torch.float32)):
-        return True
-    return bool(torch.isfinite(tensor).all())
+    return header, 8 + header_len
 
 
 class CheckpointReader:
@@ -135,10 +136,11 @@ class CheckpointReader:
                 for key, tensor in self._pickled[shard].items():
                     self.tensors[key] = TensorInfo(shard, SAFETENSORS_DTYPES[tensor.dtype], tuple(tensor.shape))
                 continue
-            header = read_safetensors_header(self.directory / shard)
+            header, data_start = _header_and_data_start(self.directory / shard)
             for key, entry in header.items():
                 if key != "__metadata__":
-                    self.tensors[key] = TensorInfo(shard, entry["dtype"], tuple(entry["shape"]))
+                    start = data_start + entry["data_offsets"][0]
+                    self.tensors[key] = TensorInfo(shard, entry["dtype"], tuple(entry["shape"]), start)
 
     def _shard_files(self) -> list[str]:
         index_path = self.directory / INDEX_NAME
@@ -206,31 +208,48 @@ class CheckpointReader:
         return self.read([key])[key]
 
     def read(self, keys: Iterable[str], check_finite: bool = True) -> dict[str, torch.Tensor]:
-        """Materialise ``keys``. Each shard is memory-mapped only for the duration of the call, so pages of
-        layers already processed do not stay resident. A floating-point tensor holding NaN or Inf is refused,
-        naming the tensor and its shard."""
-        by_shard: dict[str, list[str]] = {}
+        """Materialise ``keys``. Plain reads rather than a memory map: a mapped shard's pages would count in the
+        process's resident set on top of the copy, doubling the peak of a layer. A floating-point tensor
+        holding NaN or Inf is refused, naming the tensor and its shard."""
+        return {key: pending.load() for key, pending in self.pending(keys, check_finite).items()}
+
+    def pending(self, keys: Iterable[str], check_finite: bool = True) -> dict[str, PendingTensor]:
+        """``keys`` as :class:`PendingTensor` s, read only when loaded (so a consumer can read each one straight
+        into its place in a larger buffer)."""
+        out = {}
         for key in keys:
-            try:
-                by_shard.setdefault(self.tensors[key].file, []).append(key)
-            except KeyError:
-                raise KeyError(f"{self.directory}: no tensor {key!r}") from None
-        out: dict[str, torch.Tensor] = {}
-        for shard, shard_keys in by_shard.items():
-            if shard in self._pickled:
-                for key in shard_keys:
-                    tensor = self._pickled[shard][key].clone()
-                    if check_finite and tensor.is_floating_point() and not _all_finite(tensor):
-                        raise UserInputError(f"{self.directory / shard}: tensor {key!r} holds NaN or Inf values")
-                    out[key] = tensor
-                continue
-            with safe_open(str(self.directory / shard), framework="pt") as handle:
-                for key in shard_keys:
-                    tensor = handle.get_tensor(key)
-                    if check_finite and tensor.is_floating_point() and not _all_finite(tensor):
-                        raise UserInputError(f"{self.directory / shard}: tensor {key!r} holds NaN or Inf values")
-                    out[key] = tensor
+            if key not in self.tensors:
+                raise KeyError(f"{self.directory}: no tensor {key!r}")
+            out[key] = PendingTensor(self, key, check_finite)
         return out
+
+    def dtype_of(self, key: str) -> torch.dtype:
+        info = self.tensors[key]
+        try:
+            return _TORCH_DTYPES[info.dtype]
+        except KeyError:
+            raise UserInputError(
+                f"{self.directory / info.file}: tensor {key!r} has unsupported dtype {info.dtype}"
+            ) from None
+
+    def read_into(self, key: str, out: torch.Tensor, check_finite: bool = True) -> None:
+        """Read tensor ``key`` into ``out`` (contiguous, of its shape and dtype)."""
+        info = self.tensors[key]
+        if info.file in self._pickled:
+            out.copy_(self._pickled[info.file][key])
+        else:
+            if not out.is_contiguous() or tuple(out.shape) != info.shape or out.dtype != self.dtype_of(key):
+                raise ValueError(f"{key}: cannot read a {info.dtype} {list(info.shape)} tensor into this buffer")
+            buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            with open(self.directory / info.file, "rb", buffering=0) as handle:
+                done = 0
+                while done < len(buffer):
+                    count = os.preadv(handle.fileno(), [buffer[done:]], info.offset + done)
+                    if count == 0:
+                        raise UserInputError(f"{self.directory / info.file}: truncated while reading tensor {key!r}")
+                    done += count
+        if check_finite and out.is_floating_point() and not all_finite(out):
+            raise UserInputError(f"{self.directory / info.file}: tensor {key!r} holds NaN or Inf values")
 
     def close(self) -> None:
         """Nothing stays open between reads; kept so the reader works as a context manager."""
@@ -240,3 +259,27 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PendingTensor:
+    """A checkpoint tensor not read yet: its shape and dtype, and the read, into new memory or a given buffer."""
+
+    def __init__(self, reader: CheckpointReader, key: str, check_finite: bool = True):
+        self.reader, self.key, self.check_finite = reader, key, check_finite
+        self.shape = torch.Size(reader.tensors[key].shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reader.dtype_of(self.key)
+
+    def load(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.reader.read_into(self.key, out, self.check_finite)
+        return out
+
+    def load_into(self, out: torch.Tensor) -> None:
+        self.reader.read_into(self.key, out, self.check_finite)
+
+
+def materialise(value: torch.Tensor | PendingTensor) -> torch.Tensor:
+    return value.load() if isinstance(value, PendingTensor) else value

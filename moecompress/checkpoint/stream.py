@@ -108,7 +108,7 @@ def rewrite_checkpoint(
                     if restore_unit is not None:
                         restore_unit(unit, writer.units[unit].meta)
                     continue
-                moe, rest, layout = adapter.split_layer(layer, reader.read(keys))
+                moe, rest, layout = adapter.split_layer(layer, reader.pending(keys), consume=True)
                 if moe is not None and layer_fn is not None:
                     moe = layer_fn(layer, moe)
                 written = join(layer, moe, rest, layout)

@@ -259,16 +259,27 @@ class FamilyAdapter:
         )
 
     def split_layer(
-        self, layer: int, tensors: dict[str, torch.Tensor]
+        self, layer: int, tensors: dict[str, torch.Tensor], *, consume: bool = False
     ) -> tuple[MoEWeights | None, dict[str, torch.Tensor], Layout | None]:
         """Separate a layer's tensors into the MoE view and everything else (attention, norms, shared experts).
 
-        Returns ``(moe, rest, layout)``; ``moe`` and ``layout`` are None for a dense layer.
+        Returns ``(moe, rest, layout)``; ``moe`` and ``layout`` are None for a dense layer. With ``consume`` the
+        caller hands ``tensors`` over: it is emptied, and each expert tensor is freed once it is stacked.
+        Values may be :class:`~moecompress.checkpoint.reader.PendingTensor` s: per-expert weights are then read
+        straight into the stacked experts, everything else is read first.
         """
-        if not self.is_moe_layer(layer):
-            return None, dict(tensors), None
+        from ..checkpoint.reader import materialise
+
         rest = dict(tensors)
+        if consume:
+            tensors.clear()
+        if not self.is_moe_layer(layer):
+            return None, {key: materialise(value) for key, value in rest.items()}, None
         layout = self.detect_layout(layer, rest)
+        per_expert = re.compile(re.escape(f"{self.layer_prefix(layer)}{self.moe_disk_prefix}experts.") + r"\d+\.")
+        for key, value in rest.items():
+            if layout != "per_expert" or not per_expert.match(key):
+                rest[key] = materialise(value)
         moe = self._pop_experts(layer, rest, layout)
         moe.router_weight = rest.pop(self._router_key(layer, "weight"))
         moe.router_bias = rest.pop(self._router_key(layer, "bias"), None)
@@ -315,19 +326,35 @@ class FamilyAdapter:
         return out
 
     def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
+        from ..checkpoint.reader import materialise
+
         if layout == "fused":
             gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
             down = rest.pop(self._fused_key(layer, "down_proj"))
             return MoEWeights(router_weight=torch.empty(0), gate_up=gate_up, down=down)
-        gates, ups, downs = [], [], []
         pattern = re.compile(re.escape(f"{self.layer_prefix(layer)}{self.moe_disk_prefix}experts.") + r"(\d+)\.")
         count = len({int(m.group(1)) for key in rest if (m := pattern.match(key))})
+        first_gate, first_down = rest[self._expert_key(layer, 0, 0)], rest[self._expert_key(layer, 0, 2)]
+        inter = first_gate.shape[0]
+        gate_up = torch.empty((count, 2 * inter, *first_gate.shape[1:]), dtype=first_gate.dtype)
+        down = torch.empty((count, *first_down.shape), dtype=first_down.dtype)
+        del first_gate, first_down
+        # Each expert's tensors leave ``rest`` as they are read (or copied) into place, so a layer is held once,
+        # not twice, while it is stacked.
         for expert in range(count):
-            gates.append(rest.pop(self._expert_key(layer, expert, 0)))
-            ups.append(rest.pop(self._expert_key(layer, expert, 1)))
-            downs.append(rest.pop(self._expert_key(layer, expert, 2)))
-        gate_up = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
-        return MoEWeights(router_weight=torch.empty(0), gate_up=gate_up, down=torch.stack(downs))
+            for which, target in ((0, gate_up[expert, :inter]), (1, gate_up[expert, inter:]), (2, down[expert])):
+                key = self._expert_key(layer, expert, which)
+                tensor = rest.pop(key)
+                if tensor.shape != target.shape:
+                    from ..errors import UserInputError
+
+                    raise UserInputError(f"{key}: shape {list(tensor.shape)}, but expert 0's is {list(target.shape)}")
+                if isinstance(tensor, torch.Tensor) or tensor.dtype != target.dtype:
+                    target.copy_(materialise(tensor))
+                else:
+                    tensor.load_into(target)
+                del tensor
+        return MoEWeights(router_weight=torch.empty(0), gate_up=gate_up, down=down)
 
     def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
         if layout == "fused":
