@@ -73,6 +73,8 @@ def run_measured(command: list[str], output: Path | None) -> dict:
     start = time.perf_counter()
     pid = os.fork()
     if pid == 0:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
         os.execvp(command[0], command)
     process = psutil.Process(pid)
     peak = [0]
