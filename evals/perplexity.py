@@ -127,3 +127,19 @@ def evaluate(
     model = load_model(model_dir, adapter)
     reference = (load_model(reference_dir, ref_adapter), ref_adapter) if reference_dir is not None else None
     return evaluate_windows(model, adapter, windows, reference, progress=progress)
+
+
+def evaluation_report(
+    model_dir: Path,
+    data: str,
+    *,
+    seq_len: int = 256,
+    max_tokens: int | None = None,
+    reference_dir: Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """:func:`evaluate`, as the ``eval`` entry of a pass's report (the data source with the figures)."""
+    result = evaluate(
+        model_dir, data, seq_len=seq_len, max_tokens=max_tokens, reference_dir=reference_dir, progress=progress
+    )
+    return {"data": data, **result.to_json()}

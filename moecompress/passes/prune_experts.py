@@ -33,7 +33,7 @@ from ..calibration.vision import image_processor_for, load_image_captions, visio
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.stream import check_output_is_not_input
 from ..errors import UserInputError
-from ..evals.perplexity import evaluate
+from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter
 from ..loading import load_adapter, load_tokenizer
 from ..sweep import CalibrationSweep, LayerCapture
@@ -474,7 +474,7 @@ def prune_experts(
             model_dir, out_dir, adapter, layer_scores, config, writer=writer, progress=progress, calibration=calibration
         )
         if eval_data:
-            result = evaluate(
+            report["eval"] = evaluation_report(
                 Path(out_dir),
                 eval_data,
                 seq_len=seq_len,
@@ -482,7 +482,6 @@ def prune_experts(
                 reference_dir=model_dir,
                 progress=progress,
             )
-            report["eval"] = {"data": eval_data, **result.to_json()}
             update_report(Path(out_dir), report)
         return report
 

@@ -22,7 +22,7 @@ from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, rewrite_checkpoint
 from ..checkpoint.stream import check_output_is_not_input
 from ..errors import UserInputError
-from ..evals.perplexity import evaluate, evaluate_windows
+from ..evals.perplexity import evaluate_windows, evaluation_report
 from ..families import FamilyAdapter, adapter_for
 from ..heads import GateMasks, HeadGates, HeadLayout, slice_attention
 from ..heads.layout import UNITS
@@ -302,10 +302,9 @@ def prune_heads(
     _write(model_dir, out_dir, adapter, student_state, new_config, report, overwrite, progress)
     model = student = teacher = None  # free both models before evaluation loads two more
     if eval_data:
-        result = evaluate(
+        report["eval"] = evaluation_report(
             out_dir, eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir, progress=progress
         )
-        report["eval"] = {"data": eval_data, **result.to_json()}
     update_report(out_dir, report)
     return report
 

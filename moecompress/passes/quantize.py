@@ -18,7 +18,7 @@ from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
 from ..errors import UserInputError
 from ..evals.footprint import checkpoint_footprint
-from ..evals.perplexity import evaluate
+from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter, MoEWeights
 from ..kernels.mxfp4 import ScaleRule
 from ..loading import load_adapter
@@ -318,7 +318,7 @@ def quantize_checkpoint(
     report["footprint"] = checkpoint_footprint(Path(out_dir)).to_json()
     report["source_footprint"] = checkpoint_footprint(Path(model_dir)).to_json()
     if eval_data:
-        result = evaluate(
+        report["eval"] = evaluation_report(
             Path(out_dir),
             eval_data,
             seq_len=seq_len,
@@ -326,7 +326,6 @@ def quantize_checkpoint(
             reference_dir=model_dir,
             progress=progress,
         )
-        report["eval"] = {"data": eval_data, **result.to_json()}
     update_report(Path(out_dir), report)
     return report
 
