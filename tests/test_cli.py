@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from helpers import run_cli
@@ -101,3 +103,21 @@ def test_hub_id_resolves_through_the_cache(tiny_checkpoints, tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["family"] == "olmoe"
     _one_line_error(run_cli("inspect", "tiny-org/not-cached", env=env), "not in the Hugging Face cache")
+
+
+def test_repository_root_puts_no_package_but_moecompress_on_sys_path():
+    """`python -m` from the root puts the root on sys.path; a root `kernels/` shadowed the PyPI `kernels` that
+    transformers imports, and `import transformers` failed."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    importable = sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file() or p.suffix == ".py")
+    assert importable == ["moecompress"]
+    result = subprocess.run(
+        [sys.executable, "-c", "import transformers.modeling_utils, moecompress.kernels.mxfp4, moecompress.cli.main"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
