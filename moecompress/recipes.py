@@ -53,7 +53,14 @@ CONFIGS: dict[str, type] = {
     "quantize": QuantizeConfig,
     "qat": QATConfig,
 }
-LOWRANK_KEYS = ("lowrank_budget", "lowrank_rank", "rank_alloc", "load_weighting", "lowrank_min_tokens")
+LOWRANK_KEYS = (
+    "lowrank_budget",
+    "lowrank_rank",
+    "rank_alloc",
+    "load_weighting",
+    "sensitivity",
+    "lowrank_min_tokens",
+)
 PASS_NAMES = (*CONFIGS, "lowrank", "eval")
 
 

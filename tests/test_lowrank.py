@@ -13,11 +13,14 @@ from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.stream import group_keys_by_layer
 from moecompress.evals.perplexity import evaluate
 from moecompress.families import adapter_for
+from moecompress.loading import load_model
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 from moecompress.quantization.compensation import layer_errors, measured_error
 from moecompress.quantization.experts import quantize_experts_rtn
 from moecompress.quantization.lowrank import allocate, error_spectrum, whitening_factor
 from moecompress.quantization.scheme import QuantScheme
+from moecompress.quantization.sensitivity import block_output_fisher, layer_sensitivity
+from moecompress.sweep import CalibrationSweep
 
 
 def _value(gains, loads, ranks):
@@ -67,9 +70,13 @@ def layer(tiny_checkpoints):
     return adapter, moe, quantized, hidden
 
 
-def test_weighted_error_falls_strictly_with_the_budget_predicted_and_measured(layer):
+@pytest.mark.parametrize("sensitive", [False, True])
+def test_weighted_error_falls_strictly_with_the_budget_predicted_and_measured(layer, sensitive):
     adapter, moe, quantized, hidden = layer
-    errors = layer_errors(adapter, moe, quantized, hidden, keep=32, min_tokens=16, keep_inputs=True)
+    weights = torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(3)) * 4 if sensitive else None
+    errors = layer_errors(
+        adapter, moe, quantized, hidden, keep=32, min_tokens=16, keep_inputs=True, token_weights=weights
+    )
     gains = {k: s.sigma2 for k, s in errors.spectra.items()}
     predicted, measured = [], []
     for budget in range(0, 40, 4):
@@ -112,6 +119,74 @@ def test_loads_are_routed_shares_and_gate_weighting_reweights_tokens(layer):
     assert sum(down_loads) == pytest.approx(1.0)  # down's error is already in output units: load = routed share
     assert all(tokens.loads[(e, "gate")] > 0 for e in range(moe.num_experts))
     assert not torch.allclose(tokens.spectra[(0, "down")].sigma2, gate.spectra[(0, "down")].sigma2)
+
+
+def test_constant_token_weights_scale_every_spectrum(layer):
+    adapter, moe, quantized, hidden = layer
+    plain = layer_errors(adapter, moe, quantized, hidden, keep=0, min_tokens=16)
+    weighted = layer_errors(
+        adapter, moe, quantized, hidden, keep=0, min_tokens=16, token_weights=torch.full((hidden.shape[0],), 3.0)
+    )
+    for key, spectrum in plain.spectra.items():
+        torch.testing.assert_close(weighted.spectra[key].sigma2, 3 * spectrum.sigma2, rtol=1e-3, atol=1e-9)
+
+
+def _calibration(source, sequences=3, length=16):
+    ids = torch.randint(1, 200, (sequences, length), generator=torch.Generator().manual_seed(4))
+    return [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
+
+
+def test_block_output_fisher_is_the_squared_loss_gradient_in_sweep_token_order(tiny_with_tokenizer):
+    source = tiny_with_tokenizer["qwen3_moe"]
+    adapter = adapter_for(json.loads((source / "config.json").read_text()))
+    batches = _calibration(source)
+    model = load_model(source, adapter)
+    model.get_input_embeddings().weight.requires_grad_(True)
+    fisher = block_output_fisher(model, adapter, batches)
+
+    layers = adapter.moe_layers()
+    seen, expected = {layer: [] for layer in layers}, {layer: [] for layer in layers}
+    deltas: dict[int, torch.Tensor] = {}
+    for batch in batches:
+
+        def shift(layer):
+            def hook(_module, args, output):
+                seen[layer].append(args[0].detach().reshape(-1, args[0].shape[-1]))
+                out = output[0] if isinstance(output, tuple) else output
+                deltas[layer] = torch.zeros_like(out, requires_grad=True)
+                return (out + deltas[layer], *output[1:]) if isinstance(output, tuple) else out + deltas[layer]
+
+            return hook
+
+        handles = [adapter.moe_block_of(model, layer).register_forward_hook(shift(layer)) for layer in layers]
+        logits = model(**batch, use_cache=False).logits
+        ids = batch["input_ids"]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+        )
+        grads = torch.autograd.grad(loss, [deltas[layer] for layer in layers])
+        for handle in handles:
+            handle.remove()
+        for layer, grad in zip(layers, grads, strict=True):
+            expected[layer].append(grad.pow(2).mean(dim=-1).reshape(-1))
+    for layer in layers:
+        torch.testing.assert_close(fisher[layer], torch.cat(expected[layer]), rtol=1e-4, atol=1e-12)
+    tags = torch.zeros(sum(b["input_ids"].numel() for b in batches), dtype=torch.long)
+    for capture in CalibrationSweep(source, batches, tags, ["text"], progress=False).run():
+        torch.testing.assert_close(capture.moe_input, torch.cat(seen[capture.layer]), rtol=1e-4, atol=1e-5)
+
+
+def test_layer_sensitivity_is_normalised_and_fisher_is_the_per_token_mean(tiny_with_tokenizer):
+    source = tiny_with_tokenizer["qwen3_moe"]
+    adapter = adapter_for(json.loads((source / "config.json").read_text()))
+    batches = _calibration(source)
+    tokens = layer_sensitivity(source, adapter, batches, "fisher-token")
+    layers = layer_sensitivity(source, adapter, batches, "fisher")
+    assert layer_sensitivity(source, adapter, batches, "none") == {}
+    assert float(torch.cat(list(tokens.values())).mean()) == pytest.approx(1.0, rel=1e-5)
+    for layer, values in tokens.items():
+        assert values.numel() == 3 * 16
+        assert float(layers[layer]) == pytest.approx(float(values.mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize("alloc", ["load", "uniform"])

@@ -130,6 +130,14 @@ from .trust_options import trust_options
     help="gate: each routed token counts with its squared routing weight (the block-output error); tokens: "
     "every routed token counts alike (an expert's load is its share of routed tokens).",
 )
+@click.option(
+    "--sensitivity",
+    type=click.Choice(["fisher-token", "fisher", "none"]),
+    default="fisher-token",
+    show_default=True,
+    help="Downstream weight of each token's adapter error, from one gradient pass over the calibration data "
+    "(loads the model whole): fisher-token: ‖∂loss/∂block output‖² per token; fisher: its mean per layer; none: 1.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows.")
 @click.option(
     "--eval-data",
@@ -164,6 +172,7 @@ def quantize_command(
     lowrank_budget: float,
     rank_alloc: str,
     load_weighting: str,
+    sensitivity: str,
     seed: int,
     eval_data: str,
     eval_tokens: int,
@@ -198,6 +207,7 @@ def quantize_command(
         lowrank_budget=lowrank_budget,
         rank_alloc=rank_alloc,
         load_weighting=load_weighting,
+        sensitivity=sensitivity,
         seed=seed,
     )
     config.validate()
@@ -230,8 +240,8 @@ def quantize_command(
         lowrank = report["lowrank"]
         measured = lowrank["measured_weighted_error"]
         click.echo(
-            f"low-rank adapters: {lowrank['components_used']} rank-1 components ({rank_alloc}); weighted output "
-            f"error {measured['without_adapters']:.4g} -> {measured['with_adapters']:.4g} "
+            f"low-rank adapters: {lowrank['components_used']} rank-1 components ({rank_alloc}, sensitivity "
+            f"{sensitivity}); weighted error {measured['without_adapters']:.4g} -> {measured['with_adapters']:.4g} "
             f"(predicted {lowrank['predicted_weighted_error']['with_adapters']:.4g})"
         )
     fallback = sum(len(v) for v in report["rtn_fallback_experts"].values())

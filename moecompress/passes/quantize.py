@@ -28,6 +28,7 @@ from ..quantization.formats import gpt_oss, native
 from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
 from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, QuantScheme
+from ..quantization.sensitivity import SENSITIVITIES, layer_sensitivity
 from ..sweep import CalibrationSweep
 from ..sweep_state import SweepState
 from .prune_experts import calibration_batches, update_report
@@ -56,6 +57,8 @@ class QuantizeConfig:
     """The same adapter rank for every expert matrix, instead of a budget (used by QAT's ``--adapter-rank``)."""
     rank_alloc: str = "load"
     load_weighting: str = "gate"
+    sensitivity: str = "fisher-token"
+    """Downstream factor on the low-rank objective (see :mod:`..quantization.sensitivity`)."""
     lowrank_min_tokens: int = 64
     seed: int = 0
 
@@ -91,6 +94,8 @@ class QuantizeConfig:
             raise UserInputError(f"unknown --rank-alloc {self.rank_alloc!r}; choose from {', '.join(ALLOCATIONS)}")
         if self.load_weighting not in LOAD_WEIGHTINGS:
             raise UserInputError(f"unknown --load-weighting {self.load_weighting!r}; choose tokens or gate")
+        if self.sensitivity not in SENSITIVITIES:
+            raise UserInputError(f"unknown --sensitivity {self.sensitivity!r}; choose from {', '.join(SENSITIVITIES)}")
         if self.bitmap not in BITMAP_CODES:
             raise UserInputError(f"unknown --bitmap {self.bitmap!r}; choose from {', '.join(BITMAP_CODES)}")
         if self.salient_fraction and self.format != "native":
@@ -170,6 +175,9 @@ class _ExpertQuantizer:
         self.adapter, self.scheme, self.config = adapter, scheme, config
         self.calibrated = config.method == "gptq" or scheme.salient_fraction > 0
         """GPTQ and the choice of salient weights both need each expert's routed calibration inputs."""
+        self.sensitivity: dict[int, torch.Tensor] = {}
+        """Per MoE layer, the factor on its error in the low-rank objective: a scalar on its loads, or one weight
+        per calibration token (absent: 1)."""
 
     def quantize(self, layer: int, moe: MoEWeights, capture) -> QuantizedMoE:
         _check_expert_dims(layer, moe, self.scheme)
@@ -189,7 +197,8 @@ class _ExpertQuantizer:
         return quantized
 
     def errors(self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int, keep_inputs: bool) -> LayerErrors:
-        return layer_errors(
+        factor = self.sensitivity.get(capture.layer)
+        errors = layer_errors(
             self.adapter,
             moe,
             quantized,
@@ -198,7 +207,11 @@ class _ExpertQuantizer:
             min_tokens=self.config.lowrank_min_tokens,
             weighting=self.config.load_weighting,
             keep_inputs=keep_inputs,
+            token_weights=factor if factor is not None and factor.ndim else None,
         )
+        if factor is not None and not factor.ndim:
+            errors.loads = {key: load * float(factor) for key, load in errors.loads.items()}
+        return errors
 
 
 def _components_for_budget(budget_bits: float, moe_shapes: list[tuple[int, int, int]]) -> int:
@@ -280,6 +293,8 @@ def quantize_checkpoint(
         )
         calibration = {"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len, "seed": config.seed}
         calibration_inputs = (batches, tags, tag_names)
+        if lowrank:
+            quantizer.sensitivity = layer_sensitivity(Path(model_dir), adapter, batches, config.sensitivity)
 
     writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
     try:
@@ -289,6 +304,9 @@ def quantize_checkpoint(
             measure_state = SweepState(writer.state_dir / "lowrank-measure")
             gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress, measure_state)
             ranks, lowrank_report = _allocate_ranks(config, gains, loads, shapes)
+            lowrank_report["sensitivity"] = {
+                str(layer): float(s.double().mean()) for layer, s in quantizer.sensitivity.items()
+            } or None
         captures = None
         if needs_calibration:
             rewrite_state = SweepState(writer.state_dir / "quantize-rewrite")
@@ -348,6 +366,7 @@ def _allocate_ranks(config: QuantizeConfig, gains: dict, loads: dict, shapes: li
         "allocation": "uniform" if config.lowrank_rank else config.rank_alloc,
         "rank": config.lowrank_rank or None,
         "load_weighting": config.load_weighting,
+        "sensitivity_mode": config.sensitivity,
         "predicted_weighted_error": {"without_adapters": predicted_none, "with_adapters": predicted},
     }
 

@@ -43,6 +43,7 @@ def layer_errors(
     min_tokens: int,
     weighting: str = "tokens",
     keep_inputs: bool = False,
+    token_weights: torch.Tensor | None = None,
 ) -> LayerErrors:
     """Spectra (with ``keep`` components' factors) and loads of every expert matrix of one block.
 
@@ -52,6 +53,9 @@ def layer_errors(
 
     The down projection's inputs are the *original* block's activations on the routed tokens, i.e. what the
     compensated expert should reproduce.
+
+    ``token_weights`` (one per row of ``hidden``) multiply each token's squared error, e.g. the downstream
+    sensitivity of the block's output at that token.
     """
     hidden = hidden.float()
     ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
@@ -75,6 +79,8 @@ def layer_errors(
         if not enough:
             result.plain_svd.append(moe.expert_ids[expert])
         token_scale = gate_weight if weighting == "gate" else torch.ones_like(gate_weight)
+        if token_weights is not None:
+            token_scale = token_scale * token_weights[tokens].float().sqrt().unsqueeze(-1)
         factors = {
             "gate": whitening_factor(x * token_scale) if enough else None,
             "down": whitening_factor(down_input * token_scale) if enough else None,

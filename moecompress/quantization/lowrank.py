@@ -7,10 +7,11 @@ For routed inputs ``X`` with mean second moment ``C = XᵀX / n`` (damped) and i
 routed tokens uses the plain SVD of ``E`` (``S = I``).
 
 Every expert matrix (gate, up and down kept separate, so all of them cost ``rows + cols = H + I`` parameters per
-rank) offers gains ``load_e · σ²_{e,j}`` in decreasing order. One budget of rank-1 components is spent on the
-largest gains across every matrix of every layer; since each matrix's gains are sorted and every component
-costs the same, taking the largest gains overall is optimal, and the weighted error falls strictly with each
-component bought (while any gain is positive).
+rank) offers gains ``load_e · σ²_{e,j}`` in decreasing order; the load carries the matrix's reach and the
+layer's downstream sensitivity (:mod:`.sensitivity`), or per-token sensitivities weight the rows of ``X``. One
+budget of rank-1 components is spent on the largest gains across every matrix of every layer; since each
+matrix's gains are sorted and every component costs the same, taking the largest gains overall is optimal, and
+the weighted error falls strictly with each component bought (while any gain is positive).
 """
 
 from __future__ import annotations
