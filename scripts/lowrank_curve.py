@@ -21,6 +21,7 @@ from moecompress.checkpoint import resolve_model
 from moecompress.evals.perplexity import evaluate
 from moecompress.loading import quiet_transformers
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+from moecompress.quantization.sensitivity import SENSITIVITIES
 
 SCHEMES = {"mxfp4 rtn": dict(scheme="mxfp4"), "int2 g32 asym rtn": dict(scheme="int2", group_size=32)}
 
@@ -35,20 +36,34 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/lowrank_results.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument(
+        "--sensitivity",
+        choices=SENSITIVITIES,
+        default=QuantizeConfig.sensitivity,
+        help="downstream factor on the low-rank objective, for both allocations (see docs/lowrank.md)",
+    )
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     quiet_transformers()
     model_dir = resolve_model(args.model)
     base = evaluate(model_dir, args.data, progress=False)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, options in SCHEMES.items():
-            runs = [("none", 0.0)] + [
-                (alloc, float(b)) for b in args.budgets.split(",") for alloc in ("uniform", "load")
+            runs = [("none", 0.0, "none")] + [
+                (alloc, float(b), sensitivity)
+                for b in args.budgets.split(",")
+                for alloc, sensitivity in allocations(args.sensitivity)
             ]
-            for alloc, budget in runs:
+            for alloc, budget, sensitivity in runs:
                 out = Path(tmp) / f"{len(rows)}"
-                config = QuantizeConfig(**options, lowrank_budget=budget, rank_alloc=alloc if budget else "load")
+                config = QuantizeConfig(
+                    **options,
+                    lowrank_budget=budget,
+                    rank_alloc=alloc if budget else "load",
+                    sensitivity=sensitivity,
+                )
                 report = quantize_checkpoint(
                     model_dir, out, config, calib=args.calib, calib_tokens=args.calib_tokens, progress=False
                 )
@@ -57,6 +72,7 @@ def main() -> None:
                 row = dict(
                     scheme=name,
                     allocation=alloc,
+                    sensitivity=sensitivity,
                     budget=budget,
                     perplexity=result.perplexity,
                     kl=result.kl,
@@ -69,12 +85,13 @@ def main() -> None:
                 )
                 rows.append(row)
                 print(
-                    f"{name:18s} {alloc:8s} budget {budget:6.4f} ppl {row['perplexity']:8.3f} "
+                    f"{name:18s} {alloc:8s} {sensitivity:12s} budget {budget:6.4f} ppl {row['perplexity']:8.3f} "
                     f"kl {row['kl']:.4f} bits {row['expert_bits']:.3f} components {row['components']}",
                     flush=True,
                 )
     results = dict(
         **run_facts(args),
+        sensitivity=args.sensitivity,
         baseline_perplexity=base.perplexity,
         rows=rows,
     )
@@ -83,11 +100,22 @@ def main() -> None:
         plot(results, args.png)
 
 
+def allocations(sensitivity: str) -> list[tuple[str, str]]:
+    """Uniform and load-aware ranks fitted to the same objective, and uniform ranks on the plain (sensitivity
+    ``none``) objective, the baseline before any downstream weighting."""
+    pairs = [("uniform", sensitivity), ("load", sensitivity)]
+    return pairs if sensitivity == "none" else [("uniform", "none"), *pairs]
+
+
+def _label(row: dict) -> str:
+    return row["allocation"] if row["budget"] == 0 else f"{row['allocation']}, {row['sensitivity']}"
+
+
 def render_markdown(results: dict) -> str:
     lines = [
         f"bf16 original: perplexity {results['baseline_perplexity']:.2f} on `{results['data']}`.",
         "",
-        "| quantisation | adapters | budget (bits/expert weight) | components | expert bits/weight "
+        "| quantisation | adapters, sensitivity | budget (bits/expert weight) | components | expert bits/weight "
         "| perplexity | KL (nats/token) | weighted error measured (predicted) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -96,7 +124,7 @@ def render_markdown(results: dict) -> str:
             f"{row['measured_error']:.4g} ({row['predicted_error']:.4g})" if row["measured_error"] is not None else "—"
         )
         lines.append(
-            f"| {row['scheme']} | {row['allocation']} | {row['budget']:g} | {row['components']} | "
+            f"| {row['scheme']} | {_label(row)} | {row['budget']:g} | {row['components']} | "
             f"{row['expert_bits']:.3f} | {row['perplexity']:.2f} | {row['kl']:.4f} | {error} |"
         )
     return "\n".join(lines) + "\n"
@@ -124,9 +152,16 @@ def _plot_metric(axis, results: dict, scheme: str, metric: str, label: str) -> N
     axis.axhline(none[metric], color="grey", linestyle="--", label="no adapters")
     if metric == "perplexity":
         axis.axhline(results["baseline_perplexity"], color="black", linestyle=":", label="bf16 original")
-    for alloc, marker in (("uniform", "s"), ("load", "o")):
-        values = [next(r[metric] for r in rows if r["allocation"] == alloc and r["budget"] == b) for b in budgets]
-        axis.plot(budgets, values, marker=marker, label=f"{alloc} ranks")
+    for (alloc, sensitivity), marker in zip(allocations(results["sensitivity"]), "^so", strict=False):
+        values = [
+            next(
+                r[metric]
+                for r in rows
+                if r["allocation"] == alloc and r["sensitivity"] == sensitivity and r["budget"] == b
+            )
+            for b in budgets
+        ]
+        axis.plot(budgets, values, marker=marker, label=f"{alloc} ranks, sensitivity {sensitivity}")
     axis.set_xscale("log", base=2)
     axis.set_xlabel("adapter budget (bits per routed expert weight)")
     axis.set_ylabel(label)
