@@ -2,6 +2,7 @@
 dequantised weights compute; gpt-oss exports load in stock transformers; GPTQ; footprint; refusals."""
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -123,7 +124,10 @@ def test_gpt_oss_export_loads_in_stock_transformers_and_matches_native(tiny_chec
         f"torch.save(m(input_ids=ids).logits.detach(), {str(tmp_path / 'stock.pt')!r})"
     )
     torch.save(_ids(), tmp_path / "ids.pt")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    # transformers >= 5.25 fetches a hub kernel for MXFP4 when the `kernels` package is installed; offline, the stock
+    # loader needs it off to dequantize on CPU.
+    env = {**os.environ, "USE_HUB_KERNELS": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     stock = torch.load(tmp_path / "stock.pt")
     with torch.no_grad():
