@@ -118,14 +118,15 @@ def test_gpt_oss_export_loads_in_stock_transformers_and_matches_native(tiny_chec
         assert any(k.endswith("gate_up_proj_blocks") for k in reader.keys())
         assert reader.config["quantization_config"]["quant_method"] == "mxfp4"
     code = (
-        "import torch, sys; from transformers import AutoModelForCausalLM;"
-        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'export')!r}, dtype=torch.float32);"
+        "import torch, sys; from transformers import AutoModelForCausalLM, Mxfp4Config;"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'export')!r}, dtype=torch.float32,"
+        " quantization_config=Mxfp4Config(dequantize=True));"
         f"ids = torch.load({str(tmp_path / 'ids.pt')!r});"
         f"torch.save(m(input_ids=ids).logits.detach(), {str(tmp_path / 'stock.pt')!r})"
     )
     torch.save(_ids(), tmp_path / "ids.pt")
-    # transformers >= 5.25 fetches a hub kernel for MXFP4 when the `kernels` package is installed; offline, the stock
-    # loader needs it off to dequantize on CPU.
+    # With triton and the `kernels` package installed (transformers >= 5.25 pulls it in), the stock loader fetches a hub
+    # kernel unless told to dequantize; CI is offline.
     env = {**os.environ, "USE_HUB_KERNELS": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -133,7 +133,7 @@ from .trust_options import trust_options
 @click.option(
     "--sensitivity",
     type=click.Choice(["fisher-token", "fisher", "none"]),
-    default="fisher-token",
+    default="none",
     show_default=True,
     help="Downstream weight of each token's adapter error, from one gradient pass over the calibration data "
     "(loads the model whole): fisher-token: ‖∂loss/∂block output‖² per token; fisher: its mean per layer; none: 1.",

@@ -57,7 +57,7 @@ class QuantizeConfig:
     """The same adapter rank for every expert matrix, instead of a budget (used by QAT's ``--adapter-rank``)."""
     rank_alloc: str = "load"
     load_weighting: str = "gate"
-    sensitivity: str = "fisher-token"
+    sensitivity: str = "none"
     """Downstream factor on the low-rank objective (see :mod:`..quantization.sensitivity`)."""
     lowrank_min_tokens: int = 64
     seed: int = 0
