@@ -120,15 +120,13 @@ def test_gpt_oss_export_loads_in_stock_transformers_and_matches_native(tiny_chec
     code = (
         "import torch, sys; from transformers import AutoModelForCausalLM, Mxfp4Config;"
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'export')!r}, dtype=torch.float32,"
+        # with triton and `kernels` (transformers >= 5.25 installs it) the stock loader otherwise fetches a hub kernel
         " quantization_config=Mxfp4Config(dequantize=True));"
         f"ids = torch.load({str(tmp_path / 'ids.pt')!r});"
         f"torch.save(m(input_ids=ids).logits.detach(), {str(tmp_path / 'stock.pt')!r})"
     )
     torch.save(_ids(), tmp_path / "ids.pt")
-    # With triton and the `kernels` package installed (transformers >= 5.25 pulls it in), the stock loader fetches a hub
-    # kernel unless told to dequantize; CI is offline.
-    env = {**os.environ, "USE_HUB_KERNELS": "0"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     stock = torch.load(tmp_path / "stock.pt")
     with torch.no_grad():
