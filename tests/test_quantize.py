@@ -2,7 +2,6 @@
 dequantised weights compute; gpt-oss exports load in stock transformers; GPTQ; footprint; refusals."""
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
