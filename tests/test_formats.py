@@ -2,6 +2,9 @@
 spec; integer grids; bit packing; W4A8 activations."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -199,3 +202,20 @@ def test_the_finite_check_finds_every_nan_and_inf(dtype):
             broken = values.clone()
             broken[position] = bad
             assert not all_finite(broken), (bad, position)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to tell one thread from all of them")
+def test_the_numba_kernels_leave_torch_on_its_thread_count():
+    """Numba's OpenMP pool shares libgomp with torch; its launch must not move torch off OMP_NUM_THREADS=1
+    (that changed the float rounding of later reductions between a fresh and a resumed run)."""
+    script = (
+        "import torch\n"
+        "from moecompress.kernels.finite import all_finite\n"
+        "from moecompress.kernels.mxfp4_fused import quantize_mxfp4\n"
+        "all_finite(torch.zeros(1 << 20))\n"
+        "quantize_mxfp4(torch.randn(64, 64))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["1"]

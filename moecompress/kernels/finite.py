@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .numba_threads import torch_thread_count
+
 try:
     import numba
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -41,5 +43,5 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return bool(torch.isfinite(tensor).all())
     signed, unsigned, mask = layout
     bits = tensor.detach().contiguous().reshape(-1).view(signed).numpy().view(unsigned)
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    return int(_count_non_finite(bits, unsigned(mask))) == 0
+    with torch_thread_count():
+        return int(_count_non_finite(bits, unsigned(mask))) == 0

@@ -13,6 +13,8 @@ import math
 import numpy as np
 import torch
 
+from .numba_threads import torch_thread_count
+
 try:
     import numba
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -162,11 +164,11 @@ def quantize_mxfp4(weight: torch.Tensor, scale_rule: str = "floor") -> tuple[tor
     rows = weight.reshape(-1, cols).contiguous()
     packed = np.empty((rows.shape[0], cols // 2), dtype=np.uint8)
     scales = np.empty((rows.shape[0], cols // 32), dtype=np.uint8)
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    if rows.dtype == torch.bfloat16:
-        bits = rows.view(torch.int16).numpy().view(np.uint16)
-        _quantize_rows_bf16(bits, scale_rule == "ceil", _codes_by_magnitude(), packed, scales)
-    else:
-        _quantize_rows(rows.float().numpy(), scale_rule == "ceil", packed, scales)
+    with torch_thread_count():
+        if rows.dtype == torch.bfloat16:
+            bits = rows.view(torch.int16).numpy().view(np.uint16)
+            _quantize_rows_bf16(bits, scale_rule == "ceil", _codes_by_magnitude(), packed, scales)
+        else:
+            _quantize_rows(rows.float().numpy(), scale_rule == "ceil", packed, scales)
     lead = weight.shape[:-1]
     return torch.from_numpy(packed).reshape(*lead, -1), torch.from_numpy(scales).reshape(*lead, -1)
