@@ -15,11 +15,12 @@ from moecompress.evals.perplexity import evaluate
 from moecompress.families import adapter_for
 from moecompress.loading import load_model
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+from moecompress.quantization import sensitivity
 from moecompress.quantization.compensation import layer_errors, measured_error
 from moecompress.quantization.experts import quantize_experts_rtn
 from moecompress.quantization.lowrank import allocate, error_spectrum, whitening_factor
 from moecompress.quantization.scheme import QuantScheme
-from moecompress.quantization.sensitivity import block_output_fisher, layer_sensitivity
+from moecompress.quantization.sensitivity import block_output_fisher, layer_sensitivity, stored_layer_sensitivity
 from moecompress.sweep import CalibrationSweep
 
 
@@ -187,6 +188,29 @@ def test_layer_sensitivity_is_normalised_and_fisher_is_the_per_token_mean(tiny_w
     for layer, values in tokens.items():
         assert values.numel() == 3 * 16
         assert float(layers[layer]) == pytest.approx(float(values.mean()), rel=1e-5)
+
+
+def test_stored_sensitivity_is_reused_only_for_the_same_mode_and_tokens(tiny_with_tokenizer, tmp_path, monkeypatch):
+    source = tiny_with_tokenizer["qwen3_moe"]
+    adapter = adapter_for(json.loads((source / "config.json").read_text()))
+    batches = _calibration(source)
+    stored = tmp_path / "state" / "sensitivity.safetensors"
+    first = stored_layer_sensitivity(stored, source, adapter, batches, "fisher-token")
+    assert stored.is_file()
+    computed = []
+
+    def count_computations(*args):
+        computed.append(args[-1])
+        return layer_sensitivity(*args)
+
+    monkeypatch.setattr(sensitivity, "layer_sensitivity", count_computations)
+    again = stored_layer_sensitivity(stored, source, adapter, batches, "fisher-token")
+    assert computed == [] and all(torch.equal(again[layer], first[layer]) for layer in first)
+    stored_layer_sensitivity(stored, source, adapter, batches, "fisher")
+    other_tokens = [{"input_ids": batch["input_ids"].flip(-1)} for batch in batches]
+    stored_layer_sensitivity(stored, source, adapter, other_tokens, "fisher")
+    assert computed == ["fisher", "fisher"]
+    assert stored_layer_sensitivity(stored, source, adapter, batches, "none") == {}
 
 
 @pytest.mark.parametrize("alloc", ["load", "uniform"])

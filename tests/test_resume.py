@@ -23,7 +23,7 @@ RECIPE = {
     "passes": [
         {"prune_experts": {"method": "maep", "ratio": 0.25}},
         {"quantize": {"scheme": "int4", "method": "gptq"}},
-        {"lowrank": {"lowrank_budget": 0.5}},
+        {"lowrank": {"lowrank_budget": 0.5, "sensitivity": "fisher-token"}},
         {"eval": {"data": "builtin:prose", "tokens": 1024}},
     ],
 }

@@ -28,7 +28,7 @@ from ..quantization.formats import gpt_oss, native
 from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
 from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, QuantScheme
-from ..quantization.sensitivity import SENSITIVITIES, layer_sensitivity
+from ..quantization.sensitivity import SENSITIVITIES, stored_layer_sensitivity
 from ..sweep import CalibrationSweep
 from ..sweep_state import SweepState
 from .prune_experts import calibration_batches, update_report
@@ -293,14 +293,15 @@ def quantize_checkpoint(
         )
         calibration = {"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len, "seed": config.seed}
         calibration_inputs = (batches, tags, tag_names)
-        if lowrank:
-            quantizer.sensitivity = layer_sensitivity(Path(model_dir), adapter, batches, config.sensitivity)
 
     writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
     try:
         ranks: dict = {}
         lowrank_report: dict[str, Any] | None = None
         if lowrank:
+            quantizer.sensitivity = stored_layer_sensitivity(
+                writer.state_dir / "sensitivity.safetensors", Path(model_dir), adapter, batches, config.sensitivity
+            )
             measure_state = SweepState(writer.state_dir / "lowrank-measure")
             gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress, measure_state)
             ranks, lowrank_report = _allocate_ranks(config, gains, loads, shapes)

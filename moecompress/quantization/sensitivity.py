@@ -11,10 +11,14 @@ The gradient pass loads the whole model once (on the GPUs with ``device_map="aut
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ..families import FamilyAdapter
 from ..loading import load_model
@@ -83,3 +87,37 @@ def layer_sensitivity(
     if mode == "fisher":
         return {layer: (values.double().mean() / mean).float() for layer, values in fisher.items()}
     return {layer: values / mean for layer, values in fisher.items()}
+
+
+def _batches_digest(batches: list[dict[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256()
+    for batch in batches:
+        ids = batch["input_ids"].contiguous()
+        digest.update(str(tuple(ids.shape)).encode())
+        digest.update(ids.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def stored_layer_sensitivity(
+    path: Path, model_dir: Path, adapter: FamilyAdapter, batches: list[dict[str, torch.Tensor]], mode: str
+) -> dict[int, torch.Tensor]:
+    """:func:`layer_sensitivity`, kept in ``path`` (a resumable run's state) and taken from there when it was
+    computed for the same mode and calibration tokens.
+
+    A resumed run then skips the costliest step of the pass (the whole model loaded, one backward pass), and its
+    remaining layers are weighed exactly as the killed run's finished ones were."""
+    if mode == "none":
+        return {}
+    key = f"{mode}:{_batches_digest(batches)}"
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if (handle.metadata() or {}).get("key") == key:
+                return {int(name): handle.get_tensor(name) for name in handle.keys()}
+    except (OSError, SafetensorError):
+        pass
+    sensitivity = layer_sensitivity(model_dir, adapter, batches, mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    save_file({str(layer): value.contiguous() for layer, value in sensitivity.items()}, str(temporary), {"key": key})
+    os.replace(temporary, path)
+    return sensitivity
