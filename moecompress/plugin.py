@@ -4,7 +4,8 @@ attention heads, and the native quantised format (registered as ``quant_method: 
 
 A globally pruned checkpoint records its per-layer counts in the ``moecompress.experts_per_layer`` section of
 the decoder's config. Importing moecompress wraps ``PreTrainedModel.post_init`` (which every transformers model
-calls at the end of ``__init__``, before weights are loaded) so that each such layer's MoE block is rebuilt with
+calls at the end of ``__init__``, before weights are loaded; at once when transformers' modeling code is loaded,
+otherwise the moment it is) so that each such layer's MoE block is rebuilt with
 its own count. Head-pruned checkpoints whose shapes stock transformers cannot build from the global counts
 record ``moecompress.attention_heads_per_layer`` (query heads, KV heads); each such layer's attention module is
 rebuilt the same way, with q/k norms that span the whole projection (OLMoE) resized to the projection.
@@ -15,9 +16,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.abc
+import importlib.machinery
+import sys
 
 _INSTALLED = False
 _EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts")
+_MODELING_MODULE = "transformers.modeling_utils"
 
 
 def _resize_moe_blocks(model) -> None:
@@ -82,11 +87,11 @@ def _block_needs(block, count: int) -> bool:
     return experts is not None and getattr(experts, "num_experts", count) != count
 
 
-def install() -> None:
-    """Wrap ``PreTrainedModel.post_init`` once per process."""
+def _patch_transformers() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    _INSTALLED = True
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.post_init
@@ -101,4 +106,39 @@ def install() -> None:
     from .quantization.hf_quantizer import register
 
     register()
-    _INSTALLED = True
+
+
+class _LoaderThenPatch(importlib.abc.Loader):
+    """transformers' own loader for ``transformers.modeling_utils``, followed by the patch."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        _patch_transformers()
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _MODELING_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoaderThenPatch(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Patch transformers once per process: now if its modeling code is loaded, else the moment it is.
+
+    Importing ``transformers.modeling_utils`` takes about 4 s, and commands that only stream tensors
+    (RTN quantisation, the kernels' benchmarks) never need it."""
+    if _MODELING_MODULE in sys.modules:
+        _patch_transformers()
+    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())

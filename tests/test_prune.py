@@ -17,11 +17,14 @@ from moecompress.sweep import LayerCapture
 
 PLAIN_PERPLEXITY = r"""
 import json, math, sys
+if sys.argv[5] == "plugin-first":
+    import moecompress
+    assert "transformers.modeling_utils" not in sys.modules
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 if sys.argv[5] == "plugin":
     import moecompress
-assert ("moecompress" in sys.modules) == (sys.argv[5] == "plugin")
+assert ("moecompress" in sys.modules) == (sys.argv[5] != "stock")
 path, seq_len, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 texts = json.load(open(sys.argv[4]))
 tokenizer = AutoTokenizer.from_pretrained(path)
@@ -37,13 +40,14 @@ print(json.dumps({"perplexity": math.exp(sum(losses) / len(losses))}))
 """
 
 
-def _stock_perplexity(path, with_plugin, tmp_path):
-    """Perplexity of held-out prose computed in a fresh interpreter with plain transformers."""
+def _stock_perplexity(path, with_plugin, tmp_path, plugin_first=False):
+    """Perplexity of held-out prose computed in a fresh interpreter with plain transformers; ``import
+    moecompress`` after transformers, or before it with ``plugin_first``."""
     from moecompress.calibration.builtin_corpus import builtin_documents
 
     texts = tmp_path / "texts.json"
     texts.write_text(json.dumps([doc.text for doc in builtin_documents("prose", "heldout")]))
-    mode = "plugin" if with_plugin else "stock"
+    mode = ("plugin-first" if plugin_first else "plugin") if with_plugin else "stock"
     return subprocess.run(
         [sys.executable, "-c", PLAIN_PERPLEXITY, str(path), "256", "4096", str(texts), mode],
         capture_output=True,
@@ -104,6 +108,9 @@ def test_global_scope_loads_after_import_moecompress(pruned_outputs, tmp_path):
     with_plugin = _stock_perplexity(outputs["global"], True, tmp_path)
     assert with_plugin.returncode == 0, with_plugin.stderr
     assert json.loads(with_plugin.stdout)["perplexity"] == pytest.approx(report["eval"]["perplexity"], rel=0.005)
+    first = _stock_perplexity(outputs["global"], True, tmp_path, plugin_first=True)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == with_plugin.stdout
     without = _stock_perplexity(outputs["global"], False, tmp_path)
     assert without.returncode != 0, "stock transformers must refuse the non-uniform checkpoint, not misload it"
 
