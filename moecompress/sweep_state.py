@@ -23,7 +23,7 @@ LayerResult = tuple[dict[str, torch.Tensor], Any]
 _HIDDEN = "hidden.safetensors"
 
 
-def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write atomically; tensors that share storage (one result under two names) are saved as copies."""
     temporary = path.with_name(path.name + ".tmp")
     storages: set[int] = set()
@@ -37,7 +37,7 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     os.replace(temporary, path)
 
 
-def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_with_metadata(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
@@ -61,12 +61,12 @@ class SweepState:
         if not path.is_file():
             return
         try:
-            tensors, metadata = _load(path)
+            tensors, metadata = load_with_metadata(path)
             last = int(metadata["after_layer"])
             layers = json.loads(metadata["result_layers"])
             results = {}
             for layer in layers:
-                stored, meta = _load(self.directory / f"layer-{layer:05d}.safetensors")
+                stored, meta = load_with_metadata(self.directory / f"layer-{layer:05d}.safetensors")
                 results[layer] = (stored, json.loads(meta["meta"]))
         except (OSError, KeyError, ValueError, SafetensorError):
             return
@@ -97,8 +97,8 @@ class SweepState:
         """Record ``layer`` as done: its result first, then the hidden states leaving it."""
         if result is not None:
             tensors, meta = result
-            _save(self.directory / f"layer-{layer:05d}.safetensors", tensors, {"meta": json.dumps(meta)})
+            save_atomically(self.directory / f"layer-{layer:05d}.safetensors", tensors, {"meta": json.dumps(meta)})
             self._results[layer] = result
         metadata = {"after_layer": str(layer), "result_layers": json.dumps(sorted(self._results))}
-        _save(self.directory / _HIDDEN, {f"batch-{i}": h for i, h in enumerate(hidden)}, metadata)
+        save_atomically(self.directory / _HIDDEN, {f"batch-{i}": h for i, h in enumerate(hidden)}, metadata)
         self.last_layer = layer

@@ -12,16 +12,15 @@ The gradient pass loads the whole model once (on the GPUs with ``device_map="aut
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
 
 from ..families import FamilyAdapter
 from ..loading import load_model
+from ..sweep_state import load_with_metadata, save_atomically
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
 
@@ -102,22 +101,20 @@ def stored_layer_sensitivity(
     path: Path, model_dir: Path, adapter: FamilyAdapter, batches: list[dict[str, torch.Tensor]], mode: str
 ) -> dict[int, torch.Tensor]:
     """:func:`layer_sensitivity`, kept in ``path`` (a resumable run's state) and taken from there when it was
-    computed for the same mode and calibration tokens.
+    computed for the same mode, model and calibration tokens.
 
     A resumed run then skips the costliest step of the pass (the whole model loaded, one backward pass), and its
     remaining layers are weighed exactly as the killed run's finished ones were."""
     if mode == "none":
         return {}
-    key = f"{mode}:{_batches_digest(batches)}"
+    key = f"{mode}:{Path(model_dir).absolute()}:{_batches_digest(batches)}"
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            if (handle.metadata() or {}).get("key") == key:
-                return {int(name): handle.get_tensor(name) for name in handle.keys()}
+        stored, metadata = load_with_metadata(path)
+        if metadata.get("key") == key:
+            return {int(name): value for name, value in stored.items()}
     except (OSError, SafetensorError):
         pass
     sensitivity = layer_sensitivity(model_dir, adapter, batches, mode)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    save_file({str(layer): value.contiguous() for layer, value in sensitivity.items()}, str(temporary), {"key": key})
-    os.replace(temporary, path)
+    save_atomically(path, {str(layer): value for layer, value in sensitivity.items()}, {"key": key})
     return sensitivity
