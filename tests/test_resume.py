@@ -102,7 +102,10 @@ def test_the_writer_keeps_intact_units_and_drops_a_damaged_one(tmp_path):
     writer = CheckpointWriter(out, max_shard_bytes=64)
     for i, unit in enumerate(tensors[:3]):
         writer.add(unit, unit=f"u{i}", meta={"i": i})
-    (writer.work_dir / writer.units["u2"].part).write_bytes(b"damaged")
+    last_data = sorted(writer.work_dir.glob("shard-*.data"))[-1]
+    damaged = bytearray(last_data.read_bytes())
+    damaged[-1] ^= 0xFF
+    last_data.write_bytes(bytes(damaged))
     resumed = CheckpointWriter(out, max_shard_bytes=64, resume=True)
     assert list(resumed.units) == ["u0", "u1"] and resumed.units["u1"].meta == {"i": 1}
     with pytest.raises(ValueError, match="written twice"):
@@ -145,3 +148,75 @@ def test_a_sweep_state_keeps_one_result_stored_under_two_names(tmp_path):
     SweepState(tmp_path / "s").commit(0, [torch.zeros(1, 2)], ({"score": score, "reap": score}, {}))
     stored_tensors, _ = SweepState(tmp_path / "s").results()[0]
     assert torch.equal(stored_tensors["score"], score) and torch.equal(stored_tensors["reap"], score)
+
+
+def _write_units(out: Path, units: list[dict[str, torch.Tensor]], max_shard_bytes: int) -> Path:
+    writer = CheckpointWriter(out, max_shard_bytes=max_shard_bytes)
+    for i, unit in enumerate(units):
+        writer.add(unit, unit=f"u{i}")
+    return writer.finish({"model_type": "x"})
+
+
+def _mixed_units() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {
+            f"layers.{i}.w": torch.randn(300 + 7 * i, generator=generator).to(torch.bfloat16),
+            f"layers.{i}.codes": torch.randint(0, 255, (1001 + i,), dtype=torch.uint8, generator=generator),
+            f"layers.{i}.scale": torch.randn(3, 5, generator=generator),
+        }
+        for i in range(5)
+    ]
+
+
+def test_shards_load_with_safetensors_and_their_data_starts_on_a_page(tmp_path):
+    from safetensors import safe_open
+
+    units = _mixed_units()
+    out = _write_units(tmp_path / "out", units, max_shard_bytes=3000)
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 2
+    loaded = {}
+    for shard in shards:
+        with open(shard, "rb") as handle:
+            assert (8 + int.from_bytes(handle.read(8), "little")) % 4096 == 0
+        with safe_open(shard, "pt") as handle:
+            loaded.update({key: handle.get_tensor(key) for key in handle.keys()})
+    expected = {key: tensor for unit in units for key, tensor in unit.items()}
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[key], expected[key]) for key in expected)
+
+
+def test_the_header_is_inserted_in_place_or_copied_to_the_same_bytes(tmp_path, monkeypatch):
+    from moecompress.checkpoint import writer as writer_module
+
+    inserted = []
+    real_insert = writer_module._insert_in_front
+
+    def recording_insert(path, prefix):
+        inserted.append(real_insert(path, prefix))
+        return inserted[-1]
+
+    monkeypatch.setattr(writer_module, "_insert_in_front", recording_insert)
+    in_place = _write_units(tmp_path / "a", _mixed_units(), max_shard_bytes=3000)
+    monkeypatch.setattr(writer_module, "_insert_in_front", lambda path, prefix: False)
+    copied = _write_units(tmp_path / "b", _mixed_units(), max_shard_bytes=3000)
+    assert tree_hashes(in_place) == tree_hashes(copied)
+    if not any(inserted):
+        pytest.skip("this filesystem has no FALLOC_FL_INSERT_RANGE; only the copy path ran")
+
+
+def test_a_resumed_writer_cuts_off_bytes_no_journal_line_names(tmp_path):
+    units = _mixed_units()
+    writer = CheckpointWriter(tmp_path / "out", max_shard_bytes=3000)
+    for i, unit in enumerate(units[:3]):
+        writer.add(unit, unit=f"u{i}")
+    last_data = sorted(writer.work_dir.glob("shard-*.data"))[-1]
+    with open(last_data, "ab") as handle:
+        handle.write(b"half a unit, written before the kill")
+    resumed = CheckpointWriter(tmp_path / "out", max_shard_bytes=3000, resume=True)
+    assert list(resumed.units) == ["u0", "u1", "u2"]
+    for i, unit in enumerate(units[3:], start=3):
+        resumed.add(unit, unit=f"u{i}")
+    resumed.finish({"model_type": "x"})
+    assert tree_hashes(tmp_path / "out") == tree_hashes(_write_units(tmp_path / "fresh", units, 3000))

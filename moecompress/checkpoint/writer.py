@@ -1,21 +1,30 @@
 """A sharded safetensors writer that streams, finishes atomically and can resume after a kill.
 
 Each :meth:`CheckpointWriter.add` call (one decoder layer, or the tensors outside the layers) is a *unit*: its
-tensors' bytes go to disk at once, into a part file of their own, so memory never holds more than the unit being
-written. A journal (``journal.jsonl``) records every finished unit: its name, its tensors, the SHA-256 of the part
-file and whatever the caller wants restored on resume (per-layer statistics for the report). All work goes into a
-hidden sibling directory marked incomplete; :meth:`CheckpointWriter.finish` assembles the parts into shards
-(``model-0000i-of-0000n.safetensors``, or ``model.safetensors`` for one; a new shard starts when the next tensor
-would pass ``max_shard_bytes``), writes the index and config, and renames the directory into place in one step.
-A killed run therefore never leaves something that looks finished, and ``resume=True`` reopens the work
-directory, keeps every journalled unit whose part still has its recorded hash, and lets the caller skip them.
-The shards depend only on the sequence of units, so a resumed run writes the same bytes as an uninterrupted one.
+tensors' bytes go to disk at once, appended to the data file of the shard they belong to, so memory never holds
+more than the unit being written. A new shard starts when the next tensor would pass ``max_shard_bytes``. A
+journal (``journal.jsonl``) records every finished unit: its name, its tensors, the SHA-256 of its bytes and
+whatever the caller wants restored on resume (per-layer statistics for the report). All work goes into a hidden
+sibling directory marked incomplete; :meth:`CheckpointWriter.finish` puts each shard's header in front of its data
+(``model-0000i-of-0000n.safetensors``, or ``model.safetensors`` for one), writes the index and config, and renames
+the directory into place in one step. A killed run therefore never leaves something that looks finished, and
+``resume=True`` reopens the work directory, keeps every journalled unit whose bytes still have their recorded
+hash, and lets the caller skip them.
+
+The weight bytes are written once. The header goes in front of the data by ``fallocate(FALLOC_FL_INSERT_RANGE)``,
+which shifts the file's extents instead of its bytes (ext4, XFS); elsewhere the shard is copied behind its header.
+Every header is padded with spaces (as the format allows) so that the tensor data starts on a 4 KiB boundary, on
+either path: the shards depend only on the sequence of units, so a resumed run writes the same bytes as an
+uninterrupted one, on any filesystem.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -33,12 +42,11 @@ INCOMPLETE_MARKER = "MOECOMPRESS_INCOMPLETE"
 JOURNAL_NAME = "journal.jsonl"
 STATE_DIR = "state"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+HEADER_ALIGNMENT = 4096
+_JOURNAL_VERSION = 2
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".onnx")
 _COPY_CHUNK = 16 * 2**20
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+_FALLOC_FL_INSERT_RANGE = 0x20
 
 
 def file_sha256(path: Path) -> str:
@@ -49,72 +57,162 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _data_name(shard: int) -> str:
+    return f"shard-{shard + 1:05d}.data"
+
+
 @dataclass
 class _Unit:
-    """One journalled ``add``: its part file, its tensors in order ``(key, dtype, shape, nbytes)``, its meta."""
+    """One journalled ``add``: its tensors in order ``(key, dtype, shape, nbytes)``, the SHA-256 of their bytes
+    and its meta."""
 
     name: str
-    part: str
     tensors: list[tuple[str, str, list[int], int]]
     sha256: str
     meta: Any = None
 
     def to_json(self) -> str:
-        record = {"unit": self.name, "part": self.part, "tensors": self.tensors, "sha256": self.sha256}
+        record = {"unit": self.name, "tensors": self.tensors, "sha256": self.sha256}
         return json.dumps({**record, "meta": self.meta}, separators=(",", ":"))
 
 
-def _runs(tensors: list[tuple[_Unit, int]]) -> list[tuple[_Unit, int, int]]:
-    """Consecutive tensors of the same unit as ``(unit, first index, count)``: one read per stretch of a part."""
-    runs: list[tuple[_Unit, int, int]] = []
-    for unit, index in tensors:
-        if runs and runs[-1][0] is unit and runs[-1][1] + runs[-1][2] == index:
-            runs[-1] = (unit, runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((unit, index, 1))
-    return runs
+@dataclass
+class _Piece:
+    """Consecutive tensors of a unit that land in one shard: ``count`` tensors from ``first``, stored at
+    ``offset`` of that shard's data, ``length`` bytes."""
+
+    shard: int
+    first: int
+    count: int
+    offset: int
+    length: int
 
 
-def _write_part(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, str, list[int], int]], str]:
-    """Write a unit's bytes and return its entries and SHA-256. Not fsynced: a resumed writer checks every part
-    against its hash, so a part lost with the page cache is redone, and a part unlinked at assembly before the
-    kernel writes it back never costs disk bandwidth at all."""
-    digest = hashlib.sha256()
-    entries = []
-    with open(path, "wb") as handle:
-        for key, tensor in tensors.items():
-            if tensor.dtype not in SAFETENSORS_DTYPES:
-                raise TypeError(f"{key}: dtype {tensor.dtype} cannot be stored in safetensors")
-            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            handle.write(data.data)
-            digest.update(data.data)
-            entries.append((key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), int(data.size)))
-    return entries, digest.hexdigest()
+class _ShardPlan:
+    """Which shard every tensor goes to, decided as units arrive: a tensor starts a new shard when it would take
+    a non-empty shard past ``max_shard_bytes``. Depends only on the sequence of units."""
+
+    def __init__(self, max_shard_bytes: int):
+        self.max_shard_bytes = max_shard_bytes
+        self.shards: list[list[tuple[_Unit, int]]] = []
+        self.sizes: list[int] = []
+
+    def pieces_for(self, unit: _Unit) -> list[_Piece]:
+        """Where ``unit``'s tensors would go, without placing them."""
+        count, size, pieces = len(self.shards), self.sizes[-1] if self.sizes else 0, []
+        nonempty = bool(self.shards and self.shards[-1])
+        for index, (*_, nbytes) in enumerate(unit.tensors):
+            if count == 0 or (nonempty and size + nbytes > self.max_shard_bytes):
+                count, size, nonempty = count + 1, 0, False
+            if pieces and pieces[-1].shard == count - 1:
+                pieces[-1].count += 1
+                pieces[-1].length += nbytes
+            else:
+                pieces.append(_Piece(count - 1, index, 1, size, nbytes))
+            size += nbytes
+            nonempty = True
+        return pieces
+
+    def place(self, unit: _Unit, pieces: list[_Piece]) -> None:
+        for piece in pieces:
+            if piece.shard == len(self.shards):
+                self.shards.append([])
+                self.sizes.append(0)
+            self.shards[piece.shard].extend((unit, piece.first + i) for i in range(piece.count))
+            self.sizes[piece.shard] += piece.length
 
 
-def _copy_range(source, target, start: int, length: int) -> None:
-    """Append ``length`` bytes of ``source`` from ``start`` to ``target``: in the kernel where it can
-    (``copy_file_range``), through user space otherwise."""
-    target.flush()
-    copied = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while copied < length:
-                count = os.copy_file_range(source.fileno(), target.fileno(), length - copied, start + copied)
-                if count == 0:
-                    break
-                copied += count
-        except OSError as error:
-            if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        target.seek(0, os.SEEK_END)
-    source.seek(start + copied)
-    while copied < length:
-        chunk = source.read(min(_COPY_CHUNK, length - copied))
-        if not chunk:
-            raise OSError(f"{source.name}: shorter than its journal says")
-        target.write(chunk)
-        copied += len(chunk)
+def _tensor_bytes_view(key: str, tensor: torch.Tensor) -> memoryview:
+    if tensor.dtype not in SAFETENSORS_DTYPES:
+        raise TypeError(f"{key}: dtype {tensor.dtype} cannot be stored in safetensors")
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _hash_range(digest: Any, path: Path, start: int, length: int) -> bool:
+    """Feed ``length`` bytes of ``path`` from ``start`` to ``digest``; False if the file is shorter."""
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(start)
+        while length > 0:
+            chunk = handle.read(min(_COPY_CHUNK, length))
+            if not chunk:
+                return False
+            digest.update(chunk)
+            length -= len(chunk)
+    return True
+
+
+@functools.cache
+def _fallocate():
+    name = ctypes.util.find_library("c")
+    try:
+        function = ctypes.CDLL(name, use_errno=True).fallocate if name else None
+    except (OSError, AttributeError):
+        return None
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        function.restype = ctypes.c_int
+    return function
+
+
+def _insert_in_front(path: Path, prefix: bytes) -> bool:
+    """Put ``prefix`` (a multiple of :data:`HEADER_ALIGNMENT` long) before the file's bytes without moving them;
+    False where the filesystem cannot (the file is then unchanged)."""
+    fallocate = _fallocate()
+    if fallocate is None or path.stat().st_size == 0:
+        return False
+    descriptor = os.open(path, os.O_RDWR)
+    try:
+        if fallocate(descriptor, _FALLOC_FL_INSERT_RANGE, 0, len(prefix)) != 0:
+            code = ctypes.get_errno()
+            if code in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENODEV):
+                return False
+            raise OSError(code, os.strerror(code), str(path))
+        view, done = memoryview(prefix), 0
+        while done < len(prefix):
+            done += os.pwrite(descriptor, view[done:], done)
+    finally:
+        os.close(descriptor)
+    return True
+
+
+def _copy_behind(path: Path, prefix: bytes, data: Path) -> None:
+    """Write ``prefix`` then all of ``data`` into ``path``: in the kernel where it can (``copy_file_range``)."""
+    length = data.stat().st_size
+    with open(data, "rb") as source, open(path, "wb") as target:
+        target.write(prefix)
+        target.flush()
+        copied = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while copied < length:
+                    count = os.copy_file_range(source.fileno(), target.fileno(), length - copied, copied)
+                    if count == 0:
+                        break
+                    copied += count
+            except OSError as error:
+                if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            target.seek(0, os.SEEK_END)
+        source.seek(copied)
+        while copied < length:
+            chunk = source.read(min(_COPY_CHUNK, length - copied))
+            if not chunk:
+                raise OSError(f"{data}: shorter than its journal says")
+            target.write(chunk)
+            copied += len(chunk)
+
+
+def shard_header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
+    """The 8-byte length and the JSON header of a shard holding ``entries`` in order, padded with spaces so that
+    the data starts at a multiple of :data:`HEADER_ALIGNMENT`."""
+    table: dict[str, Any] = {}
+    offset = 0
+    for key, dtype, shape, nbytes in entries:
+        table[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header = json.dumps({"__metadata__": {"format": "pt"}, **table}, separators=(",", ":")).encode()
+    header += b" " * (-(8 + len(header)) % HEADER_ALIGNMENT)
+    return len(header).to_bytes(8, "little") + header
 
 
 class CheckpointWriter:
@@ -139,6 +237,7 @@ class CheckpointWriter:
         self.work_dir = self.out_dir.parent / f".{self.out_dir.name}.incomplete"
         self.max_shard_bytes = max_shard_bytes
         self.units: dict[str, _Unit] = {}
+        self._plan = _ShardPlan(max_shard_bytes)
         self.resumed = False
         with self._naming_the_output():
             if resume and (self.work_dir / JOURNAL_NAME).exists():
@@ -158,52 +257,64 @@ class CheckpointWriter:
         path.mkdir(exist_ok=True)
         return path
 
+    def _journal_header(self) -> str:
+        return json.dumps({"writer": _JOURNAL_VERSION, "max_shard_bytes": self.max_shard_bytes})
+
     def _start(self) -> None:
         if self.work_dir.exists():
             shutil.rmtree(self.work_dir)
         self.work_dir.mkdir()
         try:
             (self.work_dir / INCOMPLETE_MARKER).write_text("moecompress is still writing this directory\n")
-            header = {"writer": 1, "max_shard_bytes": self.max_shard_bytes}
-            (self.work_dir / JOURNAL_NAME).write_text(json.dumps(header) + "\n")
+            (self.work_dir / JOURNAL_NAME).write_text(self._journal_header() + "\n")
         except OSError:
             shutil.rmtree(self.work_dir, ignore_errors=True)
             raise
 
     def _reopen(self) -> None:
-        """Keep the longest prefix of journalled units whose parts are intact; drop everything after it."""
+        """Keep the longest prefix of journalled units whose bytes are intact; drop everything after it."""
         lines = (self.work_dir / JOURNAL_NAME).read_text().split("\n")
         try:
             header = json.loads(lines[0])
         except json.JSONDecodeError:
             header = {}
-        if header.get("max_shard_bytes") != self.max_shard_bytes:
+        if header != json.loads(self._journal_header()):
             self._start()
             return
         for line in lines[1:]:
             try:
                 record = json.loads(line)
-                unit = _Unit(record["unit"], record["part"], [tuple(t) for t in record["tensors"]], record["sha256"])
+                unit = _Unit(record["unit"], [tuple(t) for t in record["tensors"]], record["sha256"])
                 unit.meta = record.get("meta")
             except (json.JSONDecodeError, KeyError, TypeError):
                 break
-            part = self.work_dir / unit.part
-            if not part.is_file() or file_sha256(part) != unit.sha256:
+            pieces = self._plan.pieces_for(unit)
+            digest = hashlib.sha256()
+            for piece in pieces:
+                if not _hash_range(digest, self.work_dir / _data_name(piece.shard), piece.offset, piece.length):
+                    break
+            if digest.hexdigest() != unit.sha256:
                 break
+            self._plan.place(unit, pieces)
             self.units[unit.name] = unit
         self.resumed = True
         self._rewrite_journal()
 
     def _rewrite_journal(self) -> None:
-        """The journal holding exactly :attr:`units`; part files no unit names are removed."""
-        header = json.dumps({"writer": 1, "max_shard_bytes": self.max_shard_bytes})
+        """The journal holding exactly :attr:`units`; shard data past what they hold is cut off or removed, and
+        shards a killed :meth:`finish` left are removed."""
         temporary = self.work_dir / (JOURNAL_NAME + ".tmp")
-        temporary.write_text("\n".join([header, *(unit.to_json() for unit in self.units.values())]) + "\n")
+        temporary.write_text("\n".join([self._journal_header(), *(u.to_json() for u in self.units.values())]) + "\n")
         os.replace(temporary, self.work_dir / JOURNAL_NAME)
-        parts = {unit.part for unit in self.units.values()}
-        for path in self.work_dir.glob("part-*"):
-            if path.name not in parts:
+        sizes = dict(enumerate(self._plan.sizes))
+        for path in self.work_dir.glob("shard-*.data"):
+            shard = int(path.name[len("shard-") : -len(".data")]) - 1
+            if shard in sizes:
+                os.truncate(path, sizes[shard])
+            else:
                 path.unlink()
+        for path in self.work_dir.glob("*.safetensors"):
+            path.unlink()
 
     def keep_units(self, names: set[str] | list[str]) -> None:
         """Forget every unit from the first one not in ``names`` on (a resumed pass that must redo them)."""
@@ -215,6 +326,9 @@ class CheckpointWriter:
         if len(kept) != len(self.units):
             self.units = kept
             self._keys = {key for unit in kept.values() for key, *_ in unit.tensors}
+            self._plan = _ShardPlan(self.max_shard_bytes)
+            for unit in kept.values():
+                self._plan.place(unit, self._plan.pieces_for(unit))
             with self._naming_the_output():
                 self._rewrite_journal()
 
@@ -234,14 +348,28 @@ class CheckpointWriter:
         for key in tensors:
             if key in self._keys:
                 raise ValueError(f"tensor {key!r} written twice")
-        part = f"part-{len(self.units):05d}.bin"
+        views = [_tensor_bytes_view(key, tensor) for key, tensor in tensors.items()]
+        entries = [
+            (key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), view.nbytes)
+            for (key, tensor), view in zip(tensors.items(), views, strict=True)
+        ]
+        record = _Unit(name, entries, "", meta)
+        pieces = self._plan.pieces_for(record)
+        digest = hashlib.sha256()
         with self._naming_the_output():
-            entries, digest = _write_part(self.work_dir / part, tensors)
-            record = _Unit(name, part, entries, digest, meta)
+            for piece in pieces:
+                with open(self.work_dir / _data_name(piece.shard), "ab") as data:
+                    if data.tell() != piece.offset:
+                        raise RuntimeError(f"{data.name}: holds {data.tell()} bytes, the plan expected {piece.offset}")
+                    for view in views[piece.first : piece.first + piece.count]:
+                        data.write(view)
+                        digest.update(view)
+            record.sha256 = digest.hexdigest()
             with open(self.work_dir / JOURNAL_NAME, "a") as journal:
                 journal.write(record.to_json() + "\n")
                 journal.flush()
                 os.fsync(journal.fileno())
+        self._plan.place(record, pieces)
         self.units[name] = record
         self._keys.update(tensors)
 
@@ -271,49 +399,25 @@ class CheckpointWriter:
         with self._naming_the_output():
             return self._finish(config)
 
-    def _shard_plan(self) -> list[list[tuple[_Unit, int]]]:
-        """Every tensor ``(unit, index within the unit)`` in write order, cut into shards by size."""
-        shards: list[list[tuple[_Unit, int]]] = []
-        size = 0
-        for unit in self.units.values():
-            for index, (*_, nbytes) in enumerate(unit.tensors):
-                if not shards or (shards[-1] and size + nbytes > self.max_shard_bytes):
-                    shards.append([])
-                    size = 0
-                shards[-1].append((unit, index))
-                size += nbytes
-        return shards
-
-    def _write_shard(self, path: Path, tensors: list[tuple[_Unit, int]]) -> None:
-        entries: dict[str, Any] = {}
-        offset = 0
-        for unit, index in tensors:
-            key, dtype, shape, nbytes = unit.tensors[index]
-            entries[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)
-        with open(path, "wb") as out:
-            out.write(len(header).to_bytes(8, "little"))
-            out.write(header)
-            for unit, first, count in _runs(tensors):
-                start = sum(t[3] for t in unit.tensors[:first])
-                length = sum(t[3] for t in unit.tensors[first : first + count])
-                with open(self.work_dir / unit.part, "rb") as part:
-                    _copy_range(part, out, start, length)
+    def _write_shard(self, path: Path, shard: int) -> None:
+        """Turn shard ``shard``'s data file into the safetensors file ``path``."""
+        data = self.work_dir / _data_name(shard)
+        if not data.exists():
+            data.touch()
+        prefix = shard_header([unit.tensors[index] for unit, index in self._plan.shards[shard]])
+        if _insert_in_front(data, prefix):
+            os.replace(data, path)
+        else:
+            _copy_behind(path, prefix, data)
+            data.unlink()
 
     def _finish(self, config: dict[str, Any]) -> Path:
-        shards = self._shard_plan()
-        total = len(shards)
+        total = len(self._plan.shards)
         weight_map: dict[str, str] = {}
-        for number, tensors in enumerate(shards, start=1):
-            final = SINGLE_NAME if total == 1 else f"model-{number:05d}-of-{total:05d}.safetensors"
-            self._write_shard(self.work_dir / final, tensors)
+        for shard, tensors in enumerate(self._plan.shards):
+            final = SINGLE_NAME if total == 1 else f"model-{shard + 1:05d}-of-{total:05d}.safetensors"
+            self._write_shard(self.work_dir / final, shard)
             weight_map.update({unit.tensors[index][0]: final for unit, index in tensors})
-            last_units = {unit.part for unit, _ in tensors}
-            later_units = {unit.part for shard in shards[number:] for unit, _ in shard}
-            for part in last_units - later_units:
-                (self.work_dir / part).unlink()
         if total > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             self.write_json(INDEX_NAME, index)
