@@ -42,13 +42,14 @@ def test_sweep_matches_stock_forward(family, tiny_checkpoints):
 
     tags = torch.zeros(2 * 2 * 24, dtype=torch.long)
     sweep = CalibrationSweep(source, batches, tags, ["text"], capture_attention=True, progress=False)
-    captures = list(sweep.run())
-    assert [c.layer for c in captures] == adapter.moe_layers()
-    for capture in captures:
+    layers = []
+    for capture in sweep.run():
+        layers.append(capture.layer)
         torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=1e-5)
         assert capture.attention_received.shape == (96,)
         assert torch.all(capture.attention_received > 0)
         assert capture.moe.num_experts == adapter.num_experts
+    assert layers == adapter.moe_layers()
 
 
 def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
@@ -72,3 +73,37 @@ def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
     assert plans_with_injections == len(batches), "deepstack features should be injected after layer 0"
     for capture in sweep.run():
         torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_capture_in_the_compute_dtype_shares_the_layer_experts_and_is_released_after(tmp_path):
+    """``moe_in_compute_dtype``: the view's experts are the stock layer's own float32 tensors (one copy, not two),
+    equal to the checkpoint's bf16 values; every capture's tensors are dropped when the next layer is asked for."""
+    from moecompress.synthetic import write_synthetic_qwen3_moe
+
+    source = tmp_path / "bf16"
+    write_synthetic_qwen3_moe(source, 2, 64, 4, 32, heads=4, kv_heads=2, top_k=2)
+    reader = CheckpointReader(source)
+    adapter = adapter_for(reader.config)
+    batches = [{"input_ids": torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))}]
+    tags = torch.zeros(32, dtype=torch.long)
+    sweep = CalibrationSweep(source, batches, tags, ["text"], moe_in_compute_dtype=True, progress=False)
+    seen = []
+    original_materialise = sweep._materialise
+
+    def materialise(layer):
+        module, moe = original_materialise(layer)
+        seen.append(module)
+        return module, moe
+
+    sweep._materialise = materialise
+    captures = []
+    for capture in sweep.run():
+        experts = seen[-1].get_submodule(adapter.moe_block_name).experts
+        stored = adapter.split_layer(capture.layer, reader.read(sweep.layer_keys[capture.layer]))[0]
+        stored_dtype = stored.gate_up.dtype
+        assert stored_dtype == torch.bfloat16 and capture.moe.gate_up.dtype == torch.float32
+        assert capture.moe.gate_up.data_ptr() == experts.gate_up_proj.data_ptr()
+        assert torch.equal(capture.moe.gate_up, stored.gate_up.float())
+        captures.append(capture)
+    assert len(captures) == len(adapter.moe_layers())
+    assert all(c.moe is None and c.moe_input is None for c in captures)

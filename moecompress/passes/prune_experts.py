@@ -403,6 +403,7 @@ def measure_experts(
         shard.tags,
         tag_names,
         capture_attention=config.method == "maep" and bool(config.prune_tags),
+        moe_in_compute_dtype=True,
         progress=progress and distributed.is_writer(),
     )
     layer_scores = [] if state is None else [LayerScores.from_result(r) for _, r in sorted(state.results().items())]

@@ -250,6 +250,7 @@ def _measure_lowrank(
         }
         capture.result = (tensors, meta)
         absorb(capture.layer, capture.result)
+        del moe, quantized, errors
     return gains, loads, shapes
 
 
