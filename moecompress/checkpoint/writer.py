@@ -122,9 +122,8 @@ class _ShardPlan:
             self.sizes[piece.shard] += piece.length
 
 
-def _tensor_bytes_view(key: str, tensor: torch.Tensor) -> memoryview:
-    if tensor.dtype not in SAFETENSORS_DTYPES:
-        raise TypeError(f"{key}: dtype {tensor.dtype} cannot be stored in safetensors")
+def _tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes (a copy only if it is not a contiguous CPU tensor)."""
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
@@ -348,10 +347,13 @@ class CheckpointWriter:
         for key in tensors:
             if key in self._keys:
                 raise ValueError(f"tensor {key!r} written twice")
-        views = [_tensor_bytes_view(key, tensor) for key, tensor in tensors.items()]
+        for key, tensor in tensors.items():
+            if tensor.dtype not in SAFETENSORS_DTYPES:
+                raise TypeError(f"{key}: dtype {tensor.dtype} cannot be stored in safetensors")
+        items = list(tensors.items())
         entries = [
-            (key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), view.nbytes)
-            for (key, tensor), view in zip(tensors.items(), views, strict=True)
+            (key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), tensor.numel() * tensor.element_size())
+            for key, tensor in items
         ]
         record = _Unit(name, entries, "", meta)
         pieces = self._plan.pieces_for(record)
@@ -361,9 +363,11 @@ class CheckpointWriter:
                 with open(self.work_dir / _data_name(piece.shard), "ab") as data:
                     if data.tell() != piece.offset:
                         raise RuntimeError(f"{data.name}: holds {data.tell()} bytes, the plan expected {piece.offset}")
-                    for view in views[piece.first : piece.first + piece.count]:
+                    for _key, tensor in items[piece.first : piece.first + piece.count]:
+                        view = _tensor_bytes_view(tensor)
                         data.write(view)
                         digest.update(view)
+                        del view
             record.sha256 = digest.hexdigest()
             with open(self.work_dir / JOURNAL_NAME, "a") as journal:
                 journal.write(record.to_json() + "\n")
