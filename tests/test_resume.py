@@ -220,3 +220,21 @@ def test_a_resumed_writer_cuts_off_bytes_no_journal_line_names(tmp_path):
         resumed.add(unit, unit=f"u{i}")
     resumed.finish({"model_type": "x"})
     assert tree_hashes(tmp_path / "out") == tree_hashes(_write_units(tmp_path / "fresh", units, 3000))
+
+
+def test_a_shard_a_killed_finish_already_renamed_is_redone(tmp_path):
+    """``finish`` turns each shard's data file into its safetensors file in turn; a kill in between leaves the
+    first data file gone. The resumed writer keeps no unit whose bytes it cannot find and redoes them."""
+    units = _mixed_units()
+    writer = CheckpointWriter(tmp_path / "out", max_shard_bytes=3000)
+    for i, unit in enumerate(units):
+        writer.add(unit, unit=f"u{i}")
+    first_data = sorted(writer.work_dir.glob("shard-*.data"))[0]
+    os.replace(first_data, writer.work_dir / "model-00001-of-00009.safetensors")
+    resumed = CheckpointWriter(tmp_path / "out", max_shard_bytes=3000, resume=True)
+    assert list(resumed.units) == []
+    assert not list(resumed.work_dir.glob("*.safetensors")) and not list(resumed.work_dir.glob("shard-*.data"))
+    for i, unit in enumerate(units):
+        resumed.add(unit, unit=f"u{i}")
+    resumed.finish({"model_type": "x"})
+    assert tree_hashes(tmp_path / "out") == tree_hashes(_write_units(tmp_path / "fresh", units, 3000))

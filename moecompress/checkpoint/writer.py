@@ -128,7 +128,9 @@ def _tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
 
 
 def _hash_range(digest: Any, path: Path, start: int, length: int) -> bool:
-    """Feed ``length`` bytes of ``path`` from ``start`` to ``digest``; False if the file is shorter."""
+    """Feed ``length`` bytes of ``path`` from ``start`` to ``digest``; False if the file is missing or shorter."""
+    if not path.is_file():
+        return False
     with open(path, "rb", buffering=0) as handle:
         handle.seek(start)
         while length > 0:
