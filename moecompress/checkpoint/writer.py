@@ -349,14 +349,13 @@ class CheckpointWriter:
         for key in tensors:
             if key in self._keys:
                 raise ValueError(f"tensor {key!r} written twice")
-        for key, tensor in tensors.items():
+        items = list(tensors.items())
+        entries = []
+        for key, tensor in items:
             if tensor.dtype not in SAFETENSORS_DTYPES:
                 raise TypeError(f"{key}: dtype {tensor.dtype} cannot be stored in safetensors")
-        items = list(tensors.items())
-        entries = [
-            (key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), tensor.numel() * tensor.element_size())
-            for key, tensor in items
-        ]
+            nbytes = tensor.numel() * tensor.element_size()
+            entries.append((key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), nbytes))
         record = _Unit(name, entries, "", meta)
         pieces = self._plan.pieces_for(record)
         digest = hashlib.sha256()
