@@ -61,13 +61,15 @@ class _LayerProxy(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.recorder.record(self.index, hidden_states, args, kwargs)
-        return hidden_states
+        return self.recorder.outputs.get(self.index, hidden_states)
 
 
 class _CallRecorder:
     def __init__(self) -> None:
         self.calls: dict[int, tuple[tuple, dict]] = {}
         self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        """What a proxy returns instead of its input (the decoder's last hidden states, for :meth:`head_logits`)."""
 
     def record(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "use_cache")}
@@ -134,18 +136,24 @@ class CalibrationSweep:
         self.layer_keys, outside_keys = group_keys_by_layer(self.reader, self.adapter)
 
         config = transformers.AutoConfig.from_pretrained(self.model_dir, trust_remote_code=False)
-        attn = "eager" if capture_attention else "sdpa"
-        config._attn_implementation = attn
-        _text_config(config)._attn_implementation = attn
         auto_class = getattr(transformers, self.adapter.auto_class)
         with torch.device("meta"):
-            self._meta_model = auto_class.from_config(config, dtype=dtype)
-        meta_layers = self.adapter.decoder_layers(self._meta_model)
+            self._meta_model = _meta_model(auto_class, config, dtype, "eager" if capture_attention else "sdpa")
+        self._config = config
+        self._auto_class = auto_class
+        self._outside_keys = outside_keys
+        skeleton, recorder = self._skeleton()
+        self.plans = self._plan(skeleton, recorder, batches)
+        del skeleton
 
-        skeleton_config = copy.deepcopy(config)
-        _text_config(skeleton_config).num_hidden_layers = 0
+    def _skeleton(self) -> tuple[torch.nn.Module, _CallRecorder]:
+        """The model with zero decoder layers and a proxy in each layer's place, its outside tensors loaded."""
         from transformers.initialization import no_init_weights
 
+        config, auto_class, dtype = self._config, self._auto_class, self.dtype
+        meta_layers = self.adapter.decoder_layers(self._meta_model)
+        skeleton_config = copy.deepcopy(config)
+        _text_config(skeleton_config).num_hidden_layers = 0
         with no_init_weights():
             skeleton = auto_class.from_config(skeleton_config, dtype=dtype)
         _text_config(skeleton.config).num_hidden_layers = len(meta_layers)
@@ -162,22 +170,21 @@ class CalibrationSweep:
         )
         state = {
             key: tensor.to(dtype) if tensor.is_floating_point() else tensor
-            for key, tensor in self.reader.read(outside_keys).items()
+            for key, tensor in self.reader.read(self._outside_keys).items()
         }
         _, unexpected = skeleton.load_state_dict(state, strict=False)
         if unexpected:
             raise UserInputError(
-                f"{model_dir}: tensors the {self.adapter.family} model does not have: {unexpected[:5]}"
+                f"{self.model_dir}: tensors the {self.adapter.family} model does not have: {unexpected[:5]}"
             )
         skeleton.tie_weights()
         skeleton.eval()
-        self.plans = self._plan(skeleton, recorder, batches)
-        del skeleton
+        return skeleton, recorder
 
     def _plan(self, skeleton: torch.nn.Module, recorder: _CallRecorder, batches) -> list[_BatchPlan]:
         plans = []
         num_layers = self.adapter.num_layers
-        with torch.inference_mode():
+        with torch.no_grad():
             for batch in batches:
                 recorder.calls, recorder.inputs = {}, {}
                 skeleton(**batch, use_cache=False)
@@ -189,7 +196,28 @@ class CalibrationSweep:
                 plans.append(_BatchPlan(hidden=recorder.inputs[0], calls=dict(recorder.calls), injections=injections))
         return plans
 
-    def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
+    def head_logits(
+        self, batches: list[dict[str, torch.Tensor]], last_hidden: list[torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
+        """Per calibration batch, the logits the stock forward computes from ``last_hidden`` (the last decoder
+        layer's output; it may require grad): the final norm and output projection, whatever the family adds.
+
+        The skeleton is built again for this and freed after, as it holds the embeddings and output projection."""
+        skeleton, recorder = self._skeleton()
+        skeleton.requires_grad_(False)
+        last = self.adapter.num_layers - 1
+        try:
+            for batch, hidden in zip(batches, last_hidden, strict=True):
+                recorder.outputs = {last: hidden}
+                yield skeleton(**batch, use_cache=False).logits
+        finally:
+            recorder.outputs = {}
+            del skeleton
+            release_freed_memory()
+
+    def materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
+        """Decoder layer ``layer`` as the stock module with the checkpoint's weights (in the sweep's dtype), and
+        the view of its MoE block (``None`` for a dense layer); :meth:`release` frees the module."""
         tensors = self.reader.pending(self.layer_keys.get(layer, []))
         moe, rest, _ = self.adapter.split_layer(layer, tensors, consume=True)
         if moe is not None and self.moe_in_compute_dtype:
@@ -216,7 +244,8 @@ class CalibrationSweep:
             raise RuntimeError(f"layer {layer}: replacement tensors the layer lacks: {unexpected[:5]}")
 
     @staticmethod
-    def _release(module: torch.nn.Module) -> None:
+    def release(module: torch.nn.Module) -> None:
+        """Return a materialised layer's memory (its module goes back to the meta device)."""
         module.to("meta")
         release_freed_memory()
 
@@ -234,7 +263,7 @@ class CalibrationSweep:
             hidden, start = state.hidden(), state.start_layer
         layers = range(start, self.adapter.num_layers)
         for layer in progress_bar(layers, desc=label, unit="layer", disable=not self.progress, initial=start):
-            module, moe = self._materialise(layer)
+            module, moe = self.materialise(layer)
             captured_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
             handles = []
@@ -251,7 +280,7 @@ class CalibrationSweep:
                             lambda mod, args, out, into=received: into.append(_attention_received(out[1]))
                         )
                     )
-            outputs = self._forward_layer(module, layer, hidden)
+            outputs = self.forward_layer(module, layer, hidden)
             for handle in handles:
                 handle.remove()
             result = None
@@ -268,12 +297,12 @@ class CalibrationSweep:
                 yield capture
                 if capture.replacement is not None:
                     self._load_moe(module, layer, capture.replacement)
-                    outputs = self._forward_layer(module, layer, hidden)
+                    outputs = self.forward_layer(module, layer, hidden)
                 result = capture.result
                 capture.moe = capture.moe_input = capture.attention_received = None
                 del capture
             del moe
-            self._release(module)
+            self.release(module)
             hidden = [
                 out + plan.injections[layer] if layer in plan.injections else out
                 for out, plan in zip(outputs, self.plans, strict=True)
@@ -282,7 +311,8 @@ class CalibrationSweep:
                 state.commit(layer, hidden, result)
         self.reader.close()
 
-    def _forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The layer's outputs for each batch's input hidden states, called as the stock forward calls it."""
         outputs = []
         with torch.inference_mode():
             for states, plan in zip(hidden, self.plans, strict=True):
@@ -290,6 +320,23 @@ class CalibrationSweep:
                 out = module(states, *args, **kwargs)
                 outputs.append(out[0] if isinstance(out, tuple) else out)
         return outputs
+
+
+def _meta_model(auto_class, config, dtype: torch.dtype, attention: str) -> torch.nn.Module:
+    """The model on the meta device with ``attention``, or with eager attention for a family that lacks it
+    (GPT-OSS has no SDPA path)."""
+
+    def build(implementation: str) -> torch.nn.Module:
+        config._attn_implementation = implementation
+        _text_config(config)._attn_implementation = implementation
+        return auto_class.from_config(config, dtype=dtype)
+
+    try:
+        return build(attention)
+    except ValueError:
+        if attention == "eager":
+            raise
+        return build("eager")
 
 
 def _convert_in_turn(moe: MoEWeights, dtype: torch.dtype) -> None:
