@@ -133,10 +133,11 @@ from .trust_options import trust_options
 @click.option(
     "--sensitivity",
     type=click.Choice(["fisher-token", "fisher", "none"]),
-    default="none",
+    default="fisher-token",
     show_default=True,
     help="Downstream weight of each token's adapter error, from one gradient pass over the calibration data "
-    "(loads the model whole): fisher-token: ‖∂loss/∂block output‖² per token; fisher: its mean per layer; none: 1.",
+    "(streamed layer by layer, each layer read twice): fisher-token: ‖∂loss/∂block output‖² per token; "
+    "fisher: its mean per layer; none: 1 (skips the pass).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows.")
 @click.option(

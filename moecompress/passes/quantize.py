@@ -57,7 +57,7 @@ class QuantizeConfig:
     """The same adapter rank for every expert matrix, instead of a budget (used by QAT's ``--adapter-rank``)."""
     rank_alloc: str = "load"
     load_weighting: str = "gate"
-    sensitivity: str = "none"
+    sensitivity: str = "fisher-token"
     """Downstream factor on the low-rank objective (see :mod:`..quantization.sensitivity`)."""
     lowrank_min_tokens: int = 64
     seed: int = 0
@@ -301,7 +301,7 @@ def quantize_checkpoint(
         lowrank_report: dict[str, Any] | None = None
         if lowrank:
             quantizer.sensitivity = stored_layer_sensitivity(
-                writer.state_dir / "sensitivity.safetensors", Path(model_dir), adapter, batches, config.sensitivity
+                writer.state_dir / "sensitivity.safetensors", Path(model_dir), batches, config.sensitivity, progress
             )
             measure_state = SweepState(writer.state_dir / "lowrank-measure")
             gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress, measure_state)

@@ -6,67 +6,143 @@ An error ``δ_t`` added to block ``l``'s output at token ``t`` raises the loss b
 of ``F_l``, ``s_l = E_t ‖g_t‖² / H``, is the factor that makes the gains of different layers comparable: it sees
 that an early layer's error passes through every later layer before it reaches the loss.
 
-The gradient pass loads the whole model once (on the GPUs with ``device_map="auto"`` where there are any).
+The gradient pass streams the decoder one layer at a time, forward then backward (:func:`block_output_fisher`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
-from ..families import FamilyAdapter
-from ..loading import load_model
+from ..progress import bar as progress_bar
+from ..sweep import CalibrationSweep
 from ..sweep_state import load_with_metadata, save_atomically
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
 
 
+def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The summed next-token negative log-likelihood, so that each token's gradient does not shrink with the
+    batch size."""
+    logits = logits.float()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="sum")
+
+
 def block_output_fisher(
-    model: torch.nn.Module, adapter: FamilyAdapter, batches: list[dict[str, torch.Tensor]]
+    model_dir: Path,
+    batches: list[dict[str, torch.Tensor]],
+    spill_dir: Path | None = None,
+    progress: bool = True,
 ) -> dict[int, torch.Tensor]:
     """``‖∂loss/∂y_{l,t}‖² / H`` for every MoE layer ``l`` and calibration token ``t`` (in the order of the
-    concatenated batches, as the calibration sweep captures them); the loss is the summed next-token negative
-    log-likelihood, so each token's gradient does not shrink with the batch size."""
-    layers = adapter.moe_layers()
-    squares: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
-    handles = []
+    concatenated batches, as the calibration sweep captures them), under :func:`next_token_loss`.
 
-    def watch(layer: int):
-        def hook(_module, _args, output):
-            out = output[0] if isinstance(output, tuple) else output
-
-            def record(grad: torch.Tensor) -> None:
-                squares[layer].append(grad.float().pow(2).mean(dim=-1).reshape(-1).cpu())
-
-            out.register_hook(record)
-
-        return hook
-
-    for layer in layers:
-        handles.append(adapter.moe_block_of(model, layer).register_forward_hook(watch(layer)))
-    device = next(model.parameters()).device
+    Backpropagation one decoder layer at a time, so that the model is never whole in memory: a forward sweep
+    writes each layer's input hidden states to ``spill_dir`` (a temporary directory inside it; the system's
+    temporary directory without one), the loss gives the gradient at the last layer's output, and from the top
+    down each layer is read again, run forward from its stored inputs and backpropagated, its MoE block's output
+    gradient recorded and its input gradient handed to the layer below. Peak memory is a calibration sweep's
+    plus one layer's hidden states and gradients; each layer is read twice.
+    """
+    tokens = sum(batch["input_ids"].numel() for batch in batches)
+    sweep = CalibrationSweep(model_dir, batches, torch.zeros(tokens, dtype=torch.long), ["text"], progress=False)
+    adapter = sweep.adapter
+    moe_layers = adapter.moe_layers()
+    if not moe_layers:
+        return {}
+    lowest = min(moe_layers)
+    layers = range(adapter.num_layers)
+    if spill_dir is not None:
+        Path(spill_dir).mkdir(parents=True, exist_ok=True)
     try:
-        for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            logits = model(**batch, use_cache=False).logits.float()
-            ids = batch["input_ids"]
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+        with tempfile.TemporaryDirectory(prefix="fisher-inputs-", dir=spill_dir) as spill:
+            hidden = [plan.hidden for plan in sweep.plans]
+            for layer in progress_bar(layers, desc="sensitivity (forward)", unit="layer", disable=not progress):
+                if layer >= lowest:
+                    save_file({str(i): h.contiguous() for i, h in enumerate(hidden)}, f"{spill}/{layer}.safetensors")
+                module, moe = sweep.materialise(layer)
+                del moe
+                outputs = sweep.forward_layer(module, layer, hidden)
+                sweep.release(module)
+                hidden = [
+                    out + plan.injections[layer] if layer in plan.injections else out
+                    for out, plan in zip(outputs, sweep.plans, strict=True)
+                ]
+                del outputs
+            leaves = [h.clone().requires_grad_(True) for h in hidden]
+            del hidden
+            gradients = []
+            for leaf, batch, logits in zip(leaves, batches, sweep.head_logits(batches, leaves), strict=True):
+                (gradient,) = torch.autograd.grad(next_token_loss(logits, batch["input_ids"]), leaf)
+                gradients.append(gradient)
+                del logits
+            del leaves
+            squares: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe_layers}
+            below = progress_bar(
+                reversed(range(lowest, adapter.num_layers)),
+                desc="sensitivity (backward)",
+                unit="layer",
+                total=adapter.num_layers - lowest,
+                disable=not progress,
             )
-            model.zero_grad(set_to_none=True)
-            loss.backward()
+            for layer in below:
+                gradients = _backpropagate_layer(sweep, layer, f"{spill}/{layer}.safetensors", gradients, squares)
+                Path(f"{spill}/{layer}.safetensors").unlink()
     finally:
-        for handle in handles:
-            handle.remove()
+        sweep.reader.close()
     return {layer: torch.cat(values) for layer, values in squares.items()}
 
 
+def _backpropagate_layer(
+    sweep: CalibrationSweep,
+    layer: int,
+    inputs_path: str,
+    output_gradients: list[torch.Tensor],
+    squares: dict[int, list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """The gradients at layer ``layer``'s inputs, given those at its outputs; appends, for an MoE layer, each
+    token's ``‖∂loss/∂(block output)‖² / H`` to ``squares[layer]``."""
+    module, moe = sweep.materialise(layer)
+    del moe
+    module.requires_grad_(False)
+    handle = None
+    if layer in squares:
+
+        def record(_module, _args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            out.register_hook(lambda grad: squares[layer].append(grad.float().pow(2).mean(dim=-1).reshape(-1)))
+
+        handle = module.get_submodule(sweep.adapter.moe_block_name).register_forward_hook(record)
+    inputs = load_file(inputs_path)
+    input_gradients = []
+    try:
+        for index, (plan, gradient) in enumerate(zip(sweep.plans, output_gradients, strict=True)):
+            states = inputs.pop(str(index)).requires_grad_(True)
+            args, kwargs = plan.calls[layer]
+            out = module(states, *args, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            (input_gradient,) = torch.autograd.grad(out, states, grad_outputs=gradient)
+            input_gradients.append(input_gradient)
+            del out, states
+    finally:
+        if handle is not None:
+            handle.remove()
+        sweep.release(module)
+    return input_gradients
+
+
 def layer_sensitivity(
-    model_dir: Path, adapter: FamilyAdapter, batches: list[dict[str, torch.Tensor]], mode: str
+    model_dir: Path,
+    batches: list[dict[str, torch.Tensor]],
+    mode: str,
+    spill_dir: Path | None = None,
+    progress: bool = True,
 ) -> dict[int, torch.Tensor]:
     """Per MoE layer, the factor on its error: nothing for ``none``; for ``fisher`` its mean Fisher (a scalar
     tensor), for ``fisher-token`` every token's. Both are divided by the mean over all layers and tokens, as only
@@ -75,13 +151,7 @@ def layer_sensitivity(
         raise ValueError(f"unknown sensitivity {mode!r}; choose from {SENSITIVITIES}")
     if mode == "none":
         return {}
-    device_map = "auto" if torch.cuda.is_available() else None
-    model = load_model(model_dir, adapter, device_map=device_map)
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    model.get_input_embeddings().weight.requires_grad_(True)
-    fisher = block_output_fisher(model, adapter, batches)
-    del model
+    fisher = block_output_fisher(model_dir, batches, spill_dir, progress)
     mean = float(torch.cat(list(fisher.values())).double().mean().clamp_min(1e-30))
     if mode == "fisher":
         return {layer: (values.double().mean() / mean).float() for layer, values in fisher.items()}
@@ -98,7 +168,7 @@ def _batches_digest(batches: list[dict[str, torch.Tensor]]) -> str:
 
 
 def stored_layer_sensitivity(
-    path: Path, model_dir: Path, adapter: FamilyAdapter, batches: list[dict[str, torch.Tensor]], mode: str
+    path: Path, model_dir: Path, batches: list[dict[str, torch.Tensor]], mode: str, progress: bool = True
 ) -> dict[int, torch.Tensor]:
     """:func:`layer_sensitivity`, kept in ``path`` (a resumable run's state) and taken from there when it was
     computed for the same mode, model and calibration tokens.
@@ -114,7 +184,7 @@ def stored_layer_sensitivity(
             return {int(name): value for name, value in stored.items()}
     except (OSError, SafetensorError):
         pass
-    sensitivity = layer_sensitivity(model_dir, adapter, batches, mode)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sensitivity = layer_sensitivity(model_dir, batches, mode, spill_dir=path.parent, progress=progress)
     save_atomically(path, {str(layer): value for layer, value in sensitivity.items()}, {"key": key})
     return sensitivity
