@@ -182,7 +182,6 @@ def test_streamed_block_output_fisher_is_the_whole_model_squared_loss_gradient(t
 
 def test_layer_sensitivity_is_normalised_and_fisher_is_the_per_token_mean(tiny_with_tokenizer):
     source = tiny_with_tokenizer["qwen3_moe"]
-    adapter = adapter_for(json.loads((source / "config.json").read_text()))
     batches = _calibration(source)
     tokens = layer_sensitivity(source, batches, "fisher-token")
     layers = layer_sensitivity(source, batches, "fisher")
@@ -195,7 +194,6 @@ def test_layer_sensitivity_is_normalised_and_fisher_is_the_per_token_mean(tiny_w
 
 def test_stored_sensitivity_is_reused_only_for_the_same_mode_and_tokens(tiny_with_tokenizer, tmp_path, monkeypatch):
     source = tiny_with_tokenizer["qwen3_moe"]
-    adapter = adapter_for(json.loads((source / "config.json").read_text()))
     batches = _calibration(source)
     stored = tmp_path / "state" / "sensitivity.safetensors"
     first = stored_layer_sensitivity(stored, source, batches, "fisher-token")
