@@ -21,6 +21,7 @@ from moecompress.checkpoint import resolve_model
 from moecompress.loading import quiet_transformers
 from moecompress.passes.qat import QATConfig, qat_checkpoint
 from moecompress.passes.quantize import QuantizeConfig
+from moecompress.quantization.sensitivity import SENSITIVITIES
 
 
 def main() -> None:
@@ -32,6 +33,12 @@ def main() -> None:
     parser.add_argument("--replays", default="all,none", help="comma-separated --replay schedules")
     parser.add_argument("--replay-weights", default="router")
     parser.add_argument("--budget", type=float, default=0.375, help="adapter bits per expert weight")
+    parser.add_argument(
+        "--sensitivity",
+        choices=SENSITIVITIES,
+        default=QuantizeConfig.sensitivity,
+        help="the PTQ adapters' downstream sensitivity (docs/lowrank.md)",
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; each row is run once per seed")
@@ -55,7 +62,9 @@ def main() -> None:
     rows, oracle = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for scheme, seed in itertools.product(args.schemes.split(","), [int(s) for s in args.seeds.split(",")]):
-            quantize = QuantizeConfig(scheme=scheme, lowrank_budget=args.budget, seed=seed)
+            quantize = QuantizeConfig(
+                scheme=scheme, lowrank_budget=args.budget, sensitivity=args.sensitivity, seed=seed
+            )
             oracle.append(oracle_routing(model_dir, Path(tmp) / "ptq", quantize, args))
             print(
                 f"{scheme} seed {seed}: PTQ perplexity {oracle[-1]['free']:.3f} with its own routes, "
@@ -113,7 +122,14 @@ def main() -> None:
 
 def write_all(args: argparse.Namespace, rows: list[dict], oracle: list[dict]) -> None:
     facts = run_facts(args)
-    facts.update(steps=args.steps, lr=args.lr, seeds=args.seeds, budget=args.budget, replay_weights=args.replay_weights)
+    facts.update(
+        steps=args.steps,
+        lr=args.lr,
+        seeds=args.seeds,
+        budget=args.budget,
+        sensitivity=args.sensitivity,
+        replay_weights=args.replay_weights,
+    )
     results = dict(**facts, rows=rows, oracle_routing=oracle)
     write_results(results, args.out, args.markdown, render_markdown)
     if args.plot:
@@ -148,7 +164,12 @@ def oracle_only(args: argparse.Namespace) -> None:
     oracle = []
     with tempfile.TemporaryDirectory() as tmp:
         for scheme, seed in dict.fromkeys((row["scheme"].split()[0], row["seed"]) for row in results["rows"]):
-            quantize = QuantizeConfig(scheme=scheme, lowrank_budget=results["budget"], seed=seed)
+            quantize = QuantizeConfig(
+                scheme=scheme,
+                lowrank_budget=results["budget"],
+                sensitivity=results.get("sensitivity", "none"),
+                seed=seed,
+            )
             oracle.append(oracle_routing(model_dir, Path(tmp) / "ptq", quantize, args))
             print(oracle[-1], flush=True)
     results["oracle_routing"] = oracle
