@@ -6,11 +6,12 @@ intermediate 768, top-8, 32 query heads of 128 / 4 KV groups) and as many layers
 ``--shard-gib`` shards as on the hub; the vocabulary is tiny-moe's 2,048 tokens (so the built-in calibration text
 tokenises), not Qwen's 151,936. Then, each in a child process and in this order: copy the shard files (with
 fsync), ``moecompress quantize --scheme mxfp4 --method rtn``, copy again, ``moecompress prune --ratio 0.25``
-(MAEP on ``--calib-tokens`` tokens). Each command's output is fsynced inside its wall time and deleted after it.
-Peak RSS is the largest sum of RSS over the child's process tree, sampled every 20 ms, and the kernel's
-``ru_maxrss`` of the child. Prints one JSON object; everything is written under ``--dir`` and removed at the end.
+(MAEP on ``--calib-tokens`` tokens), and with ``--lowrank`` MXFP4 RTN with a 0.25-bit low-rank budget. Each
+command's output is fsynced inside its wall time and deleted after it. Peak RSS is the largest sum of RSS over
+the child's process tree, sampled every 20 ms, and the kernel's ``ru_maxrss`` of the child. Prints one JSON
+object; everything is written under ``--dir`` and removed at the end.
 
-Run: python scripts/bench_large_checkpoint.py [--min-gib 12] [--dir /tmp] [--skip-prune]
+Run: python scripts/bench_large_checkpoint.py [--min-gib 12] [--dir /tmp] [--skip-prune] [--lowrank]
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=4096)
     parser.add_argument("--dir", type=Path, default=None, help="Where to write (default: the temporary directory).")
     parser.add_argument("--skip-prune", action="store_true")
+    parser.add_argument(
+        "--lowrank",
+        action="store_true",
+        help="Also quantize with --lowrank-budget 0.25 (the default fisher-token sensitivity: streamed Fisher, "
+        "two calibration sweeps).",
+    )
     args = parser.parse_args()
     per_layer = layer_bytes(**SHAPES)
     layers = math.ceil(args.min_gib * 2**30 / per_layer)
@@ -190,6 +197,29 @@ def main() -> None:
                 pruned,
             )
             result["prune_over_copy"] = round(result["prune_maep"]["seconds"] / copy_seconds, 2)
+        if args.lowrank:
+            compensated = root / "lowrank"
+            step(
+                "quantize_mxfp4_lowrank",
+                [
+                    *cli,
+                    "quantize",
+                    str(source),
+                    "--out",
+                    str(compensated),
+                    "--scheme",
+                    "mxfp4",
+                    "--method",
+                    "rtn",
+                    "--lowrank-budget",
+                    "0.25",
+                    "--calib-tokens",
+                    str(args.calib_tokens),
+                    "--no-eval",
+                ],
+                compensated,
+            )
+            result["lowrank_over_copy"] = round(result["quantize_mxfp4_lowrank"]["seconds"] / copy_seconds, 2)
     print(json.dumps(result, indent=2))
 
 
