@@ -1,6 +1,6 @@
 """Train the built-in ``tiny-moe`` checkpoint (``builtin:tiny-moe``) from scratch on the built-in corpus.
 
-The result is a real, if small, Qwen3-MoE causal LM (4 layers, 8 experts, top-2 routing) with its own byte-level
+The result is a real, if small, Qwen3-MoE causal LM (by default 4 layers, 8 experts, top-2 routing) with its own byte-level
 BPE tokenizer, trained on the calibration part of the stdlib prose and code documents. It is small enough to
 commit and to compress in seconds on a CPU, yet trained enough that perplexity, routing statistics and the damage
 done by compression are meaningful. The held-out part of the corpus is never trained on; the script reports the
@@ -14,6 +14,8 @@ budget; ``--steps`` uses a step-based schedule instead, which repeats bit for bi
 
     python scripts/train_tiny_moe.py                      # ~13 minutes on 2 CPU cores
     python scripts/train_tiny_moe.py --minutes 0.5 --out /tmp/tiny-smoke
+    python scripts/train_tiny_moe.py --steps 1800 --num-experts 64 --top-k 8 --moe-intermediate-size 32 \
+        --out DIR                                         # docs/qat.md's fine-grained model, ~15 minutes
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=40)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--moe-intermediate-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4, help="decoder layers, every one an MoE layer")
+    parser.add_argument("--num-experts", type=int, default=8, help="routed experts per layer")
+    parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
     parser.add_argument("--aux-loss-coef", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=25)
@@ -108,7 +113,7 @@ def build_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=4,
+        num_hidden_layers=args.num_layers,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=16,
@@ -117,8 +122,8 @@ def build_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -
         tie_word_embeddings=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_experts=8,
-        num_experts_per_tok=2,
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.top_k,
         moe_intermediate_size=args.moe_intermediate_size,
         norm_topk_prob=True,
         output_router_logits=False,
@@ -298,6 +303,9 @@ def main() -> None:
                     "weight-decay",
                     "vocab-size",
                     "moe-intermediate-size",
+                    "num-layers",
+                    "num-experts",
+                    "top-k",
                 )
             },
             "torch_version": torch.__version__,
