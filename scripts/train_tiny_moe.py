@@ -1,7 +1,7 @@
 """Train the built-in ``tiny-moe`` checkpoint (``builtin:tiny-moe``) from scratch on the built-in corpus.
 
-The result is a real, if small, Qwen3-MoE causal LM (by default 4 layers, 8 experts, top-2 routing) with its own byte-level
-BPE tokenizer, trained on the calibration part of the stdlib prose and code documents. It is small enough to
+The result is a real, if small, Qwen3-MoE causal LM (by default 4 layers, 8 experts, top-2 routing) with its own
+byte-level BPE tokenizer, trained on the calibration part of the stdlib prose and code documents. It is small enough to
 commit and to compress in seconds on a CPU, yet trained enough that perplexity, routing statistics and the damage
 done by compression are meaningful. The held-out part of the corpus is never trained on; the script reports the
 held-out perplexity of the saved bfloat16 checkpoint in ``training_info.json``.

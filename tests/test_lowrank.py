@@ -18,7 +18,7 @@ from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 from moecompress.quantization import sensitivity
 from moecompress.quantization.compensation import layer_errors, measured_error
 from moecompress.quantization.experts import quantize_experts_rtn
-from moecompress.quantization.lowrank import allocate, error_spectrum, whitening_factor
+from moecompress.quantization.lowrank import allocate, error_spectrum, squared_singular_values, whitening_factor
 from moecompress.quantization.scheme import QuantScheme
 from moecompress.quantization.sensitivity import block_output_fisher, layer_sensitivity, stored_layer_sensitivity
 from moecompress.sweep import CalibrationSweep
@@ -103,6 +103,31 @@ def test_whitened_adapter_beats_plain_svd_on_the_routed_inputs():
     for rank in (1, 4, 8):
         assert output_error(whitened, rank) == pytest.approx(whitened.residual(rank), rel=1e-4)
         assert output_error(whitened, rank) < output_error(plain, rank)
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (64, 48), (1, 7)])
+def test_squared_singular_values_from_the_gram_matrix_match_the_svd(shape):
+    g = torch.Generator().manual_seed(4)
+    matrix = (torch.randn(*shape, generator=g) @ torch.diag(torch.logspace(0, -3, shape[1]))).double()
+    expected = torch.linalg.svdvals(matrix) ** 2
+    got = squared_singular_values(matrix)
+    assert got.shape == expected.shape and bool((got[:-1] >= got[1:]).all()) and bool((got >= 0).all())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 * float(expected[0]))
+
+
+def test_spectra_without_factors_equal_the_svds_and_keep_is_per_matrix(layer):
+    adapter, moe, quantized, hidden = layer
+    full = layer_errors(adapter, moe, quantized, hidden, keep=4, min_tokens=16)
+    ranks = {(0, "gate"): 3, (1, "down"): 1}
+    partial = layer_errors(adapter, moe, quantized, hidden, keep=ranks, min_tokens=16)
+    for key, spectrum in full.spectra.items():
+        sigma2 = partial.spectra[key].sigma2
+        torch.testing.assert_close(sigma2, spectrum.sigma2, rtol=0, atol=1e-6 * float(spectrum.sigma2[0]))
+        kept = ranks.get(key, 0)
+        assert partial.spectra[key].left.shape[1] == kept and partial.spectra[key].right.shape[0] == kept
+        if kept:
+            for ours, svd in zip(partial.spectra[key].adapter(kept), spectrum.adapter(kept), strict=True):
+                assert torch.equal(ours, svd)
 
 
 def test_experts_with_too_few_tokens_fall_back_to_plain_svd(layer):

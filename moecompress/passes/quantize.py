@@ -196,7 +196,9 @@ class _ExpertQuantizer:
         capture.replacement = quantized.dequantized()
         return quantized
 
-    def errors(self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int, keep_inputs: bool) -> LayerErrors:
+    def errors(
+        self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int | dict, keep_inputs: bool
+    ) -> LayerErrors:
         factor = self.sensitivity.get(capture.layer)
         errors = layer_errors(
             self.adapter,
@@ -407,7 +409,7 @@ def _write_quantized(
         quantized = quantizer.quantize(layer, moe, capture)
         if ranks:
             layer_ranks = {(e, w): r for (lay, e, w), r in ranks.items() if lay == layer}
-            errors = quantizer.errors(moe, quantized, capture, keep=max(layer_ranks.values()), keep_inputs=True)
+            errors = quantizer.errors(moe, quantized, capture, keep=layer_ranks, keep_inputs=True)
             quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
             meta["measured"] = [measured_error(errors, {}), measured_error(errors, layer_ranks)]
             meta["lowrank_ranks"] = {

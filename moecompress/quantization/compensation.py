@@ -4,6 +4,7 @@ times how strongly that matrix's error reaches the expert's output (see :mod:`.l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -39,13 +40,14 @@ def layer_errors(
     quantized: QuantizedMoE,
     hidden: torch.Tensor,
     *,
-    keep: int,
+    keep: int | Mapping[tuple[int, str], int],
     min_tokens: int,
     weighting: str = "tokens",
     keep_inputs: bool = False,
     token_weights: torch.Tensor | None = None,
 ) -> LayerErrors:
-    """Spectra (with ``keep`` components' factors) and loads of every expert matrix of one block.
+    """Spectra (with ``keep`` components' factors, one number for all or one per ``(expert, matrix)``, absent
+    meaning 0) and loads of every expert matrix of one block.
 
     ``weighting="tokens"``: an expert's load is its share of routed tokens and every routed token counts alike;
     ``"gate"``: each token also counts with its squared routing weight (the block adds the expert's output
@@ -91,7 +93,8 @@ def layer_errors(
         for which in MATRICES:
             key = (expert, which)
             error = errors[which]
-            result.spectra[key] = error_spectrum(error, factors[which], keep)
+            kept = keep if isinstance(keep, int) else keep.get(key, 0)
+            result.spectra[key] = error_spectrum(error, factors[which], kept)
             result.loads[key] = load * reach[which]
             if keep_inputs:
                 result.errors[key] = error

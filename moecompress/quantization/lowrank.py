@@ -63,9 +63,14 @@ def whitening_factor(inputs: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.
 
 def error_spectrum(error: torch.Tensor, factor: torch.Tensor | None, keep: int) -> ErrorSpectrum:
     """SVD of ``error`` ``[rows, cols]`` whitened by ``factor`` (``S``, or None for the plain SVD); factors of the
-    first ``keep`` components are kept."""
+    first ``keep`` components are kept. With ``keep == 0`` only the σ² are computed
+    (:func:`squared_singular_values`)."""
     e = error.double()
     whitened = e @ factor if factor is not None else e
+    if keep == 0:
+        rows, cols = whitened.shape
+        empty_left, empty_right = torch.empty(rows, 0), torch.empty(0, cols)
+        return ErrorSpectrum(squared_singular_values(whitened).float(), empty_left, empty_right, factor is not None)
     u, s, vh = torch.linalg.svd(whitened, full_matrices=False)
     keep = min(keep, s.numel())
     left = u[:, :keep] * s[:keep]
@@ -73,6 +78,16 @@ def error_spectrum(error: torch.Tensor, factor: torch.Tensor | None, keep: int) 
     if factor is not None:
         right = torch.linalg.solve_triangular(factor.T, right.T, upper=True).T  # (S⁻ᵀ V)ᵀ = Vᵀ S⁻¹
     return ErrorSpectrum((s**2).float(), left.float(), right.float(), factor is not None)
+
+
+def squared_singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    """σ² of ``matrix``, descending, as the eigenvalues of its smaller Gram matrix.
+
+    For an expert's shapes (768 × 2048) this is 2-4x cheaper than ``svdvals``. Forming the Gram matrix makes each
+    σ² exact to about ``eps · σ₁²`` rather than relative to itself; components that small never win a rank budget.
+    """
+    gram = matrix @ matrix.T if matrix.shape[0] <= matrix.shape[1] else matrix.T @ matrix
+    return torch.linalg.eigvalsh(gram).flip(0).clamp_min(0.0)
 
 
 def weighted_error(spectra: dict, loads: dict, ranks: dict) -> float:
