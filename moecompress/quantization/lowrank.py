@@ -63,31 +63,52 @@ def whitening_factor(inputs: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.
 
 def error_spectrum(error: torch.Tensor, factor: torch.Tensor | None, keep: int) -> ErrorSpectrum:
     """SVD of ``error`` ``[rows, cols]`` whitened by ``factor`` (``S``, or None for the plain SVD); factors of the
-    first ``keep`` components are kept. With ``keep == 0`` only the σ² are computed
-    (:func:`squared_singular_values`)."""
+    first ``keep`` components are kept (none with ``keep == 0``, which computes only the σ²)."""
     e = error.double()
     whitened = e @ factor if factor is not None else e
     if keep == 0:
         rows, cols = whitened.shape
         empty_left, empty_right = torch.empty(rows, 0), torch.empty(0, cols)
         return ErrorSpectrum(squared_singular_values(whitened).float(), empty_left, empty_right, factor is not None)
-    u, s, vh = torch.linalg.svd(whitened, full_matrices=False)
-    keep = min(keep, s.numel())
-    left = u[:, :keep] * s[:keep]
-    right = vh[:keep]
+    sigma2, left, right = truncated_svd(whitened, keep)
     if factor is not None:
         right = torch.linalg.solve_triangular(factor.T, right.T, upper=True).T  # (S⁻ᵀ V)ᵀ = Vᵀ S⁻¹
-    return ErrorSpectrum((s**2).float(), left.float(), right.float(), factor is not None)
+    return ErrorSpectrum(sigma2.float(), left.float(), right.float(), factor is not None)
+
+
+def _gram(matrix: torch.Tensor) -> torch.Tensor:
+    """The smaller of ``M·Mᵀ`` and ``Mᵀ·M``."""
+    return matrix @ matrix.T if matrix.shape[0] <= matrix.shape[1] else matrix.T @ matrix
 
 
 def squared_singular_values(matrix: torch.Tensor) -> torch.Tensor:
     """σ² of ``matrix``, descending, as the eigenvalues of its smaller Gram matrix.
 
-    For an expert's shapes (768 × 2048) this is 2-4x cheaper than ``svdvals``. Forming the Gram matrix makes each
-    σ² exact to about ``eps · σ₁²`` rather than relative to itself; components that small never win a rank budget.
+    For an expert's shapes (768 × 2048) this is several times cheaper than an SVD. Forming the Gram matrix makes
+    each σ² exact to about ``eps · σ₁²`` rather than relative to itself; components that small never win a rank
+    budget.
     """
-    gram = matrix @ matrix.T if matrix.shape[0] <= matrix.shape[1] else matrix.T @ matrix
-    return torch.linalg.eigvalsh(gram).flip(0).clamp_min(0.0)
+    return torch.linalg.eigvalsh(_gram(matrix)).flip(0).clamp_min(0.0)
+
+
+def truncated_svd(matrix: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(σ² descending, U_k·Σ_k [rows, k], V_kᵀ [k, cols])`` with ``k = min(keep, min(rows, cols))``, from the
+    eigenvectors of the smaller Gram matrix (7x faster than ``torch.linalg.svd`` at 768 × 2048).
+
+    The other side is recovered by projecting ``matrix`` on the kept vectors, so ``U_k·Σ_k·V_kᵀ`` is exactly the
+    projection of ``matrix`` on the kept subspace whatever the rounding of the vectors. A component with σ = 0
+    gets a zero right vector.
+    """
+    eigenvalues, vectors = torch.linalg.eigh(_gram(matrix))
+    sigma2 = eigenvalues.flip(0).clamp_min(0.0)
+    keep = min(keep, sigma2.numel())
+    kept = vectors.flip(1)[:, :keep]
+    if matrix.shape[0] <= matrix.shape[1]:
+        scaled_right = kept.T @ matrix  # Σ_k V_kᵀ
+        sigma = scaled_right.norm(dim=1)
+        right = torch.where(sigma[:, None] > 0, scaled_right / sigma.clamp_min(1e-300)[:, None], 0.0)
+        return sigma2, kept * sigma, right
+    return sigma2, matrix @ kept, kept.T
 
 
 def weighted_error(spectra: dict, loads: dict, ranks: dict) -> float:
