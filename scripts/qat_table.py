@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +31,9 @@ def main() -> None:
     parser.add_argument("--data", default="builtin:prose", help="training and PTQ calibration source")
     parser.add_argument("--eval-data", default="builtin:prose:heldout")
     parser.add_argument("--schemes", default="int2,mxfp4")
-    parser.add_argument("--replays", default="all,none", help="comma-separated --replay schedules")
+    parser.add_argument(
+        "--replays", default="all,none", help="comma-separated --replay schedules (layers:0,1 keeps its commas)"
+    )
     parser.add_argument("--replay-weights", default="router")
     parser.add_argument("--budget", type=float, default=0.375, help="adapter bits per expert weight")
     parser.add_argument(
@@ -71,7 +74,7 @@ def main() -> None:
                 f"{oracle[-1]['replayed']:.3f} with the full-precision model's",
                 flush=True,
             )
-            for replay in args.replays.split(","):
+            for replay in re.split(r",(?!\d)", args.replays):
                 config = QATConfig(
                     quantize=quantize,
                     replay=replay,
