@@ -95,6 +95,32 @@ def test_weighted_error_falls_strictly_with_the_budget_predicted_and_measured(la
     torch.testing.assert_close(torch.tensor(measured), torch.tensor(predicted), rtol=1e-3, atol=0)
 
 
+def test_measuring_as_it_goes_equals_measuring_from_the_kept_inputs(layer):
+    adapter, moe, quantized, hidden = layer
+    weights = torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(4)) + 0.5
+    kept = layer_errors(adapter, moe, quantized, hidden, keep=8, min_tokens=16, keep_inputs=True, token_weights=weights)
+    ranks = allocate({k: s.sigma2 for k, s in kept.spectra.items()}, kept.loads, 40, "load", max_rank=8)
+    streamed = layer_errors(
+        adapter, moe, quantized, hidden, keep=ranks, min_tokens=16, measure=True, token_weights=weights
+    )
+    assert not streamed.errors and not streamed.inputs
+    assert streamed.measured == (measured_error(kept, {}), measured_error(kept, ranks))
+    assert streamed.measured[1] < streamed.measured[0]
+
+
+@pytest.mark.parametrize(
+    "scheme", [QuantScheme("int2", 32, symmetric=False), QuantScheme("mxfp4"), QuantScheme("binary", 32)]
+)
+def test_one_expert_dequantises_to_its_slice_of_the_block(layer, scheme):
+    _, moe, _, _ = layer
+    quantized = quantize_experts_rtn(moe, scheme)
+    for expert in (0, moe.num_experts - 1):
+        gate_up, down = quantized.dequantized_expert(expert)
+        block = quantized.dequantized()
+        assert torch.equal(gate_up, block.gate_up[expert]) and torch.equal(down, block.down[expert])
+        quantized._dequantized = None
+
+
 def test_whitened_adapter_beats_plain_svd_on_the_routed_inputs():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(500, 64, generator=g) @ torch.diag(torch.logspace(0, -2, 64))

@@ -22,7 +22,7 @@ from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter, MoEWeights
 from ..kernels.mxfp4 import ScaleRule
 from ..loading import load_adapter
-from ..quantization.compensation import LayerErrors, layer_errors, measured_error
+from ..quantization.compensation import LayerErrors, layer_errors
 from ..quantization.experts import QuantizedMoE, quantize_experts_calibrated, quantize_experts_rtn
 from ..quantization.formats import gpt_oss, native
 from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
@@ -196,9 +196,7 @@ class _ExpertQuantizer:
         capture.replacement = quantized.dequantized()
         return quantized
 
-    def errors(
-        self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int | dict, keep_inputs: bool
-    ) -> LayerErrors:
+    def errors(self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int | dict, measure: bool) -> LayerErrors:
         factor = self.sensitivity.get(capture.layer)
         errors = layer_errors(
             self.adapter,
@@ -208,7 +206,7 @@ class _ExpertQuantizer:
             keep=keep,
             min_tokens=self.config.lowrank_min_tokens,
             weighting=self.config.load_weighting,
-            keep_inputs=keep_inputs,
+            measure=measure,
             token_weights=factor if factor is not None and factor.ndim else None,
         )
         if factor is not None and not factor.ndim:
@@ -244,7 +242,7 @@ def _measure_lowrank(
     for capture in sweep.run(state, label="measuring quantisation error"):
         moe = capture.moe
         quantized = quantizer.quantize(capture.layer, moe, capture)
-        errors = quantizer.errors(moe, quantized, capture, keep=0, keep_inputs=False)
+        errors = quantizer.errors(moe, quantized, capture, keep=0, measure=False)
         tensors = {f"{expert}.{which}": spectrum.sigma2 for (expert, which), spectrum in errors.spectra.items()}
         meta = {
             "loads": [[expert, which, errors.loads[(expert, which)]] for expert, which in errors.spectra],
@@ -409,9 +407,9 @@ def _write_quantized(
         quantized = quantizer.quantize(layer, moe, capture)
         if ranks:
             layer_ranks = {(e, w): r for (lay, e, w), r in ranks.items() if lay == layer}
-            errors = quantizer.errors(moe, quantized, capture, keep=layer_ranks, keep_inputs=True)
+            errors = quantizer.errors(moe, quantized, capture, keep=layer_ranks, measure=True)
             quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
-            meta["measured"] = [measured_error(errors, {}), measured_error(errors, layer_ranks)]
+            meta["measured"] = list(errors.measured)
             meta["lowrank_ranks"] = {
                 which: [layer_ranks[(e, which)] for e in range(moe.num_experts)] for which in ("gate", "up", "down")
             }

@@ -26,6 +26,9 @@ class LayerErrors:
     errors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     inputs: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     plain_svd: list[int] = field(default_factory=list)
+    measured: tuple[float, float] | None = None
+    """With ``measure``: the block's weighted error without adapters and with the kept components (what
+    :func:`measured_error` gives for no ranks and for ``keep``), summed expert by expert."""
 
 
 def expert_matrices(moe: MoEWeights, expert: int) -> dict[str, torch.Tensor]:
@@ -44,6 +47,7 @@ def layer_errors(
     min_tokens: int,
     weighting: str = "tokens",
     keep_inputs: bool = False,
+    measure: bool = False,
     token_weights: torch.Tensor | None = None,
 ) -> LayerErrors:
     """Spectra (with ``keep`` components' factors, one number for all or one per ``(expert, matrix)``, absent
@@ -58,12 +62,15 @@ def layer_errors(
 
     ``token_weights`` (one per row of ``hidden``) multiply each token's squared error, e.g. the downstream
     sensitivity of the block's output at that token.
+
+    Memory is one block's weights plus one expert's work at a time; ``keep_inputs`` (for analysis) instead
+    keeps every matrix's error and inputs, and ``measure`` sums the measured errors as it goes.
     """
     hidden = hidden.float()
     ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
-    dequantized = quantized.dequantized()
     total_slots = float(ids.numel())
     result = LayerErrors({}, {})
+    without_adapters = with_adapters = 0.0
     inter = moe.intermediate_size
     for expert in range(moe.num_experts):
         routed = ids == expert
@@ -72,7 +79,12 @@ def layer_errors(
         x = hidden[tokens]
         gate_weight = (weights * routed).sum(dim=-1)[tokens].float().unsqueeze(-1)
         original = expert_matrices(moe, expert)
-        approximate = expert_matrices(dequantized, expert)
+        approximate_gate_up, approximate_down = quantized.dequantized_expert(expert)
+        approximate = {
+            "gate": approximate_gate_up[:inter],
+            "up": approximate_gate_up[inter:],
+            "down": approximate_down,
+        }
         projected = F.linear(x, moe.gate_up[expert].float())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()
@@ -96,10 +108,33 @@ def layer_errors(
             kept = keep if isinstance(keep, int) else keep.get(key, 0)
             result.spectra[key] = error_spectrum(error, factors[which], kept)
             result.loads[key] = load * reach[which]
+            if not (keep_inputs or measure):
+                continue
+            inputs = (down_input if which == "down" else x) * token_scale
             if keep_inputs:
                 result.errors[key] = error
-                result.inputs[key] = (down_input if which == "down" else x) * token_scale
+                result.inputs[key] = inputs
+            if measure:
+                residual = _residual(error, result.spectra[key], kept)
+                without_adapters += result.loads[key] * _output_error(inputs, error)
+                with_adapters += result.loads[key] * _output_error(inputs, residual)
+    if measure:
+        result.measured = (without_adapters, with_adapters)
     return result
+
+
+def _residual(error: torch.Tensor, spectrum: ErrorSpectrum, rank: int) -> torch.Tensor:
+    if not rank:
+        return error
+    left, right = spectrum.adapter(rank)
+    return error - left @ right
+
+
+def _output_error(inputs: torch.Tensor, residual: torch.Tensor) -> float:
+    """Mean over the routed tokens of ``‖residual · x‖²`` (0 for an expert no token reached)."""
+    if inputs.shape[0] == 0:
+        return 0.0
+    return float(((inputs @ residual.T) ** 2).sum()) / inputs.shape[0]
 
 
 def output_reach(
@@ -132,13 +167,6 @@ def measured_error(errors: LayerErrors, ranks: dict[tuple[int, str], int]) -> fl
     """Σ load · mean over routed tokens of ‖(E − L·R)·x‖², computed directly (not from the spectrum)."""
     total = 0.0
     for key, spectrum in errors.spectra.items():
-        x = errors.inputs[key]
-        if x.shape[0] == 0:
-            continue
-        residual = errors.errors[key]
-        rank = ranks.get(key, 0)
-        if rank:
-            left, right = spectrum.adapter(rank)
-            residual = residual - left @ right
-        total += errors.loads[key] * float(((x @ residual.T) ** 2).sum()) / x.shape[0]
+        residual = _residual(errors.errors[key], spectrum, ranks.get(key, 0))
+        total += errors.loads[key] * _output_error(errors.inputs[key], residual)
     return total

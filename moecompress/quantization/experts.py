@@ -34,6 +34,14 @@ class QuantizedMoE:
             self._dequantized = replace(self.weights, gate_up=self.gate_up.dequantize(), down=self.down.dequantize())
         return self._dequantized
 
+    def dequantized_expert(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's dequantised ``gate_up [2I, H]`` and ``down [H, I]`` (float32), without dequantising the
+        block: a Qwen3-30B block is 2.4 GB in float32, one expert 19 MB."""
+        if self._dequantized is not None:
+            return self._dequantized.gate_up[expert], self._dequantized.down[expert]
+        index = torch.tensor([expert])
+        return self.gate_up.select(index).dequantize()[0], self.down.select(index).dequantize()[0]
+
 
 def quantize_experts_rtn(moe: MoEWeights, scheme: QuantScheme) -> QuantizedMoE:
     gate_up, down = scheme.quantize(moe.gate_up), scheme.quantize(moe.down)
