@@ -33,8 +33,12 @@ class LayerErrors:
 
 def expert_matrices(moe: MoEWeights, expert: int) -> dict[str, torch.Tensor]:
     """An expert's gate ``[I, H]``, up ``[I, H]`` and down ``[H, I]`` weights from the canonical view."""
-    inter = moe.intermediate_size
-    return {"gate": moe.gate_up[expert, :inter], "up": moe.gate_up[expert, inter:], "down": moe.down[expert]}
+    return split_expert(moe.gate_up[expert], moe.down[expert], moe.intermediate_size)
+
+
+def split_expert(gate_up: torch.Tensor, down: torch.Tensor, inter: int) -> dict[str, torch.Tensor]:
+    """One expert's fused ``gate_up [2I, H]`` and ``down [H, I]`` as its gate, up and down matrices."""
+    return {"gate": gate_up[:inter], "up": gate_up[inter:], "down": down}
 
 
 def layer_errors(
@@ -79,12 +83,7 @@ def layer_errors(
         x = hidden[tokens]
         gate_weight = (weights * routed).sum(dim=-1)[tokens].float().unsqueeze(-1)
         original = expert_matrices(moe, expert)
-        approximate_gate_up, approximate_down = quantized.dequantized_expert(expert)
-        approximate = {
-            "gate": approximate_gate_up[:inter],
-            "up": approximate_gate_up[inter:],
-            "down": approximate_down,
-        }
+        approximate = split_expert(*quantized.dequantized_expert(expert), inter)
         projected = F.linear(x, moe.gate_up[expert].float())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()

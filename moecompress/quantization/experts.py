@@ -39,8 +39,7 @@ class QuantizedMoE:
         block: a Qwen3-30B block is 2.4 GB in float32, one expert 19 MB."""
         if self._dequantized is not None:
             return self._dequantized.gate_up[expert], self._dequantized.down[expert]
-        index = torch.tensor([expert])
-        return self.gate_up.select(index).dequantize()[0], self.down.select(index).dequantize()[0]
+        return self.gate_up[expert].dequantize(), self.down[expert].dequantize()
 
 
 def quantize_experts_rtn(moe: MoEWeights, scheme: QuantScheme) -> QuantizedMoE:
