@@ -1,20 +1,44 @@
 """moecompress: compress Hugging Face Mixture-of-Experts checkpoints.
 
-Importing the package registers what stock transformers needs to load moecompress outputs whose MoE layers
-hold different numbers of experts (see :mod:`moecompress.plugin`).
+The Python API (see the README and :mod:`moecompress.api`)::
+
+    import moecompress
+
+    result = moecompress.quantize("builtin:tiny-moe", "tiny-mxfp4", scheme="mxfp4", evaluation=None)
+    print(result.bytes_before, "->", result.bytes_after, "bytes;", result.bits_per_weight_after, "bits/weight")
+
+:func:`prune`, :func:`quantize` and :func:`run` write a checkpoint and return a typed result; :func:`evaluate`
+returns an :class:`~moecompress.evals.perplexity.EvalResult`.
+
+Importing the package does one thing besides defining these: it registers what stock transformers needs to load
+moecompress outputs (the native quantised format, and MoE layers holding different numbers of experts or heads;
+see :mod:`moecompress.plugin`), which is why a script that loads an output imports moecompress first. It sets no
+environment variable or other process-wide state, and loads neither torch nor transformers.
 """
 
 __version__ = "0.1.0"
 
-import os as _os
-import sys as _sys
-
-if "torch" not in _sys.modules:
-    # torch backs tensors of 2 MiB and more with transparent huge pages when this is set before it starts:
-    # streaming a checkpoint allocates a layer's worth of fresh memory per layer, and with 4 KiB pages the
-    # page faults cost about a quarter of an MXFP4 rewrite (BENCHMARKS.md). Set it to 0 to opt out.
-    _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 from . import plugin as _plugin
+from .api import CompressResult, PruneResult, QuantizeResult, RunResult, evaluate, prune, quantize, run
+
+__all__ = [
+    "CompressResult",
+    "EvalResult",
+    "PruneResult",
+    "QuantizeResult",
+    "RunResult",
+    "evaluate",
+    "prune",
+    "quantize",
+    "run",
+]
 
 _plugin.install()
+
+
+def __getattr__(name: str):
+    if name == "EvalResult":
+        from .evals.perplexity import EvalResult
+
+        return EvalResult
+    raise AttributeError(f"module 'moecompress' has no attribute {name!r}")

@@ -8,6 +8,7 @@ stderr, so stdout keeps only the results (the summary table).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -29,6 +30,20 @@ Item = TypeVar("Item")
 def configure(*, quiet: bool = False, log_json: bool = False) -> None:
     global MODE
     MODE = "quiet" if quiet else "json" if log_json else "auto"
+
+
+@contextlib.contextmanager
+def silenced(silent: bool = True) -> Iterator[None]:
+    """No events or bars inside the block when ``silent`` (the Python API's ``progress=False``); the mode the
+    caller had is restored afterwards."""
+    global MODE
+    saved = MODE
+    if silent:
+        MODE = "quiet"
+    try:
+        yield
+    finally:
+        MODE = saved
 
 
 def _mode() -> Mode:

@@ -1,0 +1,147 @@
+"""The Python API: typed results, outputs stock transformers loads, the CLI's options and errors, no side effects
+of ``import moecompress``."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import run_cli, tree_hashes
+
+import moecompress
+from moecompress.errors import UserInputError
+from moecompress.evals.perplexity import EvalResult
+from moecompress.passes.prune_experts import PruneExpertsConfig
+from moecompress.passes.quantize import QuantizeConfig
+
+CALIBRATION = {"tokens": 512, "seq_len": 64}
+
+
+def _forward(directory) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.inference_mode():
+        return model(input_ids=torch.arange(16)[None]).logits
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api") / "pruned"
+    return moecompress.prune(
+        "builtin:tiny-moe", out, method="maep", ratio=0.25, calibration=CALIBRATION, evaluation={"tokens": 512}
+    )
+
+
+def test_prune_then_quantize_from_the_api_and_load_the_results(pruned, tmp_path, capfd):
+    assert isinstance(pruned, moecompress.PruneResult) and isinstance(pruned.config, PruneExpertsConfig)
+    assert pruned.out.is_dir() and pruned.out.is_absolute()
+    assert (pruned.experts_before, pruned.experts_after) == (32, 24) and pruned.uniform
+    for layer, kept in pruned.kept.items():
+        assert len(kept) == 6 and sorted(kept + pruned.removed[layer]) == list(range(8))
+    assert pruned.bytes_after < pruned.bytes_before
+    assert pruned.bits_per_weight_after == pruned.bits_per_weight_before == 16.0
+    assert isinstance(pruned.evaluation, EvalResult)
+    assert pruned.evaluation.reference_perplexity < pruned.evaluation.perplexity
+    assert 0 < pruned.evaluation.routing_agreement < 1 and pruned.evaluation.kl > 0
+    report = json.loads((pruned.out / "moecompress_report.json").read_text())
+    assert report["layers"]["0"]["kept"] == list(pruned.kept[0])
+
+    capfd.readouterr()
+    quantized = moecompress.quantize(pruned.out, tmp_path / "q", scheme="mxfp4", evaluation=None)
+    assert capfd.readouterr().err == ""
+    assert isinstance(quantized, moecompress.QuantizeResult) and isinstance(quantized.config, QuantizeConfig)
+    assert quantized.evaluation is None and quantized.scheme.startswith("mxfp4")
+    assert quantized.bytes_before == pruned.bytes_after
+    # MXFP4: a 4-bit code per weight and an 8-bit scale per 32 weights.
+    assert quantized.expert_bits_per_weight_after == 4 + 8 / 32
+    assert quantized.bits_per_weight_after < quantized.bits_per_weight_before
+    assert quantized.quantized_modules == 4 and quantized.rtn_fallback_experts == {}
+
+    reference = _forward(moecompress.api._resolve("builtin:tiny-moe"))
+    for directory in (pruned.out, quantized.out):
+        logits = _forward(directory)
+        assert logits.shape == reference.shape and torch.isfinite(logits).all()
+        assert not torch.equal(logits, reference)
+
+
+def test_the_api_writes_what_the_cli_writes(pruned, tmp_path):
+    result = run_cli(
+        "prune", "builtin:tiny-moe", "--out", str(tmp_path / "cli"), "--method", "maep", "--ratio", "0.25",
+        "--calib-tokens", "512", "--seq-len", "64", "--eval-tokens", "512", "-q",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    cli, api = tree_hashes(tmp_path / "cli"), tree_hashes(pruned.out)
+    assert cli.pop("moecompress_report.json") and api.pop("moecompress_report.json")
+    assert cli == api
+    # The evaluation's float sums may round differently with the other process's thread count.
+    cli_eval = json.loads((tmp_path / "cli" / "moecompress_report.json").read_text())["eval"]
+    assert cli_eval.pop("data") == pruned.report["eval"]["data"]
+    assert cli_eval == pytest.approx({k: v for k, v in pruned.report["eval"].items() if k != "data"}, rel=1e-6)
+
+
+def test_evaluate_returns_an_eval_result_equal_to_the_pass_evaluation(pruned):
+    result = moecompress.evaluate(pruned.out, "builtin:tiny-moe", data="builtin:prose", seq_len=64, max_tokens=512)
+    assert isinstance(result, EvalResult) and result.tokens_per_second > 0
+    for name in ("perplexity", "kl", "routing_agreement", "reference_perplexity", "tokens", "windows"):
+        assert getattr(result, name) == pytest.approx(getattr(pruned.evaluation, name), rel=1e-6), name
+    alone = moecompress.evaluate("builtin:tiny-moe", data="builtin:prose", seq_len=64, max_tokens=512)
+    assert alone.kl is None and alone.perplexity == pytest.approx(result.reference_perplexity, rel=1e-6)
+
+
+def test_run_takes_a_recipe_as_a_dict(tmp_path):
+    recipe = {
+        "model": "builtin:tiny-moe",
+        "calibration": CALIBRATION,
+        "passes": [
+            {"prune_experts": {"method": "frequency", "keep": 6, "ratio": None}},
+            {"quantize": {"scheme": "int4"}},
+        ],
+    }
+    result = moecompress.run(recipe, out=tmp_path / "r")
+    assert isinstance(result, moecompress.RunResult) and result.evaluation is None
+    assert result.passes[0].startswith("prune_experts:") and result.passes[1].startswith("quantize:")
+    assert (result.experts_before, result.experts_after) == (32, 24)
+    # INT4, groups of 32 with a 16-bit scale each.
+    assert result.expert_bits_per_weight_after == 4 + 16 / 32
+    assert torch.isfinite(_forward(result.out)).all()
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda out: moecompress.prune("builtin:tiny-moe", out, ratioo=0.3), TypeError, "'ratioo'"),
+        (lambda out: moecompress.quantize("builtin:tiny-moe", out, scheme="int3"), UserInputError, "int3"),
+        (lambda out: moecompress.quantize("builtin:tiny-moe", out, group_size="32"), UserInputError, "group_size"),
+        (lambda out: moecompress.prune("builtin:tiny-moe", out, ratio=1.5), UserInputError, "ratio"),
+        (lambda out: moecompress.prune("builtin:tiny-moe", out, calibration={"tokenz": 1}), UserInputError, "tokenz"),
+        (lambda out: moecompress.prune("builtin:tiny-moe", out, evaluation={"tokens": "x"}), UserInputError, "tokens"),
+        (lambda out: moecompress.quantize("builtin:nothing", out), UserInputError, "builtin:nothing"),
+        (lambda out: moecompress.run({"passes": [{"quantise": {}}]}, out=out), UserInputError, "quantise"),
+    ],
+)
+def test_a_wrong_option_is_refused_before_any_work(tmp_path, monkeypatch, call, error, message):
+    import moecompress.recipes
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(moecompress.recipes, "run_recipe", no_work)
+    with pytest.raises(error, match=message):
+        call(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_import_sets_no_process_state_and_the_cli_sets_huge_pages():
+    check = (
+        "import os, sys; before = dict(os.environ); import moecompress; "
+        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
+        "import moecompress.cli.main; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
