@@ -15,7 +15,7 @@ from .families import PARAM_CLASSES, adapter_for
 
 def summarize(directory: Path) -> dict[str, Any]:
     """A JSON-ready summary of the model in ``directory``; no weights are read."""
-    with CheckpointReader(directory) as reader:
+    with CheckpointReader(directory, decode=False) as reader:
         adapter = adapter_for(reader.config, source=str(directory))
         shape = adapter.shape()
         dtypes: Counter[str] = Counter()

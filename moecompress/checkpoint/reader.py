@@ -19,6 +19,7 @@ import torch
 from .. import trust
 from ..errors import UserInputError
 from ..kernels.finite import all_finite
+from .decode import Encoded, InputFormat, plan_decoding, target_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -114,9 +115,14 @@ def _header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
 
 
 class CheckpointReader:
-    """Headers of every shard, a key→shard map, and tensors read on demand."""
+    """Headers of every shard, a key→shard map, and tensors read on demand.
 
-    def __init__(self, directory: str | os.PathLike[str]):
+    A quantised release (``quantization_config`` of FP8, gpt-oss MXFP4 or compressed-tensors) is decoded on read
+    unless ``decode`` is False: :attr:`tensors` then names each weight as its bf16 release does, reading it
+    decodes its codes and scales (:mod:`.decode`), and :attr:`raw_tensors` and :meth:`read_raw` give the stored
+    tensors themselves. :attr:`input_format` says what was found."""
+
+    def __init__(self, directory: str | os.PathLike[str], decode: bool = True):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise UserInputError(f"{self.directory}: no such model directory")
@@ -141,6 +147,25 @@ class CheckpointReader:
                 if key != "__metadata__":
                     start = data_start + entry["data_offsets"][0]
                     self.tensors[key] = TensorInfo(shard, entry["dtype"], tuple(entry["shape"]), start)
+        self.raw_tensors: dict[str, TensorInfo] = self.tensors
+        self.input_format: InputFormat | None = None
+        self._encoded: dict[str, Encoded] = {}
+        if decode:
+            self._plan_decoding()
+
+    def _plan_decoding(self) -> None:
+        shapes = {key: (info.shape, info.dtype) for key, info in self.raw_tensors.items()}
+        found = plan_decoding(self.config, shapes, lambda key: self._read_raw(key, False))
+        if found is None:
+            return
+        self.input_format = found
+        self._encoded = found.encoded
+        hidden = found.raw_keys
+        dtype_name = SAFETENSORS_DTYPES[target_dtype(self.config)]
+        tensors = {key: info for key, info in self.raw_tensors.items() if key not in hidden}
+        for key, encoded in found.encoded.items():
+            tensors[key] = TensorInfo(self.raw_tensors[encoded.parts["codes"]].file, dtype_name, encoded.shape)
+        self.tensors = tensors
 
     def _shard_files(self) -> list[str]:
         index_path = self.directory / INDEX_NAME
@@ -224,7 +249,9 @@ class CheckpointReader:
         return out
 
     def dtype_of(self, key: str) -> torch.dtype:
-        info = self.tensors[key]
+        return self._dtype_of(self.tensors[key], key)
+
+    def _dtype_of(self, info: TensorInfo, key: str) -> torch.dtype:
         try:
             return _TORCH_DTYPES[info.dtype]
         except KeyError:
@@ -232,13 +259,37 @@ class CheckpointReader:
                 f"{self.directory / info.file}: tensor {key!r} has unsupported dtype {info.dtype}"
             ) from None
 
+    def read_raw(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Stored tensors by their stored names (codes and scales of a quantised release, not decoded)."""
+        return {key: self._read_raw(key, True) for key in keys}
+
+    def _read_raw(self, key: str, check_finite: bool) -> torch.Tensor:
+        info = self.raw_tensors[key]
+        out = torch.empty(info.shape, dtype=self._dtype_of(info, key))
+        self._read_stored(key, info, out, check_finite)
+        return out
+
     def read_into(self, key: str, out: torch.Tensor, check_finite: bool = True) -> None:
         """Read tensor ``key`` into ``out`` (contiguous, of its shape and dtype)."""
-        info = self.tensors[key]
+        encoded = self._encoded.get(key)
+        if encoded is not None:
+            parts = {name: self._read_raw(raw, False) for name, raw in encoded.parts.items()}
+            value = encoded.decode(parts)
+            if tuple(value.shape) != tuple(out.shape):
+                raise UserInputError(
+                    f"{self.directory}: {key} decodes to shape {list(value.shape)}, expected {list(out.shape)}"
+                )
+            out.copy_(value)
+            if check_finite and not all_finite(out):
+                raise UserInputError(f"{self.directory}: tensor {key!r} decodes to NaN or Inf values")
+            return
+        self._read_stored(key, self.tensors[key], out, check_finite)
+
+    def _read_stored(self, key: str, info: TensorInfo, out: torch.Tensor, check_finite: bool) -> None:
         if info.file in self._pickled:
             out.copy_(self._pickled[info.file][key])
         else:
-            if not out.is_contiguous() or tuple(out.shape) != info.shape or out.dtype != self.dtype_of(key):
+            if not out.is_contiguous() or tuple(out.shape) != info.shape or out.dtype != self._dtype_of(info, key):
                 raise ValueError(f"{key}: cannot read a {info.dtype} {list(info.shape)} tensor into this buffer")
             buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
             with open(self.directory / info.file, "rb", buffering=0) as handle:
@@ -248,7 +299,7 @@ class CheckpointReader:
                     if count == 0:
                         raise UserInputError(f"{self.directory / info.file}: truncated while reading tensor {key!r}")
                     done += count
-        if check_finite and out.is_floating_point() and not all_finite(out):
+        if check_finite and out.is_floating_point() and out.element_size() > 1 and not all_finite(out):
             raise UserInputError(f"{self.directory / info.file}: tensor {key!r} holds NaN or Inf values")
 
     def close(self) -> None:

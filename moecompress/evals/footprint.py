@@ -148,7 +148,7 @@ def _compressed_tensors_bits(quantization: dict[str, Any]) -> int:
 
 def checkpoint_footprint(directory: Path) -> Footprint:
     """The footprint of the checkpoint in ``directory`` (headers only)."""
-    with CheckpointReader(directory) as reader:
+    with CheckpointReader(directory, decode=False) as reader:
         adapter = adapter_for(reader.config, source=str(directory))
         footprint = Footprint(file_bytes=reader.total_bytes())
         for key, info in reader.tensors.items():
