@@ -34,8 +34,8 @@ class LayerCapture:
     asks for the next layer, so that a consumer still holding the capture does not hold a second layer's experts."""
 
     layer: int
-    moe: MoEWeights
-    moe_input: torch.Tensor
+    moe: MoEWeights | None
+    moe_input: torch.Tensor | None
     tags: torch.Tensor
     tag_names: list[str]
     attention_received: torch.Tensor | None = None
@@ -47,6 +47,14 @@ class LayerCapture:
     """Set by the consumer before it asks for the next layer: the block's new weights (e.g. quantised), through
     which the sweep then recomputes this layer's outputs, so later layers calibrate on what they will really
     receive (sequential calibration)."""
+    allowed: torch.Tensor | None = None
+    """With a ``replacement``: the experts (bool ``[E]``) its router may choose; the others are routed around as the
+    family's rule does when an expert is removed. A pruned block is recomputed at its original size this way, so
+    that the stock layer module (built for ``E`` experts) computes what the pruned model will."""
+    rest: dict[str, torch.Tensor] | None = None
+    """With ``keep_tensors``: the layer's other tensors (attention, norms, shared experts) as read, for a writer."""
+    layout: Any = None
+    """With ``keep_tensors``: the on-disk layout of the layer's experts (:meth:`FamilyAdapter.split_layer`)."""
 
 
 class _LayerProxy(torch.nn.Module):
@@ -108,6 +116,10 @@ class CalibrationSweep:
     copy of a layer's experts fewer (1.2 GB on Qwen3-30B-A3B); for consumers that only read the weights
     (converting the checkpoint's bf16 to float32 is exact, so they see the same values). Consumers that write the
     view's tensors out keep the default, so that their output keeps the checkpoint's dtype.
+
+    With ``keep_tensors`` (a consumer that writes the layer, as the pipeline's rewriting sweep) :meth:`run` yields
+    every decoder layer, dense ones too (``moe`` None), each with its other tensors and layout, so the layer is read
+    from the checkpoint once for calibrating and writing.
     """
 
     def __init__(
@@ -120,6 +132,7 @@ class CalibrationSweep:
         capture_attention: bool = False,
         dtype: torch.dtype = torch.float32,
         moe_in_compute_dtype: bool = False,
+        keep_tensors: bool = False,
         progress: bool = True,
     ):
         import transformers
@@ -132,10 +145,13 @@ class CalibrationSweep:
         self.capture_attention = capture_attention
         self.dtype = dtype
         self.moe_in_compute_dtype = moe_in_compute_dtype
+        self.keep_tensors = keep_tensors
         self.progress = progress
         self.layer_keys, outside_keys = group_keys_by_layer(self.reader, self.adapter)
 
-        config = transformers.AutoConfig.from_pretrained(self.model_dir, trust_remote_code=False)
+        config = self.adapter.transformers_config() or transformers.AutoConfig.from_pretrained(
+            self.model_dir, trust_remote_code=False
+        )
         auto_class = getattr(transformers, self.adapter.auto_class)
         with torch.device("meta"):
             self._meta_model = _meta_model(auto_class, config, dtype, "eager" if capture_attention else "sdpa")
@@ -218,8 +234,12 @@ class CalibrationSweep:
     def materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
         """Decoder layer ``layer`` as the stock module with the checkpoint's weights (in the sweep's dtype), and
         the view of its MoE block (``None`` for a dense layer); :meth:`release` frees the module."""
+        module, moe, _, _ = self._materialise(layer)
+        return module, moe
+
+    def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None, dict[str, torch.Tensor], Any]:
         tensors = self.reader.pending(self.layer_keys.get(layer, []))
-        moe, rest, _ = self.adapter.split_layer(layer, tensors, consume=True)
+        moe, rest, layout = self.adapter.split_layer(layer, tensors, consume=True)
         if moe is not None and self.moe_in_compute_dtype:
             _convert_in_turn(moe, self.dtype)
         state = self.adapter.runtime_layer_state(layer, moe, rest)
@@ -232,7 +252,7 @@ class CalibrationSweep:
             raise UserInputError(
                 f"{self.model_dir}: layer {layer} weights do not match config.json ({detail})"
             ) from None
-        return module.eval(), moe
+        return module.eval(), moe, rest, layout
 
     def _load_moe(self, module: torch.nn.Module, layer: int, moe: MoEWeights) -> None:
         state = {
@@ -263,7 +283,10 @@ class CalibrationSweep:
             hidden, start = state.hidden(), state.start_layer
         layers = range(start, self.adapter.num_layers)
         for layer in progress_bar(layers, desc=label, unit="layer", disable=not self.progress, initial=start):
-            module, moe = self.materialise(layer)
+            if self.keep_tensors:
+                module, moe, rest, layout = self._materialise(layer)
+            else:
+                (module, moe), rest, layout = self.materialise(layer), None, None
             captured_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
             handles = []
@@ -274,7 +297,7 @@ class CalibrationSweep:
                         lambda mod, args, out, into=captured_inputs: into.append(args[0].reshape(-1, args[0].shape[-1]))
                     )
                 )
-                if self.capture_attention:
+                if self.capture_attention and self.adapter.softmax_attention(layer):
                     handles.append(
                         module.self_attn.register_forward_hook(
                             lambda mod, args, out, into=received: into.append(_attention_received(out[1]))
@@ -284,22 +307,25 @@ class CalibrationSweep:
             for handle in handles:
                 handle.remove()
             result = None
-            if moe is not None:
+            if moe is not None or self.keep_tensors:
                 capture = LayerCapture(
                     layer=layer,
                     moe=moe,
-                    moe_input=torch.cat(captured_inputs).float(),
+                    moe_input=torch.cat(captured_inputs).float() if captured_inputs else None,
                     tags=self.tags,
                     tag_names=self.tag_names,
                     attention_received=torch.cat(received) if received else None,
+                    rest=rest,
+                    layout=layout,
                 )
-                del captured_inputs, received
+                del captured_inputs, received, rest
                 yield capture
                 if capture.replacement is not None:
                     self._load_moe(module, layer, capture.replacement)
-                    outputs = self.forward_layer(module, layer, hidden)
+                    outputs = self._forward_routed(module, layer, hidden, capture)
                 result = capture.result
-                capture.moe = capture.moe_input = capture.attention_received = None
+                capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
+                capture.replacement = None
                 del capture
             del moe
             self.release(module)
@@ -310,6 +336,26 @@ class CalibrationSweep:
             if state is not None:
                 state.commit(layer, hidden, result)
         self.reader.close()
+
+    def _forward_routed(
+        self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor], capture: LayerCapture
+    ) -> list[torch.Tensor]:
+        """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set."""
+        if capture.allowed is None:
+            return self.forward_layer(module, layer, hidden)
+        rule, allowed = self.adapter.routing_rule(), capture.allowed
+        bias = capture.replacement.correction_bias
+
+        def reroute(router, inputs, output):
+            logits, weights, _ = output
+            ids, new_weights = rule.route(logits, bias, allowed)
+            return logits, new_weights.to(weights.dtype), ids
+
+        handle = module.get_submodule(self.adapter.router_module).register_forward_hook(reroute)
+        try:
+            return self.forward_layer(module, layer, hidden)
+        finally:
+            handle.remove()
 
     def forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         """The layer's outputs for each batch's input hidden states, called as the stock forward calls it."""

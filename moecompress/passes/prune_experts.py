@@ -31,6 +31,9 @@ from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
+from ..checkpoint.mtp import check_mode as check_mtp_mode
+from ..checkpoint.decode import describe_input, native_refusal
+from ..checkpoint.mtp import plan_stored_prune
 from ..checkpoint.stream import check_output_is_not_input
 from ..errors import UserInputError
 from ..evals.perplexity import evaluation_report
@@ -59,8 +62,10 @@ class PruneExpertsConfig:
     greedy: bool = False
     greedy_step: int | None = None
     seed: int = 0
+    mtp: str = "keep"
 
     def validate(self) -> None:
+        check_mtp_mode(self.mtp)
         if self.method not in METHODS:
             raise UserInputError(f"unknown pruning method {self.method!r}; choose from {', '.join(METHODS)}")
         if (self.ratio is None) == (self.keep is None):
@@ -447,6 +452,7 @@ def prune_experts(
         raise UserInputError(f"--resume needs a single process, not {ranks} ranks; run it without torchrun")
     check_output_is_not_input(Path(model_dir), Path(out_dir))
     adapter = load_adapter(model_dir)
+    native_refusal(adapter.config, str(model_dir))
     batches, tags, tag_names = calibration_batches(
         adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size
     )
@@ -511,11 +517,51 @@ def write_pruned(
 ) -> dict[str, Any]:
     """Apply the selection to the checkpoint and write it (through ``writer`` when one is open) with its report."""
     try:
-        removals = choose_removals(layer_scores, config, adapter.top_k, group_limit(adapter))
+        plan = plan_pruning(model_dir, adapter, layer_scores, config, calibration)
+        stored = plan_stored_prune(
+            model_dir, adapter, plan.keep_positions, plan.config, config.mtp, group_limit(adapter)
+        )
     except UserInputError:
         if writer is not None:
             writer.abort()
         raise
+    keep_positions = stored.keep_positions
+    if stored.report:
+        plan.report["mtp"] = stored.report
+    plan.report["input_format"] = describe_input(model_dir)
+    rewrite_checkpoint(
+        model_dir,
+        out_dir,
+        lambda layer, moe: moe.select(keep_positions[layer]) if layer in keep_positions else moe,
+        config=stored.config,
+        overwrite=overwrite,
+        progress=progress,
+        extra_json={"moecompress_report.json": plan.report},
+        writer=writer,
+        raw_layer_fn=stored.raw_layer_fn,
+        drop_layers=stored.drop_layers,
+    )
+    return plan.report
+
+
+@dataclass
+class PrunePlan:
+    """The chosen removals: per MoE layer the positions kept, the pruned model's config, and the pass's report."""
+
+    keep_positions: dict[int, list[int]]
+    config: dict[str, Any]
+    report: dict[str, Any]
+
+
+def plan_pruning(
+    model_dir: Path,
+    adapter: FamilyAdapter,
+    layer_scores: list[LayerScores],
+    config: PruneExpertsConfig,
+    calibration: dict[str, Any],
+) -> PrunePlan:
+    """Choose the removals from every layer's scores (a :class:`UserInputError` when they are impossible)."""
+    removals = choose_removals(layer_scores, config, adapter.top_k, group_limit(adapter))
     by_layer = {s.layer: s for s in layer_scores}
     keep_positions = {
         layer: [e for e in range(len(by_layer[layer].expert_ids)) if e not in set(removed)]
@@ -548,14 +594,4 @@ def write_pruned(
             for s in layer_scores
         },
     }
-    rewrite_checkpoint(
-        model_dir,
-        out_dir,
-        lambda layer, moe: moe.select(keep_positions[layer]) if layer in keep_positions else moe,
-        config=new_config,
-        overwrite=overwrite,
-        progress=progress,
-        extra_json={"moecompress_report.json": report},
-        writer=writer,
-    )
-    return report
+    return PrunePlan(keep_positions, new_config, report)

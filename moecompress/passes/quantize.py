@@ -79,6 +79,8 @@ class QuantizeConfig:
             raise UserInputError(f"unknown scheme {self.scheme!r}; choose from {', '.join(SCHEMES)}")
         if self.method not in ("rtn", "gptq"):
             raise UserInputError(f"unknown method {self.method!r}; choose rtn or gptq")
+        if self.scheme == "mxfp4" and self.group_size not in (None, 32):
+            raise UserInputError(f"--group-size {self.group_size}: mxfp4 blocks are always 32 wide")
         unknown = sorted(set(self.targets) - set(TARGETS))
         if unknown or "experts" not in self.targets:
             raise UserInputError(f"targets must include experts and be among {', '.join(TARGETS)}; got {unknown}")
@@ -373,6 +375,104 @@ def _allocate_ranks(config: QuantizeConfig, gains: dict, loads: dict, shapes: li
     }
 
 
+class QuantizedLayers:
+    """The quantisation pass's rewriting work, layer after layer: quantise a block (and attach the low-rank
+    adapters the allocation gave it), lay its tensors out in the chosen format, and accumulate what the config and
+    the report need. Everything accumulated per layer is journalled with the layer's unit (:meth:`unit_meta`), so
+    a resumed run restores it (:meth:`restore`) for the layers it does not redo, in the same order."""
+
+    def __init__(
+        self,
+        report: dict[str, Any],
+        lowrank_report: dict[str, Any] | None,
+        layout,
+        tensors: _TensorQuantizer,
+        quantizer: _ExpertQuantizer,
+        ranks: dict,
+    ):
+        self.report, self.lowrank_report, self.layout = report, lowrank_report, layout
+        self.tensors, self.quantizer, self.ranks = tensors, quantizer, ranks
+        self.expert_modules: list[str] = []
+        self.layer_stats: dict[str, Any] = {}
+        self.lowrank_ranks: dict[str, dict[str, list[int]]] = {}
+        self.salient: dict[str, dict[str, list[int]]] = {}
+        self.measured = {"without_adapters": 0.0, "with_adapters": 0.0}
+        self.pending: dict[str, Any] = {}
+        self._layer_meta: dict[int, dict[str, Any]] = {}
+        report["layers"] = self.layer_stats
+
+    def quantize_moe(self, layer: int, moe: MoEWeights, capture) -> QuantizedMoE:
+        meta: dict[str, Any] = {}
+        quantizer = self.quantizer
+        quantized = quantizer.quantize(layer, moe, capture)
+        if self.ranks:
+            layer_ranks = {(e, w): r for (lay, e, w), r in self.ranks.items() if lay == layer}
+            errors = quantizer.errors(moe, quantized, capture, keep=layer_ranks, measure=True)
+            quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
+            meta["measured"] = list(errors.measured)
+            meta["lowrank_ranks"] = {
+                which: [layer_ranks[(e, which)] for e in range(moe.num_experts)] for which in ("gate", "up", "down")
+            }
+            quantized.stats["lowrank_ranks"] = meta["lowrank_ranks"]
+            quantized.stats["lowrank_plain_svd"] = errors.plain_svd
+        self._layer_meta[layer] = meta
+        return quantized
+
+    def restore(self, unit: str, meta: dict[str, Any]) -> None:
+        self.tensors.keys.extend(meta["tensor_keys"])
+        self.salient.update(meta.get("salient", {}))
+        if "layer" not in meta:
+            return
+        module = native.experts_module(self.quantizer.adapter, meta["layer"])
+        self.expert_modules.append(module)
+        self.layer_stats[str(meta["layer"])] = meta["stats"]
+        if "lowrank_ranks" in meta:
+            self.lowrank_ranks[module] = meta["lowrank_ranks"]
+            self.measured["without_adapters"] += meta["measured"][0]
+            self.measured["with_adapters"] += meta["measured"][1]
+
+    def join_layer(self, layer: int, quantized: QuantizedMoE | None, rest: dict[str, torch.Tensor]) -> dict:
+        """The layer's tensors as written (``quantized`` from :meth:`quantize_moe`, None for a dense layer)."""
+        tensors = self.tensors
+        first_key = len(tensors.keys)
+        meta = self._layer_meta.pop(layer, {})
+        if quantized is not None:
+            meta.update(layer=layer, stats=quantized.stats)
+        written = self.layout.layer_tensors(self.quantizer.adapter, layer, quantized, tensors(rest))
+        meta.update(tensor_keys=tensors.keys[first_key:], salient=native.salient_sizes(written))
+        del tensors.keys[first_key:]
+        self.pending[layer_unit(layer)] = meta
+        self.restore(layer_unit(layer), json.loads(json.dumps(meta)))
+        return written
+
+    def write_outside(self, outside: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        first_key = len(self.tensors.keys)
+        written = self.layout.outside_tensors(self.quantizer.adapter, self.tensors(outside))
+        self.pending[OUTSIDE_UNIT] = {"tensor_keys": self.tensors.keys[first_key:]}
+        return written
+
+    def unit_meta(self, unit: str) -> Any:
+        return self.pending.pop(unit)
+
+    def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with the quantisation config of everything written."""
+        adapter, scheme = self.quantizer.adapter, self.quantizer.scheme
+        quantization = self.layout.config_for(
+            adapter, scheme, self.expert_modules, self.tensors.keys, self.lowrank_ranks or None, self.salient or None
+        )
+        return {**config, "quantization_config": quantization}
+
+    def final_report(self) -> dict[str, Any]:
+        report = self.report
+        report["rtn_fallback_experts"] = {
+            layer: stats["rtn_fallback"] for layer, stats in self.layer_stats.items() if stats.get("rtn_fallback")
+        }
+        report["quantized_modules"] = len(self.expert_modules) + len(self.tensors.keys)
+        if self.lowrank_report is not None:
+            report["lowrank"] = {**self.lowrank_report, "measured_weighted_error": self.measured}
+        return report
+
+
 def _write_quantized(
     model_dir: Path,
     out_dir: Path,
@@ -386,99 +486,31 @@ def _write_quantized(
     writer: CheckpointWriter,
     progress: bool,
 ) -> None:
-    """The rewriting sweep: quantise and write layer after layer, completing ``report`` (but its footprint).
-
-    Everything accumulated per layer is also journalled with the layer's unit, so a resumed run restores it
-    for the layers it does not redo, in the same order."""
-    expert_modules: list[str] = []
-    layer_stats: dict[str, Any] = {}
-    lowrank_ranks: dict[str, dict[str, list[int]]] = {}
-    salient: dict[str, dict[str, list[int]]] = {}
-    measured = {"without_adapters": 0.0, "with_adapters": 0.0}
-    pending: dict[str, Any] = {}
-    adapter, scheme = quantizer.adapter, quantizer.scheme
-
-    def quantize_moe(layer: int, moe: MoEWeights, meta: dict[str, Any]) -> QuantizedMoE:
-        capture = None
-        if captures is not None:
-            capture = next(captures)
-            if capture.layer != layer:
-                raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
-        quantized = quantizer.quantize(layer, moe, capture)
-        if ranks:
-            layer_ranks = {(e, w): r for (lay, e, w), r in ranks.items() if lay == layer}
-            errors = quantizer.errors(moe, quantized, capture, keep=layer_ranks, measure=True)
-            quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
-            meta["measured"] = list(errors.measured)
-            meta["lowrank_ranks"] = {
-                which: [layer_ranks[(e, which)] for e in range(moe.num_experts)] for which in ("gate", "up", "down")
-            }
-            quantized.stats["lowrank_ranks"] = meta["lowrank_ranks"]
-            quantized.stats["lowrank_plain_svd"] = errors.plain_svd
-        return quantized
-
-    def restore(unit: str, meta: dict[str, Any]) -> None:
-        tensors.keys.extend(meta["tensor_keys"])
-        salient.update(meta.get("salient", {}))
-        if "layer" not in meta:
-            return
-        module = native.experts_module(adapter, meta["layer"])
-        expert_modules.append(module)
-        layer_stats[str(meta["layer"])] = meta["stats"]
-        if "lowrank_ranks" in meta:
-            lowrank_ranks[module] = meta["lowrank_ranks"]
-            measured["without_adapters"] += meta["measured"][0]
-            measured["with_adapters"] += meta["measured"][1]
+    """The rewriting sweep: quantise and write layer after layer, completing ``report`` (but its footprint)."""
+    layers = QuantizedLayers(report, lowrank_report, layout, tensors, quantizer, ranks)
 
     def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:
-        first_key = len(tensors.keys)
-        meta: dict[str, Any] = {}
         quantized = None
         if moe is not None:
-            quantized = quantize_moe(layer, moe, meta)
-            meta.update(layer=layer, stats=quantized.stats)
-        written = layout.layer_tensors(adapter, layer, quantized, tensors(rest))
-        meta.update(tensor_keys=tensors.keys[first_key:], salient=native.salient_sizes(written))
-        del tensors.keys[first_key:]
-        pending[layer_unit(layer)] = meta
-        restore(layer_unit(layer), json.loads(json.dumps(meta)))
-        return written
-
-    def write_outside(outside: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        first_key = len(tensors.keys)
-        written = layout.outside_tensors(adapter, tensors(outside))
-        pending[OUTSIDE_UNIT] = {"tensor_keys": tensors.keys[first_key:]}
-        return written
-
-    report["layers"] = layer_stats
-    new_config = dict(adapter.config)
-
-    def finish_config() -> dict[str, Any]:
-        new_config["quantization_config"] = layout.config_for(
-            adapter, scheme, expert_modules, tensors.keys, lowrank_ranks or None, salient or None
-        )
-        return new_config
-
-    def final_report() -> dict[str, dict[str, Any]]:
-        report["rtn_fallback_experts"] = {
-            layer: stats["rtn_fallback"] for layer, stats in layer_stats.items() if stats.get("rtn_fallback")
-        }
-        report["quantized_modules"] = len(expert_modules) + len(tensors.keys)
-        if lowrank_report is not None:
-            report["lowrank"] = {**lowrank_report, "measured_weighted_error": measured}
-        return {"moecompress_report.json": report}
+            capture = None
+            if captures is not None:
+                capture = next(captures)
+                if capture.layer != layer:
+                    raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
+            quantized = layers.quantize_moe(layer, moe, capture)
+        return layers.join_layer(layer, quantized, rest)
 
     rewrite_checkpoint(
         model_dir,
         out_dir,
         layer_writer=write_layer,
-        outside_fn=write_outside,
-        config=finish_config,
+        outside_fn=layers.write_outside,
+        config=lambda: layers.finish_config(dict(quantizer.adapter.config)),
         progress=progress,
-        extra_json=final_report,
+        extra_json=lambda: {"moecompress_report.json": layers.final_report()},
         writer=writer,
-        unit_meta=pending.pop,
-        restore_unit=restore,
+        unit_meta=layers.unit_meta,
+        restore_unit=layers.restore,
     )
     if captures is not None:
         captures.close()
