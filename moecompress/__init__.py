@@ -12,8 +12,9 @@ returns an :class:`~moecompress.evals.perplexity.EvalResult`.
 
 Importing the package does one thing besides defining these: it registers what stock transformers needs to load
 moecompress outputs (the native quantised format, and MoE layers holding different numbers of experts or heads;
-see :mod:`moecompress.plugin`), which is why a script that loads an output imports moecompress first. It sets no
-environment variable or other process-wide state, and loads neither torch nor transformers.
+see :mod:`moecompress.plugin`), which is why a script that loads an output imports moecompress first. That
+registration is an import hook that patches transformers when its modeling code loads; beyond it the import sets
+no environment variable or other process-wide state, and loads neither torch nor transformers.
 """
 
 __version__ = "0.1.0"
