@@ -109,6 +109,15 @@ def test_run_takes_a_recipe_as_a_dict(tmp_path):
     assert torch.isfinite(_forward(result.out)).all()
 
 
+def test_run_takes_a_recipe_file_and_a_model_override(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: some/other-model\npasses:\n  - quantize: {scheme: int2}\n")
+    result = moecompress.run(recipe, out=tmp_path / "r", model="builtin:tiny-moe")
+    assert len(result.passes) == 1 and result.passes[0].startswith("quantize: scheme=int2")
+    assert result.report["recipe"]["model"] == str(moecompress.api._resolve("builtin:tiny-moe"))
+    assert result.expert_bits_per_weight_after < result.expert_bits_per_weight_before
+
+
 @pytest.mark.parametrize(
     "call,error,message",
     [
