@@ -35,6 +35,8 @@ def _resize_moe_blocks(model) -> None:
     if attribute is None:
         return
     for key, count in section["experts_per_layer"].items():
+        if int(key) >= len(layers):
+            continue  # a model built with fewer layers (the layer sweeps' skeleton has none)
         layer = layers[int(key)]
         block = getattr(layer, "mlp", None)
         if block is None or not _block_needs(block, count):
@@ -66,6 +68,8 @@ def _resize_attention(model) -> None:
     if not isinstance(section, dict) or not section.get("attention_heads_per_layer") or layers is None:
         return
     for key, (heads, kv_heads) in section["attention_heads_per_layer"].items():
+        if int(key) >= len(layers):
+            continue
         layer = layers[int(key)]
         attention = getattr(layer, "self_attn", None)
         if attention is None:
@@ -104,6 +108,7 @@ def _patch_transformers() -> None:
 
     PreTrainedModel.post_init = post_init
     from .quantization.hf_quantizer import register
+    from .quantization.mxfp4_offline import install as install_mxfp4_offline
 
     register()
 

@@ -21,6 +21,7 @@ from ..errors import UserInputError
 from ..families import FamilyAdapter
 from ..loading import load_adapter, load_model, load_tokenizer
 from ..progress import bar as progress_bar
+from ..progress import event
 from .routing import RouteRecorder, routing_agreement
 
 
@@ -43,6 +44,28 @@ class EvalResult:
             for key, value in asdict(self).items()
             if value is not None and (with_speed or key != "tokens_per_second")
         }
+
+
+@dataclass
+class BatchSums:
+    """One batch's contribution: summed NLL, predicted tokens, summed KL(reference ‖ model), reference NLL."""
+
+    nll: float
+    predicted: int
+    kl: float = 0.0
+    ref_nll: float = 0.0
+
+
+def batch_sums(input_ids: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tensor | None = None) -> BatchSums:
+    """The sums of one batch of windows from its logits ``[B, L, V]`` (and the reference's)."""
+    targets = input_ids[:, 1:]
+    log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    sums = BatchSums(nll=-log_probs.gather(-1, targets[..., None]).sum().item(), predicted=targets.numel())
+    if ref_logits is not None:
+        ref_log_probs = F.log_softmax(ref_logits[:, :-1].float(), dim=-1)
+        sums.ref_nll = -ref_log_probs.gather(-1, targets[..., None]).sum().item()
+        sums.kl = (ref_log_probs.exp() * (ref_log_probs - log_probs)).sum().item()
+    return sums
 
 
 def _batch_size(seq_len: int, vocab: int) -> int:
@@ -77,17 +100,17 @@ def evaluate_windows(
                 windows.batches(batch_size), total=total_batches, desc="eval", unit="batch", disable=not progress
             ):
                 start = time.perf_counter()
-                logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+                logits = model(input_ids=input_ids, use_cache=False).logits
                 model_seconds += time.perf_counter() - start
-                targets = input_ids[:, 1:]
-                log_probs = F.log_softmax(logits, dim=-1)
-                nll_sum += -log_probs.gather(-1, targets[..., None]).sum().item()
-                predicted += targets.numel()
+                ref_logits = None
                 if reference is not None:
-                    ref_logits = reference[0](input_ids=input_ids, use_cache=False).logits[:, :-1].float()
-                    ref_log_probs = F.log_softmax(ref_logits, dim=-1)
-                    ref_nll_sum += -ref_log_probs.gather(-1, targets[..., None]).sum().item()
-                    kl_sum += (ref_log_probs.exp() * (ref_log_probs - log_probs)).sum().item()
+                    ref_logits = reference[0](input_ids=input_ids, use_cache=False).logits
+                sums = batch_sums(input_ids, logits, ref_logits)
+                nll_sum += sums.nll
+                predicted += sums.predicted
+                kl_sum += sums.kl
+                ref_nll_sum += sums.ref_nll
+                if reference is not None:
                     total, count = routing_agreement(ref_recorder.routes, recorder.routes)
                     agreement_sum += total
                     agreement_count += count
@@ -117,13 +140,29 @@ def evaluate(
     max_tokens: int | None = None,
     reference_dir: Path | None = None,
     progress: bool = True,
+    whole_model: bool = False,
 ) -> EvalResult:
-    """Load ``model_dir`` (and ``reference_dir``), tokenise ``data`` with the model's tokenizer, evaluate."""
+    """Tokenise ``data`` with ``model_dir``'s tokenizer and evaluate the model (against ``reference_dir``).
+
+    The models run side by side one decoder layer at a time (:mod:`.streamed`); ``whole_model`` loads both whole
+    instead (the reference the tests hold the streamed figures to). A checkpoint that cannot be built layer by
+    layer is loaded whole, and a line says so."""
     adapter = load_adapter(model_dir)
     ref_adapter = load_adapter(reference_dir) if reference_dir is not None else None
     tokenizer = load_tokenizer(model_dir)
     stream = tokenize_documents(load_documents(data, default_part="heldout"), tokenizer)
     windows = consecutive_windows(stream, seq_len, max_tokens)
+    if not whole_model:
+        from .streamed import evaluate_streamed, whole_model_reason
+
+        reasons = [
+            f"{directory}: {reason}"
+            for directory in (model_dir, reference_dir)
+            if directory is not None and (reason := whole_model_reason(directory)) is not None
+        ]
+        if not reasons:
+            return evaluate_streamed(model_dir, windows, reference_dir, progress=progress)
+        event("eval", f"evaluating with the whole models in memory, not layer by layer: {'; '.join(reasons)}")
     model = load_model(model_dir, adapter)
     reference = (load_model(reference_dir, ref_adapter), ref_adapter) if reference_dir is not None else None
     return evaluate_windows(model, adapter, windows, reference, progress=progress)
@@ -137,9 +176,16 @@ def evaluation_report(
     max_tokens: int | None = None,
     reference_dir: Path | None = None,
     progress: bool = True,
+    whole_model: bool = False,
 ) -> dict:
     """:func:`evaluate`, as the ``eval`` entry of a pass's report (the data source with the figures)."""
     result = evaluate(
-        model_dir, data, seq_len=seq_len, max_tokens=max_tokens, reference_dir=reference_dir, progress=progress
+        model_dir,
+        data,
+        seq_len=seq_len,
+        max_tokens=max_tokens,
+        reference_dir=reference_dir,
+        progress=progress,
+        whole_model=whole_model,
     )
     return {"data": data, **result.to_json()}

@@ -156,13 +156,19 @@ def check_all_loaded(model: torch.nn.Module) -> None:
                     raise ValueError(f"{name}.{param_name} is missing from the checkpoint")
 
 
-def replace_quantized_modules(model: torch.nn.Module, config: MoecompressConfig) -> None:
-    """Swap each module named in ``config.modules`` for its quantised twin (on the module's device)."""
+def replace_quantized_modules(
+    model: torch.nn.Module, config: MoecompressConfig, names: dict[str, str] | None = None, adapter=None
+) -> None:
+    """Swap each module named in ``config.modules`` for its quantised twin (on the module's device).
+
+    ``names`` maps a module's name inside ``model`` to its name in ``config.modules``, for a part of the model
+    (one decoder layer, which streamed evaluation builds alone); ``adapter`` then gives the model's family."""
     from ..families import adapter_for
 
-    adapter = adapter_for(model.config.to_dict())
+    adapter = adapter or adapter_for(model.config.to_dict())
     hidden = int(adapter.text_config["hidden_size"])
-    for name in config.modules:
+    names = {name: name for name in config.modules} if names is None else names
+    for name, full_name in names.items():
         try:
             module = model.get_submodule(name)
         except AttributeError:
@@ -173,14 +179,14 @@ def replace_quantized_modules(model: torch.nn.Module, config: MoecompressConfig)
             try:
                 twin = _quantized_twin(
                     module,
-                    config.scheme_of(name),
+                    config.scheme_of(full_name),
                     adapter.activation,
                     hidden,
-                    config.lowrank.get(name),
-                    config.salient_of(name),
+                    config.lowrank.get(full_name),
+                    config.salient_of(full_name),
                 )
             except (ValueError, TypeError, KeyError) as error:
-                raise ValueError(f"quantization_config for {name}: {error}") from None
+                raise ValueError(f"quantization_config for {full_name}: {error}") from None
         setattr(model.get_submodule(parent_name) if parent_name else model, child, twin)
 
 

@@ -1,0 +1,206 @@
+"""Streamed evaluation: the model and its reference run side by side over the same windows, one decoder layer at
+a time, so that evaluating needs the memory of a layer, not of two models.
+
+Each model's decoder is planned once by a :class:`~moecompress.sweep.CalibrationSweep` (its embeddings turn the
+windows into the first layer's hidden states, and every layer's call arguments are recorded). Then, layer by
+layer, the reference's layer is built from its checkpoint, run over every window and freed, and the model's
+likewise; the routers' choices of the two are compared while both are at hand. Last, batch by batch, each model's
+final norm and output projection turn its last hidden states into logits, whose NLL and KL are summed at once.
+
+Held at any time: one decoder layer (float32, as the whole-model evaluation computes), both models' float32
+hidden states of all windows (tokens x hidden x 4 B each), one batch's logits per model, and, while planning and
+while computing the logits, the embeddings and output projection (at the end, both models' at once).
+
+A layer is built as the whole-model load builds it, with the same modules and the same math: stock layers,
+MoE blocks and attention resized by :mod:`moecompress.plugin` for globally pruned and head-pruned checkpoints, and
+the quantised twins of :mod:`moecompress.quantization.hf_quantizer` for the native format. The figures are those
+of :func:`.perplexity.evaluate_windows` on the same windows and batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from ..calibration.batches import TokenWindows
+from ..checkpoint import CheckpointReader
+from ..errors import UserInputError
+from ..families import FamilyAdapter, MoEWeights, adapter_for
+from ..progress import bar as progress_bar
+from ..quantization.hf_quantizer import (
+    QUANT_METHOD,
+    MoecompressConfig,
+    decode_salient_bitmaps,
+    replace_quantized_modules,
+)
+from ..sweep import CalibrationSweep
+from .perplexity import EvalResult, _batch_size, batch_sums
+from .routing import routing_agreement
+
+
+def whole_model_reason(model_dir: Path) -> str | None:
+    """Why ``model_dir`` cannot be evaluated layer by layer (it is then loaded whole), or None."""
+    with CheckpointReader(model_dir) as reader:
+        config = reader.config
+    section = config.get("quantization_config")
+    if not section:
+        return None
+    method = section.get("quant_method")
+    if method != QUANT_METHOD:
+        return f"its weights are {method}-quantised, which transformers' own quantizer loads"
+    adapter = adapter_for(config, source=str(model_dir))
+    outside = [name for name in section.get("modules", {}) if adapter.layer_of_key(name) is None]
+    if outside:
+        return f"it has quantised modules outside the decoder layers ({outside[0]})"
+    return None
+
+
+class LayerStream(CalibrationSweep):
+    """One checkpoint's decoder over the evaluation batches: plan, build a layer, run it, free it."""
+
+    def __init__(self, model_dir: Path, batches: list[dict[str, torch.Tensor]]):
+        super().__init__(
+            model_dir, batches, torch.zeros(0, dtype=torch.long), [], moe_in_compute_dtype=True, progress=False
+        )
+        section = self.reader.config.get("quantization_config")
+        self.quantization = MoecompressConfig(**section) if section else None
+
+    def materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
+        if self.quantization is None:
+            return super().materialise(layer)
+        return self._quantized_layer(layer), None
+
+    def _quantized_layer(self, layer: int) -> torch.nn.Module:
+        """Decoder layer ``layer`` of a native-format checkpoint, whose tensors are stored under their runtime
+        names: the stock layer, its quantised modules swapped for their twins, every floating-point tensor in the
+        dtype its module registered it with (what transformers' loader does)."""
+        prefix = self.adapter.layer_prefix(layer)
+        module = self.adapter.decoder_layers(self._meta_model)[layer]
+        names = {name[len(prefix) :]: name for name in self.quantization.modules if name.startswith(prefix)}
+        try:
+            replace_quantized_modules(module, self.quantization, names, self.adapter)
+        except ValueError as error:
+            raise UserInputError(f"{self.model_dir}: {error}") from None
+        expected = module.state_dict(keep_vars=True)
+        state = {}
+        for key, tensor in self.reader.read(self.layer_keys.get(layer, [])).items():
+            local = key[len(prefix) :]
+            target = expected.get(local)
+            if target is not None and tensor.is_floating_point() and target.is_floating_point():
+                tensor = tensor.to(target.dtype)
+            state[local] = tensor
+        try:
+            module.load_state_dict(state, strict=True, assign=True)
+            decode_salient_bitmaps(module)
+        except (RuntimeError, ValueError) as error:
+            detail = " ".join(str(error).split())[:300]
+            raise UserInputError(f"{self.model_dir}: layer {layer} does not load ({detail})") from None
+        return module.eval()
+
+    def advance(
+        self, layer: int, hidden: list[torch.Tensor], routes: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], float]:
+        """Layer ``layer``'s outputs (with what the stock forward adds between layers) for each batch, and the
+        seconds its forward took; each batch's top-k expert ids, in original ids, are appended to ``routes``."""
+        module, moe = self.materialise(layer)
+        del moe
+        handle = None
+        if routes is not None and self.adapter.is_moe_layer(layer):
+            id_map = torch.tensor(self.adapter.original_expert_ids(layer), dtype=torch.long)
+
+            def record(mod, args, output):
+                routes.append(id_map[output[2].reshape(-1, output[2].shape[-1]).cpu()])
+
+            handle = module.get_submodule(self.adapter.router_module).register_forward_hook(record)
+        start = time.perf_counter()
+        try:
+            outputs = self.forward_layer(module, layer, hidden)
+        finally:
+            if handle is not None:
+                handle.remove()
+        seconds = time.perf_counter() - start
+        self.release(module)
+        return [
+            out + plan.injections[layer] if layer in plan.injections else out
+            for out, plan in zip(outputs, self.plans, strict=True)
+        ], seconds
+
+
+def _vocab(adapter: FamilyAdapter) -> int:
+    return int(adapter.text_config["vocab_size"])
+
+
+def evaluate_streamed(
+    model_dir: Path,
+    windows: TokenWindows,
+    reference_dir: Path | None = None,
+    progress: bool = True,
+) -> EvalResult:
+    """Evaluate ``model_dir`` (against ``reference_dir``) on ``windows``, one decoder layer at a time."""
+    with CheckpointReader(model_dir) as reader:
+        adapter = adapter_for(reader.config, source=str(model_dir))
+    vocab = _vocab(adapter)
+    if reference_dir is not None:
+        with CheckpointReader(reference_dir) as reader:
+            ref_vocab = _vocab(adapter_for(reader.config, source=str(reference_dir)))
+        if ref_vocab != vocab:
+            raise UserInputError(f"model and reference vocabularies differ ({vocab} vs {ref_vocab})")
+    seq_len = windows.input_ids.shape[1]
+    batches = [{"input_ids": ids} for ids, _ in windows.batches(_batch_size(seq_len, vocab))]
+    model = LayerStream(model_dir, batches)
+    reference = LayerStream(reference_dir, batches) if reference_dir is not None else None
+    hidden = [plan.hidden for plan in model.plans]
+    ref_hidden = [plan.hidden for plan in reference.plans] if reference is not None else None
+    model_seconds, agreement_sum, agreement_count = 0.0, 0.0, 0
+    layers = max(model.adapter.num_layers, reference.adapter.num_layers if reference is not None else 0)
+    for layer in progress_bar(range(layers), desc="eval", unit="layer", disable=not progress):
+        compare = (
+            reference is not None
+            and layer < reference.adapter.num_layers
+            and layer < model.adapter.num_layers
+            and reference.adapter.is_moe_layer(layer)
+            and model.adapter.is_moe_layer(layer)
+        )
+        ref_routes: list[torch.Tensor] = []
+        routes: list[torch.Tensor] = []
+        if reference is not None and layer < reference.adapter.num_layers:
+            ref_hidden, _ = reference.advance(layer, ref_hidden, ref_routes if compare else None)
+        if layer < model.adapter.num_layers:
+            hidden, seconds = model.advance(layer, hidden, routes if compare else None)
+            model_seconds += seconds
+        for ref_ids, ids in zip(ref_routes, routes, strict=compare):
+            total, count = routing_agreement({layer: ref_ids}, {layer: ids})
+            agreement_sum += total
+            agreement_count += count
+    nll_sum, predicted, kl_sum, ref_nll_sum = 0.0, 0, 0.0, 0.0
+    heads = model.head_logits(batches, hidden)
+    ref_heads = reference.head_logits(batches, ref_hidden) if reference is not None else None
+    with torch.inference_mode():
+        for batch in batches:
+            start = time.perf_counter()
+            logits = next(heads)
+            model_seconds += time.perf_counter() - start
+            sums = batch_sums(batch["input_ids"], logits, next(ref_heads) if ref_heads is not None else None)
+            nll_sum += sums.nll
+            predicted += sums.predicted
+            kl_sum += sums.kl
+            ref_nll_sum += sums.ref_nll
+            del logits
+    for generator in (heads, ref_heads):
+        if generator is not None:
+            generator.close()
+    return EvalResult(
+        perplexity=math.exp(nll_sum / predicted),
+        tokens=predicted,
+        tokens_per_second=windows.num_tokens / model_seconds if model_seconds > 0 else float("nan"),
+        seq_len=seq_len,
+        windows=windows.input_ids.shape[0],
+        kl=kl_sum / predicted if reference is not None else None,
+        routing_agreement=(agreement_sum / agreement_count if agreement_count else None)
+        if reference is not None
+        else None,
+        reference_perplexity=math.exp(ref_nll_sum / predicted) if reference is not None else None,
+    )
