@@ -319,3 +319,14 @@ def _float_decoder(args: dict[str, Any], dtype: torch.dtype) -> Decoder:
         return _ct_dequantize(parts["codes"], parts["scale"], None, args).to(dtype)
 
     return decode
+
+
+def describe_input(model_dir) -> dict[str, Any]:
+    """What a checkpoint's weights are stored as, for a pass's report."""
+    from .reader import CheckpointReader
+
+    with CheckpointReader(model_dir) as reader:
+        found = reader.input_format
+        if found is None:
+            return {"format": "unquantised", "description": "floating-point weights as stored"}
+        return {"format": found.name, "description": found.description, "decoded_to": str(target_dtype(reader.config))}

@@ -22,6 +22,7 @@ LayerWriter = Callable[
     [int, "MoEWeights | None", dict[str, "torch.Tensor"], "Layout | None"], dict[str, "torch.Tensor"]
 ]
 TensorsFn = Callable[[dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
+RawLayerFn = Callable[[int, dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
 
 
 def group_keys_by_layer(reader: CheckpointReader, adapter: FamilyAdapter) -> tuple[dict[int, list[str]], list[str]]:
@@ -66,6 +67,9 @@ def rewrite_checkpoint(
     writer: CheckpointWriter | None = None,
     unit_meta: Callable[[str], Any] | None = None,
     restore_unit: Callable[[str, Any], None] | None = None,
+    raw_layer_fn: RawLayerFn | None = None,
+    drop_layers: frozenset[int] = frozenset(),
+    passthrough_layers: frozenset[int] = frozenset(),
 ) -> Path:
     """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
 
@@ -80,12 +84,17 @@ def rewrite_checkpoint(
     are not read or rewritten again: ``restore_unit(unit, meta)`` gets the ``unit_meta(unit)`` journalled with
     each of them instead (units: :data:`OUTSIDE_UNIT`, then :func:`layer_unit` of each layer), so the caller can
     rebuild what it accumulates as it goes.
+
+    With ``raw_layer_fn`` the checkpoint is streamed as stored (a quantised release's codes and scales, not
+    decoded): each layer's stored tensors go to ``raw_layer_fn(layer, tensors)`` and what it returns is written.
+    Layers in ``drop_layers`` (an MTP layer the user drops) are not written; layers in ``passthrough_layers`` are
+    written as read (decoded), without ``layer_fn`` or ``layer_writer``.
     A failure that resuming cannot mend (bad input, a full disk) removes the work directory; any other
     interruption leaves it, marked incomplete, for ``resume``.
     """
     source = Path(source)
     check_output_is_not_input(source, Path(out_dir))
-    with CheckpointReader(source) as reader:
+    with CheckpointReader(source, decode=raw_layer_fn is None) as reader:
         adapter = adapter_for(reader.config, source=str(source))
         layers, outside = group_keys_by_layer(reader, adapter)
         if writer is None:
@@ -104,6 +113,18 @@ def rewrite_checkpoint(
             join = layer_writer if layer_writer is not None else adapter.join_layer
             for layer, keys in progress_bar(layers.items(), desc="writing", unit="layer", disable=not progress):
                 unit = layer_unit(layer)
+                if layer in drop_layers:
+                    continue
+                if raw_layer_fn is not None:
+                    if unit not in writer.units:
+                        add(unit, raw_layer_fn(layer, reader.read_raw(keys)))
+                    continue
+                if layer in passthrough_layers:
+                    if unit not in writer.units:
+                        moe, rest, layout = adapter.split_layer(layer, reader.pending(keys), consume=True)
+                        writer.add(adapter.join_layer(layer, moe, rest, layout), unit=unit, meta=None)
+                        del moe, rest
+                    continue
                 if unit in writer.units:
                     if restore_unit is not None:
                         restore_unit(unit, writer.units[unit].meta)

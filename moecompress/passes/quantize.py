@@ -15,6 +15,9 @@ from typing import Any, Literal
 import torch
 
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
+from ..checkpoint.decode import describe_input, native_refusal
+from ..checkpoint.mtp import check_mode as check_mtp_mode
+from ..checkpoint.mtp import quantize_mtp_plan
 from ..checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
 from ..errors import UserInputError
 from ..evals.footprint import checkpoint_footprint
@@ -61,6 +64,7 @@ class QuantizeConfig:
     """Downstream factor on the low-rank objective (see :mod:`..quantization.sensitivity`)."""
     lowrank_min_tokens: int = 64
     seed: int = 0
+    mtp: str = "keep"
 
     def quant_scheme(self) -> QuantScheme:
         """``symmetric`` defaults to True, except for INT2 where a zero-centred grid wastes a level; the group
@@ -75,6 +79,7 @@ class QuantizeConfig:
             raise UserInputError(str(error)) from None
 
     def validate(self) -> None:
+        check_mtp_mode(self.mtp)
         if self.scheme not in SCHEMES:
             raise UserInputError(f"unknown scheme {self.scheme!r}; choose from {', '.join(SCHEMES)}")
         if self.method not in ("rtn", "gptq"):
@@ -124,9 +129,8 @@ def _check_format(adapter: FamilyAdapter, config: QuantizeConfig, scheme: QuantS
 
 
 def _refuse_quantized_input(source: dict[str, Any], model_dir: Path) -> None:
-    method = (source.get("quantization_config") or {}).get("quant_method")
-    if method:
-        raise UserInputError(f"{model_dir}: the checkpoint is already quantised ({method}); start from a bf16/fp16 one")
+    """A quantised release is decoded on read; only moecompress's own native output is refused."""
+    native_refusal(source, str(model_dir))
 
 
 class _TensorQuantizer:
@@ -328,6 +332,7 @@ def quantize_checkpoint(
             "scheme": scheme.to_dict(),
             "scheme_description": scheme.describe(),
             "source": str(model_dir),
+            "input_format": describe_input(model_dir),
             "family": adapter.family,
             "calibration": calibration,
         }
@@ -500,12 +505,16 @@ def _write_quantized(
             quantized = layers.quantize_moe(layer, moe, capture)
         return layers.join_layer(layer, quantized, rest)
 
+    mtp = quantize_mtp_plan(model_dir, quantizer.adapter, quantizer.config.mtp)
+    report["mtp"] = mtp.report or None
     rewrite_checkpoint(
         model_dir,
         out_dir,
+        drop_layers=mtp.drop_layers,
+        passthrough_layers=mtp.passthrough_layers,
         layer_writer=write_layer,
         outside_fn=layers.write_outside,
-        config=lambda: layers.finish_config(dict(quantizer.adapter.config)),
+        config=lambda: layers.finish_config(dict(mtp.config)),
         progress=progress,
         extra_json=lambda: {"moecompress_report.json": layers.final_report()},
         writer=writer,
