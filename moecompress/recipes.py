@@ -40,6 +40,7 @@ import yaml
 from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
 from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
+from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from .errors import UserInputError
 from .passes.prune_experts import PruneExpertsConfig
 from .passes.prune_heads import PruneHeadsConfig
@@ -77,8 +78,9 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Evaluation:
-    data: str = "builtin:prose"
-    tokens: int | None = 16384
+    data: str = DEFAULT_EVAL_DATA
+    tokens: int | None = DEFAULT_EVAL_TOKENS
+    """Tokens evaluated; None evaluates the whole source."""
 
 
 @dataclass
@@ -220,20 +222,47 @@ def load_recipe(path: Path) -> Recipe:
     return parse_recipe(document, str(path))
 
 
+HEADLINE_KEYS: dict[str, tuple[str, ...]] = {
+    "prune_experts": ("method", "ratio", "keep", "scope"),
+    "prune_heads": ("ratio", "unit", "method", "scope"),
+    "quantize": ("scheme", "method", "format"),
+    "qat": ("replay", "steps"),
+}
+"""What a plan line always shows, default or not; every other parameter shows when it differs from its default."""
+
+
 def describe(recipe: Recipe) -> list[str]:
-    """One line per pass with the parameters that differ from the defaults."""
+    """One line per pass: its headline parameters and every other parameter that differs from the default."""
     lines = []
     for name, config in recipe.passes:
         defaults = type(config)()
-        changed = {
+        headline = HEADLINE_KEYS.get(name, ())
+        shown = {
             f.name: getattr(config, f.name)
             for f in dataclasses.fields(config)
-            if getattr(config, f.name) != getattr(defaults, f.name)
+            if (f.name in headline and getattr(config, f.name) is not None)
+            or getattr(config, f.name) != getattr(defaults, f.name)
         }
-        lines.append(f"{name}: " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "defaults"))
+        lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     if recipe.evaluation is not None:
         lines.append(f"eval: data={recipe.evaluation.data}, tokens={recipe.evaluation.tokens}")
     return lines
+
+
+def check_recipe(recipe: Recipe, model_dir: Path) -> None:
+    """Refuse, before any work, what the recipe's options and the input's config alone decide is impossible."""
+    from .preflight import check_passes
+
+    evaluation = recipe.evaluation
+    check_passes(
+        model_dir,
+        recipe.passes,
+        calib_source=recipe.calibration.source,
+        calib_tokens=recipe.calibration.tokens,
+        seq_len=recipe.calibration.seq_len,
+        eval_data=None if evaluation is None else evaluation.data,
+        eval_tokens=None if evaluation is None else evaluation.tokens,
+    )
 
 
 def recipe_digest(recipe: Recipe, model_dir: Path) -> str:
@@ -266,7 +295,7 @@ class RunState:
         if manifest is not None and manifest.get("recipe") != digest:
             raise UserInputError(
                 f"{self.directory}: the interrupted run used another recipe or model; "
-                "run without --resume to start over"
+                "discard it with --restart to start over"
             )
         if manifest is None:
             if self.directory.exists():
@@ -363,6 +392,7 @@ def run_recipe(
 
     model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
     check_output_is_not_input(model_dir, out_dir)
+    check_recipe(recipe, model_dir)
     distributed.init_from_environment()
     ranks = distributed.world_size()
     if ranks > 1 and resume:
@@ -408,7 +438,7 @@ def _run_passes(
     from .passes.prune_heads import prune_heads
     from .passes.qat import qat_checkpoint
     from .passes.quantize import quantize_checkpoint
-    from .run_summary import load_report, measure_outcome
+    from .run_summary import attribute_to_input, load_report, measure_outcome
 
     calib = recipe.calibration
     total = len(recipe.passes)
@@ -478,6 +508,7 @@ def _run_passes(
             evaluation = {"data": recipe.evaluation.data, **result.to_json()}
             report["eval"] = evaluation
         report["outcome"] = measure_outcome(model_dir, final, evaluation)
+        attribute_to_input(report, model_dir)
         report["versions"] = _versions()
         update_report(final, report)
         _move_into_place(final, out_dir)

@@ -45,7 +45,20 @@ def measure_outcome(model_dir: Path, out_dir: Path, evaluation: dict[str, Any] |
         outcome["kl_nats_per_token"] = [0.0, evaluation["kl"]]
         outcome["routing_agreement"] = [1.0, evaluation["routing_agreement"]]
         outcome["eval_data"] = evaluation.get("data")
+        outcome["eval_tokens"] = evaluation.get("tokens")
+        outcome["eval_seq_len"] = evaluation.get("seq_len")
     return outcome
+
+
+def attribute_to_input(report: dict[str, Any], model_dir: Path) -> None:
+    """Make a recipe's final report name the recipe's real input, not the hidden step directory its last pass read:
+    ``source`` and ``source_footprint`` become the input's, and each earlier pass's ``source`` is the input (the
+    first) or which pass's output it read (the step directories are gone once the run ends)."""
+    earlier = report.get("previous_passes") or []
+    for index, previous in enumerate(earlier):
+        previous["source"] = str(model_dir) if index == 0 else f"output of pass {index} ({earlier[index - 1]['pass']})"
+    report["source"] = str(model_dir)
+    report["source_footprint"] = checkpoint_footprint(Path(model_dir)).to_json()
 
 
 def _bytes(value: float) -> str:
@@ -90,7 +103,11 @@ def format_table(outcome: dict[str, Any]) -> str:
         for row in rows
     ]
     if outcome.get("eval_data"):
-        lines.append(f"(evaluated on {outcome['eval_data']}; KL and agreement are against the input model)")
+        tokens = outcome.get("eval_tokens")
+        counted = f", {tokens:,} predicted tokens in windows of {outcome.get('eval_seq_len')}" if tokens else ""
+        lines.append(
+            f"(evaluated on {outcome['eval_data']}{counted}; KL and agreement are against the input model)"
+        )
     return "\n".join(lines)
 
 

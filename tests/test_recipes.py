@@ -9,6 +9,7 @@ import yaml
 from helpers import run_cli
 
 from moecompress.errors import UserInputError
+from moecompress.hub.card import human_bytes
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 from moecompress.recipes import load_recipe, parse_recipe, run_recipe
@@ -117,12 +118,34 @@ def test_run_prints_the_summary_and_report_reprints_and_plots_it(tmp_path):
         "prune_experts"
     ]
     assert set(report["versions"]) == {"moecompress", "torch", "transformers"}
+    assert "predicted tokens in windows of 128" in lines[-1] and f"{report['eval']['tokens']:,}" in lines[-1]
+    _assert_names_the_real_input(out, report)
     again = run_cli("report", str(out), "--plot", str(tmp_path / "size.png"))
     assert again.returncode == 0, again.stderr
     assert experts_row in again.stdout and f"{outcome['perplexity'][1]:.3f}" in again.stdout
     assert (tmp_path / "size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     missing = run_cli("report", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "no such directory" in missing.stderr
+
+
+def _assert_names_the_real_input(out, report):
+    """A multi-pass output's report and card name the recipe's input and every pass, and measure bytes against the
+    input, not against the hidden step directory the last pass read (issue 32, item 4)."""
+    from moecompress.checkpoint import resolve_model
+    from moecompress.evals.footprint import checkpoint_footprint
+
+    source = str(resolve_model("builtin:tiny-moe"))
+    assert report["source"] == source and report["previous_passes"][0]["source"] == source
+    assert report["source_footprint"]["file_bytes"] == checkpoint_footprint(Path(source)).file_bytes
+    assert ".run" not in json.dumps(report)
+    card = run_cli("push", str(out), "--repo-id", "me/t", "--dry-run")
+    assert card.returncode == 0, card.stderr
+    assert "step-" not in card.stdout and ".run" not in card.stdout
+    assert "A compressed copy of `builtin:tiny-moe`" in card.stdout
+    assert "prune_experts:" in card.stdout and "quantize:" in card.stdout and "Removed" in card.stdout
+    input_size = next(line for line in card.stdout.splitlines() if line.startswith("| weights on disk"))
+    assert input_size.split("|")[2].strip() == human_bytes(checkpoint_footprint(Path(source)).file_bytes)
+    assert "| routed experts, all layers | 32 | 24 |" in card.stdout
 
 
 def test_log_json_gives_one_json_object_per_stderr_line(tmp_path):

@@ -14,8 +14,18 @@ from pathlib import Path
 import click
 
 from .. import __version__
+from ..defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from ..errors import UserInputError
 from .bench import bench_group
+from .common_options import (
+    EVAL_TOKENS_HELP,
+    EvalTokens,
+    RenamedOption,
+    calib_option,
+    calib_tokens_option,
+    eval_options,
+    seq_len_option,
+)
 from .numbers import human_bytes as _human_bytes
 from .numbers import human_int as _human_int
 from .prune_heads import prune_heads_command
@@ -91,21 +101,25 @@ def inspect_command(model: str, as_json: bool) -> None:
 @trust_options
 @click.argument("model")
 @click.option(
-    "--data",
-    default="builtin:prose",
+    "--eval-data",
+    "data",
+    cls=RenamedOption,
+    old=("--data",),
+    default=DEFAULT_EVAL_DATA,
     show_default=True,
     help="Evaluation source: builtin:prose|code[:heldout], a .txt/.jsonl/.parquet file, or "
     "hf:NAME[:CONFIG][:SPLIT]. Built-in sources default to their held-out part.",
 )
+@seq_len_option("Tokens per window; windows are consecutive and do not overlap.")
 @click.option(
-    "--seq-len",
-    default=256,
+    "--eval-tokens",
+    "max_tokens",
+    cls=RenamedOption,
+    old=("--max-tokens",),
+    type=EvalTokens(),
+    default=str(DEFAULT_EVAL_TOKENS),
     show_default=True,
-    type=click.IntRange(min=2),
-    help="Tokens per window; windows are consecutive and do not overlap.",
-)
-@click.option(
-    "--max-tokens", type=click.IntRange(min=2), default=None, help="Evaluate at most this many tokens (whole windows)."
+    help=EVAL_TOKENS_HELP,
 )
 @click.option("--reference", default=None, help=f"Reference model for KL and routing agreement ({MODEL_HELP}).")
 @click.option(
@@ -117,16 +131,23 @@ def inspect_command(model: str, as_json: bool) -> None:
 def eval_command(
     model: str, data: str, seq_len: int, max_tokens: int | None, reference: str | None, json_out: Path | None
 ) -> None:
-    """Perplexity of MODEL on DATA; with --reference, also KL(reference‖model) and routing agreement.
+    """Perplexity of MODEL on --eval-data; with --reference, also KL(reference‖model) and routing agreement.
 
     Perplexity is exp(mean negative log-likelihood) over every predicted token of consecutive,
     non-overlapping windows of --seq-len tokens; text is tokenised without special tokens.
     """
     from ..checkpoint import resolve_model
+    from ..errors import UserInputError
     from ..evals.perplexity import evaluate
+    from ..loading import load_adapter
+    from ..preflight import check_data_spec, check_seq_len
 
     model_dir = resolve_model(model)
     reference_dir = resolve_model(reference) if reference else None
+    check_seq_len(load_adapter(model_dir), seq_len)
+    if max_tokens is not None and max_tokens < seq_len:
+        raise UserInputError(f"--eval-tokens {max_tokens} is less than one window of --seq-len {seq_len}")
+    check_data_spec(data, "--eval-data")
     result = evaluate(
         model_dir,
         data,
@@ -190,21 +211,12 @@ def eval_command(
 @click.option(
     "--min-keep", type=click.IntRange(min=1), default=None, help="Fewest experts any layer keeps (default: top-k)."
 )
-@click.option(
-    "--calib",
-    default="builtin:prose",
-    show_default=True,
-    help="Calibration source(s), comma-separated; built-in sources use their calibration part. "
+@calib_option(
+    "Calibration source(s), comma-separated; built-in sources use their calibration part. "
     "Vision-language models also take image+caption sources: builtin:shapes[:N], "
-    "builtin:stripes[:N], or hf:NAME with an image column (tokens tagged vision/text).",
+    "builtin:stripes[:N], or hf:NAME with an image column (tokens tagged vision/text)."
 )
-@click.option(
-    "--calib-tokens",
-    type=click.IntRange(min=1),
-    default=16384,
-    show_default=True,
-    help="Calibration tokens for text sources (image sources: builtin:shapes:N takes N images).",
-)
+@calib_tokens_option("Calibration tokens for text sources (image sources: builtin:shapes:N takes N images).")
 @click.option(
     "--image-size",
     type=click.IntRange(min=8),
@@ -212,7 +224,7 @@ def eval_command(
     show_default=True,
     help="Side in pixels that calibration images are drawn or resized to.",
 )
-@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
+@seq_len_option()
 @click.option(
     "--preserve-tags",
     default="",
@@ -253,18 +265,7 @@ def eval_command(
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed for calibration windows and --method random."
 )
-@click.option(
-    "--eval-data",
-    default="builtin:prose",
-    show_default=True,
-    help="Evaluate the pruned model against the input on this source (held-out part for built-ins).",
-)
-@click.option("--eval-tokens", type=click.IntRange(min=2), default=16384, show_default=True)
-@click.option(
-    "--no-eval",
-    is_flag=True,
-    help="Skip the evaluation (it loads both models whole; skip it for models that do not fit in memory).",
-)
+@eval_options("Evaluate the pruned model against the input on this source (held-out part for built-ins).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 def prune_command(
     model: str,
@@ -286,7 +287,7 @@ def prune_command(
     seed: int,
     image_size: int,
     eval_data: str,
-    eval_tokens: int,
+    eval_tokens: int | None,
     no_eval: bool,
     overwrite: bool,
     resume: bool,

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import click
 
+from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
+from .run_options import check_before_work, run_options
 from .trust_options import trust_options
 
 
 @click.command("prune-heads")
 @trust_options
+@run_options
 @click.argument("model")
 @click.option(
     "--out",
@@ -90,27 +92,17 @@ from .trust_options import trust_options
     show_default=True,
     help="What the gates minimise: lm (next-token cross-entropy) or kl (KL to the original model's logits).",
 )
-@click.option(
-    "--data",
-    "calib",
-    default="builtin:prose",
-    show_default=True,
-    help="Calibration/training source(s), comma-separated (calibration part for built-ins).",
-)
-@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
+@calib_option("Calibration/training source(s), comma-separated (calibration part for built-ins).", old=("--data",))
+@calib_tokens_option("Tokens of --calib (whole windows of --seq-len) the gates train and distil on.")
+@seq_len_option()
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Windows per step.")
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed for windows, gate noise and --method random."
 )
-@click.option(
-    "--eval-data",
-    default="builtin:prose",
-    show_default=True,
-    help="Evaluate against the input before and after distillation on this source (held-out part for built-ins).",
+@eval_options(
+    "Evaluate against the input before and after distillation on this source (held-out part for built-ins).",
+    "Skip the evaluation.",
 )
-@click.option("--eval-tokens", type=click.IntRange(min=2), default=16384, show_default=True)
-@click.option("--no-eval", is_flag=True, help="Skip the evaluation.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 def prune_heads_command(
     model: str,
@@ -131,18 +123,24 @@ def prune_heads_command(
     batch_size: int,
     seed: int,
     eval_data: str,
-    eval_tokens: int,
+    eval_tokens: int | None,
     no_eval: bool,
     overwrite: bool,
+    resume: bool,
+    quiet: bool,
+    log_json: bool,
 ) -> None:
     """Prune MODEL's attention heads by --ratio and write the checkpoint to --out.
 
     The whole model is loaded. moecompress_report.json holds the chosen heads per layer, the gate trajectories,
-    the KV-cache bytes per token before and after, and the evaluations.
+    the KV-cache bytes per token before and after, and the evaluations. A killed run leaves its partial output
+    hidden beside --out: --resume starts over (a whole-model pass keeps no partial state), --restart discards it;
+    without either it is refused.
     """
     from ..checkpoint import resolve_model
     from ..loading import quiet_transformers
     from ..passes.prune_heads import PruneHeadsConfig, prune_heads
+    from ..preflight import check_passes
 
     quiet_transformers()
     config = PruneHeadsConfig(
@@ -158,9 +156,21 @@ def prune_heads_command(
         distill_lr=distill_lr,
         seed=seed,
     )
+    config.validate()
+    model_dir = resolve_model(model)
+    check_passes(
+        model_dir,
+        [("prune_heads", config)],
+        calib_source=calib,
+        calib_tokens=calib_tokens,
+        seq_len=seq_len,
+        eval_data=None if no_eval else eval_data,
+        eval_tokens=None if no_eval else eval_tokens,
+    )
+    check_before_work(out_dir, overwrite=overwrite, resume=resume)
     started = time.monotonic()
     report = prune_heads(
-        resolve_model(model),
+        model_dir,
         out_dir,
         config,
         calib=calib,
@@ -170,7 +180,7 @@ def prune_heads_command(
         eval_data=None if no_eval else eval_data,
         eval_tokens=eval_tokens,
         overwrite=overwrite,
-        progress=sys.stderr.isatty(),
+        progress=True,
     )
     click.echo(
         f"removed {report['units_before'] - report['units_after']} of {report['units_before']} {unit}s ({method})"

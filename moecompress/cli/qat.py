@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import click
 
+from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
 from .numbers import human_bytes
+from .quantize import GROUP_SIZE_HELP
+from .run_options import check_before_work, run_options
 from .trust_options import trust_options
 
 
 @click.command("qat")
 @trust_options
+@run_options
 @click.argument("model")
 @click.option(
     "--out",
@@ -35,7 +38,7 @@ from .trust_options import trust_options
     show_default=True,
     help="How the experts are quantised before training.",
 )
-@click.option("--group-size", type=click.Choice(["32", "64", "128", "256"]), default=None, help="As in quantize.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128", "256"]), default=None, help=GROUP_SIZE_HELP)
 @click.option("--symmetric/--asymmetric", default=None, help="As in quantize (default symmetric, asymmetric for int2).")
 @click.option(
     "--replay",
@@ -55,15 +58,21 @@ from .trust_options import trust_options
     "recorded: the full-precision model's weights as recorded.",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Optimiser steps.")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1e-3,
+    show_default=True,
+    help="Learning rate of the adapters (AdamW).",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Windows per step.")
-@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
+@seq_len_option()
 @click.option(
     "--train-tokens",
     type=click.IntRange(min=2),
     default=65536,
     show_default=True,
-    help="Tokens of --data (random whole windows) that training cycles through.",
+    help="Tokens of --calib (random whole windows) that training cycles through.",
 )
 @click.option(
     "--adapter-rank",
@@ -92,22 +101,15 @@ from .trust_options import trust_options
     show_default=True,
     help="Add this times the language-modelling loss to the distillation KL.",
 )
-@click.option(
-    "--data",
-    default="builtin:prose",
-    show_default=True,
-    help="Training and PTQ calibration source(s), comma-separated (calibration part for built-ins).",
+@calib_option(
+    "Training and PTQ calibration source(s), comma-separated (calibration part for built-ins).", old=("--data",)
 )
-@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True, help="PTQ tokens.")
+@calib_tokens_option("Calibration tokens of the PTQ start (whole windows of --seq-len).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for windows and batch order.")
-@click.option(
-    "--eval-data",
-    default="builtin:prose",
-    show_default=True,
-    help="Held-out source for perplexity, KL and routing agreement before (PTQ) and after training.",
+@eval_options(
+    "Held-out source for perplexity, KL and routing agreement before (PTQ) and after training.",
+    "Skip the before/after evaluation.",
 )
-@click.option("--eval-tokens", type=click.IntRange(min=2), default=16384, show_default=True)
-@click.option("--no-eval", is_flag=True, help="Skip the before/after evaluation.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 def qat_command(
     model: str,
@@ -127,13 +129,16 @@ def qat_command(
     lowrank_budget: float | None,
     rank_alloc: str,
     lm_loss_weight: float,
-    data: str,
+    calib: str,
     calib_tokens: int,
     seed: int,
     eval_data: str,
-    eval_tokens: int,
+    eval_tokens: int | None,
     no_eval: bool,
     overwrite: bool,
+    resume: bool,
+    quiet: bool,
+    log_json: bool,
 ) -> None:
     """Quantise MODEL's routed experts with load-aware error adapters, then fine-tune the adapters by
     distillation from MODEL with its routes replayed; write the native quantised checkpoint to --out.
@@ -141,11 +146,14 @@ def qat_command(
     The router, attention, norms and the quantised expert weights stay frozen; only the adapters train. Both
     models are held in memory. moecompress_report.json holds the loss curve, the student's own routing agreement
     during training, and perplexity, KL and routing agreement before (= the PTQ result) and after.
+    A killed run leaves its partial output hidden beside --out: --resume starts the training over (a whole-model
+    pass keeps no partial state), --restart discards it; without either it is refused.
     """
     from ..checkpoint import resolve_model
     from ..errors import UserInputError
     from ..passes.qat import DEFAULT_LOWRANK_BUDGET, QATConfig, qat_checkpoint
     from ..passes.quantize import QuantizeConfig
+    from ..preflight import check_passes
 
     if adapter_rank is not None and lowrank_budget is not None:
         raise UserInputError("give --adapter-rank or --lowrank-budget, not both")
@@ -171,17 +179,29 @@ def qat_command(
         lm_loss_weight=lm_loss_weight,
         seed=seed,
     )
+    config.validate()
+    model_dir = resolve_model(model)
+    check_passes(
+        model_dir,
+        [("qat", config)],
+        calib_source=calib,
+        calib_tokens=calib_tokens,
+        seq_len=seq_len,
+        eval_data=None if no_eval else eval_data,
+        eval_tokens=None if no_eval else eval_tokens,
+    )
+    check_before_work(out_dir, overwrite=overwrite, resume=resume)
     started = time.monotonic()
     report = qat_checkpoint(
-        resolve_model(model),
+        model_dir,
         out_dir,
         config,
-        data=data,
+        data=calib,
         calib_tokens=calib_tokens,
         eval_data=None if no_eval else eval_data,
         eval_tokens=eval_tokens,
         overwrite=overwrite,
-        progress=sys.stderr.isatty(),
+        progress=True,
     )
     qat = report["qat"]
     experts = report["footprint"]["classes"].get("experts", {})

@@ -6,9 +6,15 @@ from pathlib import Path
 
 import click
 
+from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
 from .numbers import human_bytes as _human_bytes
 from .run_options import run_and_summarise, run_options
 from .trust_options import trust_options
+
+GROUP_SIZE_HELP = (
+    "Weights per scale: int4, int2 and w4a8 take 32, 64 or 128 (default 32); binary 32, 64, 128 or 256 (default "
+    "128); mxfp4 blocks are always 32 wide, so mxfp4 refuses any other value."
+)
 
 
 @click.command("quantize")
@@ -43,8 +49,7 @@ from .trust_options import trust_options
     "--group-size",
     type=click.Choice(["32", "64", "128", "256"]),
     default=None,
-    help="Weights per scale: int4/int2/w4a8 take 32, 64 or 128 (default 32); binary 32 to 256 (default 128); "
-    "MXFP4 blocks are always 32.",
+    help=GROUP_SIZE_HELP,
 )
 @click.option(
     "--symmetric/--asymmetric",
@@ -90,15 +95,12 @@ from .trust_options import trust_options
     help="native: loads in transformers after `import moecompress`; gpt-oss: GPT-OSS's own MXFP4 layout "
     "(stock transformers); compressed-tensors: what vLLM serves.",
 )
-@click.option(
-    "--calib",
-    default="builtin:prose",
-    show_default=True,
-    help="Calibration source(s), comma-separated, for gptq, --salient-fraction and --lowrank-budget (plain rtn "
-    "needs none).",
+@calib_option(
+    "Calibration source(s), comma-separated, for gptq, --salient-fraction and --lowrank-budget (plain rtn "
+    "needs none)."
 )
-@click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
+@calib_tokens_option()
+@seq_len_option()
 @click.option(
     "--gptq-min-tokens",
     type=click.IntRange(min=1),
@@ -106,7 +108,13 @@ from .trust_options import trust_options
     show_default=True,
     help="Experts routed fewer calibration tokens fall back to rtn (listed in the report).",
 )
-@click.option("--gptq-damp", type=click.FloatRange(min=0, min_open=True), default=0.01, show_default=True)
+@click.option(
+    "--gptq-damp",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.01,
+    show_default=True,
+    help="GPTQ: added to the Hessian's diagonal as this fraction of its mean, for a stable inverse.",
+)
 @click.option(
     "--lowrank-budget",
     type=click.FloatRange(min=0),
@@ -140,18 +148,7 @@ from .trust_options import trust_options
     "fisher: its mean per layer; none: 1 (skips the pass).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows.")
-@click.option(
-    "--eval-data",
-    default="builtin:prose",
-    show_default=True,
-    help="Evaluate the quantised model against the input on this source (held-out part for built-ins).",
-)
-@click.option("--eval-tokens", type=click.IntRange(min=2), default=16384, show_default=True)
-@click.option(
-    "--no-eval",
-    is_flag=True,
-    help="Skip the evaluation (it loads both models whole; skip it for models that do not fit in memory).",
-)
+@eval_options("Evaluate the quantised model against the input on this source (held-out part for built-ins).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 def quantize_command(
     model: str,
@@ -176,7 +173,7 @@ def quantize_command(
     sensitivity: str,
     seed: int,
     eval_data: str,
-    eval_tokens: int,
+    eval_tokens: int | None,
     no_eval: bool,
     overwrite: bool,
     resume: bool,

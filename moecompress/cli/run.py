@@ -59,12 +59,15 @@ def run_command(
     if dry_run:
         click.echo("\n".join([header, *steps]))
         return
-    if log_json:
-        from ..progress import event
-
-        event("recipe", header, passes=describe(parsed))
-    elif not quiet:
-        click.echo("\n".join([header, *steps]), err=True)
     if out_dir is None:
         raise UserInputError("--out is required (or pass --dry-run)")
-    run_and_summarise(parsed, resolve_model(name), out_dir, overwrite=overwrite, resume=resume)
+
+    def announce() -> None:
+        if log_json:
+            from ..progress import event
+
+            event("recipe", header, passes=describe(parsed))
+        elif not quiet:
+            click.echo("\n".join([header, *steps]), err=True)
+
+    run_and_summarise(parsed, resolve_model(name), out_dir, overwrite=overwrite, resume=resume, before_work=announce)

@@ -23,7 +23,20 @@ def _configure(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
     return value
 
 
+def _remember(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    ctx.meta[f"moecompress.{param.name}"] = value
+    return value
+
+
 def run_options(command: Callable) -> Callable:
+    command = click.option(
+        "--restart",
+        is_flag=True,
+        expose_value=False,
+        callback=_remember,
+        help="Discard the partial work a killed run into the same --out left (hidden .OUT.run or .OUT.incomplete) "
+        "and start over; without --resume or --restart such work is refused, never removed.",
+    )(command)
     command = click.option(
         "--resume",
         is_flag=True,
@@ -41,13 +54,39 @@ def run_options(command: Callable) -> Callable:
     )(command)
 
 
-def run_and_summarise(recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, resume: bool) -> dict[str, Any]:
-    """Run ``recipe``, then print where the output is and the summary table (stdout; under ``torchrun`` rank 0
-    alone prints)."""
+def check_before_work(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
+    """The output-side checks every writing command makes before any work: --out can be created, is not there
+    already (unless --overwrite), and no interrupted run's partial work is there unless --resume or --restart says
+    what to do with it."""
+    from ..errors import UserInputError
+    from ..preflight import check_partial_work, check_writable
+
+    restart = click.get_current_context().meta.get("moecompress.restart", False)
+    check_writable(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+    check_partial_work(out_dir, resume=resume, restart=restart)
+
+
+def run_and_summarise(
+    recipe,
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    overwrite: bool,
+    resume: bool,
+    before_work: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Check the recipe and the output, call ``before_work`` (announcements), run ``recipe``, then print where the
+    output is and the summary table (stdout; under ``torchrun`` rank 0 alone prints)."""
     from ..calibration import distributed
-    from ..recipes import run_recipe
+    from ..recipes import check_recipe, run_recipe
     from ..run_summary import format_table
 
+    check_recipe(recipe, model_dir)
+    check_before_work(out_dir, overwrite=overwrite, resume=resume)
+    if before_work is not None:
+        before_work()
     started = time.monotonic()
     report = run_recipe(recipe, model_dir, out_dir, overwrite=overwrite, resume=resume, progress=True)
     seconds = time.monotonic() - started

@@ -55,8 +55,9 @@ def load_report(directory: Path) -> dict[str, Any] | None:
 
 
 def report_chain(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """``report`` preceded by the reports of the moecompress outputs it was made from, oldest first."""
-    chain = [report]
+    """``report`` preceded by the reports of the moecompress outputs it was made from, oldest first: a recipe's
+    earlier passes (``previous_passes``), then the reports of the input's own sources."""
+    chain = [*(report.get("previous_passes") or []), report]
     seen: set[str] = set()
     while len(chain) < _MAX_CHAIN:
         source = chain[0].get("source")
@@ -360,6 +361,9 @@ def _measured(report: dict[str, Any]) -> list[str]:
     reference = next((e["reference_perplexity"] for _, e in evals if "reference_perplexity" in e), None)
     source_fp, final_fp = report.get("source_footprint") or {}, report.get("footprint") or {}
     kv = report.get("kv_cache_bytes_per_token") or {}
+    experts = [report.get("experts_before"), report.get("experts_after")]
+    if experts[0] is None and "experts" in (report.get("outcome") or {}):
+        experts = report["outcome"]["experts"]
     labels = ["source", *(label for label, _ in evals)]
     last = len(labels) - 1
 
@@ -376,7 +380,7 @@ def _measured(report: dict[str, Any]) -> list[str]:
         row("perplexity", {0: reference, **per_eval("perplexity")}, lambda v: f"{v:.3f}"),
         row("KL(source ‖ model), nats/token", per_eval("kl"), lambda v: f"{v:.4f}"),
         row("top-k routing agreement with the source", per_eval("routing_agreement"), lambda v: f"{v:.4f}"),
-        row("routed experts, all layers", {0: report.get("experts_before"), last: report.get("experts_after")}, str),
+        row("routed experts, all layers", {0: experts[0], last: experts[1]}, str),
         row(
             f"attention {report.get('unit', 'head')}s, all layers",
             {0: report.get("units_before"), last: report.get("units_after")},

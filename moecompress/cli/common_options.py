@@ -1,0 +1,89 @@
+"""Options that mean the same thing on every command, declared once: the calibration source and size, the window
+length, and the evaluation. Old spellings (``--data`` for the calibration source of qat and prune-heads,
+``--max-tokens`` and ``--data`` of eval) stay accepted, hidden from ``--help``, for one release."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ..defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
+
+
+class RenamedOption(click.Option):
+    """An option that also answers to ``old`` spellings, which ``--help`` does not show."""
+
+    def __init__(self, param_decls: list[str], *, old: tuple[str, ...] = (), **attrs: Any):
+        names = [decl for decl in param_decls if decl.startswith("-")]
+        dest = [decl for decl in param_decls if not decl.startswith("-")]
+        super().__init__([*names, *old, *dest], **attrs)
+        self.old_names = old
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        saved = self.opts
+        self.opts = [name for name in self.opts if name not in self.old_names]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = saved
+
+
+class EvalTokens(click.ParamType):
+    """A token count of at least 2, or ``all``."""
+
+    name = "N|all"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None or (isinstance(value, str) and value.lower() == "all"):
+            return None
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a whole number or 'all'", param, ctx)
+        if number < 2:
+            self.fail(f"{number} is less than 2", param, ctx)
+        return number
+
+
+EVAL_TOKENS_HELP = (
+    f"Tokens evaluated (whole windows of --seq-len from the start of the held-out text), or 'all'; the default "
+    f"{DEFAULT_EVAL_TOKENS} is the same for every command and recipe."
+)
+
+
+def calib_option(help: str, default: str = "builtin:prose", old: tuple[str, ...] = ()) -> Callable:
+    return click.option("--calib", "calib", cls=RenamedOption, old=old, default=default, show_default=True, help=help)
+
+
+def calib_tokens_option(
+    help: str = "Calibration tokens (whole windows of --seq-len, sampled with --seed).",
+) -> Callable:
+    return click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True, help=help)
+
+
+def seq_len_option(help: str = "Tokens per window of calibration, training and evaluation.") -> Callable:
+    return click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True, help=help)
+
+
+def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:
+    """``--eval-data``, ``--eval-tokens`` and ``--no-eval``, with the defaults recipes use too."""
+
+    def apply(command: Callable) -> Callable:
+        command = click.option(
+            "--no-eval",
+            is_flag=True,
+            help=no_eval_help
+            or "Skip the evaluation (it loads both models whole; skip it for models that do not fit in memory).",
+        )(command)
+        command = click.option(
+            "--eval-tokens",
+            type=EvalTokens(),
+            default=str(DEFAULT_EVAL_TOKENS),
+            show_default=True,
+            help=EVAL_TOKENS_HELP,
+        )(command)
+        return click.option("--eval-data", default=DEFAULT_EVAL_DATA, show_default=True, help=data_help)(command)
+
+    return apply

@@ -1,0 +1,190 @@
+"""Checks of everything a recipe's options and the input's config alone decide, made before any work.
+
+A run that would fail on an impossible expert count, a window longer than the model's positions or a missing data
+file fails here, in a second, instead of after the calibration sweep. Nothing is written and nothing heavier than
+config.json and the safetensors headers is read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .calibration.builtin_corpus import BUILTIN_NAMES
+from .calibration.sources import PARTS, parse_hf_spec
+from .errors import UserInputError
+
+RESTART_HINT = "continue it with --resume, or discard it with --restart"
+
+
+def check_data_spec(spec: str, option: str) -> None:
+    """Every comma-separated piece of ``spec`` names a built-in part, an hf: dataset, an image source or an
+    existing path (the files themselves are read later)."""
+    pieces = [piece.strip() for piece in spec.split(",") if piece.strip()]
+    if not pieces:
+        raise UserInputError(f"{option}: empty data source")
+    for piece in pieces:
+        if piece.startswith("builtin:"):
+            parts = piece.split(":")
+            if parts[1] in ("shapes", "stripes"):
+                continue
+            if parts[1] not in BUILTIN_NAMES or len(parts) > 3 or (len(parts) == 3 and parts[2] not in PARTS):
+                raise UserInputError(
+                    f"{option} {piece}: unknown built-in source; use builtin:{{{','.join(BUILTIN_NAMES)}}}"
+                    f"[:{{{','.join(PARTS)}}}]"
+                )
+        elif piece.startswith("hf:"):
+            parse_hf_spec(piece)
+        elif not Path(piece).expanduser().exists():
+            raise UserInputError(f"{option} {piece}: no such data file, and not builtin:NAME or hf:NAME")
+
+
+def check_seq_len(adapter: Any, seq_len: int, option: str = "--seq-len") -> None:
+    limit = adapter.text_config.get("max_position_embeddings")
+    if isinstance(limit, int) and seq_len > limit:
+        raise UserInputError(f"{option} {seq_len} exceeds the model's max_position_embeddings ({limit})")
+
+
+def _quantized_method(adapter: Any) -> str | None:
+    for section in (adapter.config, adapter.text_config):
+        method = (section.get("quantization_config") or {}).get("quant_method")
+        if method:
+            return str(method)
+    return None
+
+
+def check_prune_counts(adapter: Any, config: Any) -> None:
+    """The selection of :func:`~moecompress.passes.prune_experts.choose_removals` run on placeholder scores: every
+    count it refuses (more kept than there are experts, fewer than top-k, uneven splits, group limits) depends
+    on the config and the layer sizes only, so it is refused here before the scores are measured."""
+    from .passes.prune_experts import LayerScores, choose_removals, group_limit
+
+    layers = adapter.moe_layers()
+    sizes = {layer: adapter.experts_in_layer(layer) for layer in layers}
+    if config.keep is not None:
+        largest = max(sizes.values())
+        if config.keep >= largest:
+            raise UserInputError(f"--keep {config.keep}: the model has {largest} experts per layer; keep fewer")
+        if config.keep < adapter.top_k:
+            raise UserInputError(f"--keep {config.keep} is fewer than the model's top-k ({adapter.top_k})")
+    if config.min_keep is not None and config.min_keep > min(sizes.values()):
+        raise UserInputError(
+            f"--min-keep {config.min_keep}: the model has only {min(sizes.values())} experts in some layer"
+        )
+    placeholders = []
+    for layer, count in sizes.items():
+        zeros = torch.zeros(count)
+        placeholders.append(LayerScores(layer, list(range(count)), zeros, zeros, zeros, zeros))
+    choose_removals(placeholders, config, adapter.top_k, group_limit(adapter))
+
+
+def check_prune_heads(adapter: Any, config: Any, model_dir: Path) -> None:
+    from .heads.selection import removal_counts
+    from .passes.prune_heads import _check_input, head_layouts
+
+    layouts = head_layouts(adapter, config.unit)
+    _check_input(adapter, layouts, model_dir, config.unit)
+    if config.scope == "layer":
+        removal_counts(layouts, config.ratio)
+    else:
+        total = sum(layout.units for layout in layouts)
+        remove = round(config.ratio * total)
+        if remove == 0:
+            raise UserInputError(f"--ratio {config.ratio} of {total} KV groups removes none")
+        if remove > total - len(layouts):
+            raise UserInputError(f"--ratio {config.ratio} would remove every KV group of some layer")
+
+
+def check_passes(
+    model_dir: Path,
+    passes: list[tuple[str, Any]],
+    *,
+    calib_source: str | None,
+    calib_tokens: int,
+    seq_len: int,
+    eval_data: str | None = None,
+    eval_tokens: int | None = None,
+) -> None:
+    """Refuse, before any work, what the passes' configs and the input's config.json decide is impossible."""
+    from .loading import load_adapter
+    from .passes.quantize import _check_format
+
+    adapter = load_adapter(model_dir)
+    check_seq_len(adapter, seq_len)
+    if calib_tokens < seq_len:
+        raise UserInputError(f"--calib-tokens {calib_tokens} is less than one window of --seq-len {seq_len}")
+    if eval_tokens is not None and eval_tokens < seq_len:
+        raise UserInputError(f"--eval-tokens {eval_tokens} is less than one window of --seq-len {seq_len}")
+    if calib_source is not None:
+        check_data_spec(calib_source, "--calib")
+    if eval_data is not None:
+        check_data_spec(eval_data, "--eval-data")
+    quantized = _quantized_method(adapter)
+    pruned_experts = False
+    for name, config in passes:
+        if name in ("prune_experts", "quantize") and quantized:
+            from .checkpoint.decode import native_refusal
+
+            native_refusal(adapter.config, str(model_dir))
+        if name == "prune_heads" and quantized:
+            raise UserInputError(
+                f"{model_dir}: already quantised ({quantized}); prune the unquantised model, then quantise"
+            )
+        if name == "qat" and quantized:
+            raise UserInputError(
+                f"{model_dir}: the checkpoint is already quantised ({quantized}); start from a bf16/fp16 one"
+            )
+        if name == "prune_experts" and not pruned_experts:
+            check_prune_counts(adapter, config)
+            pruned_experts = True
+        elif name == "prune_heads":
+            check_prune_heads(adapter, config, model_dir)
+        elif name in ("quantize", "qat"):
+            quantize = config.quantize if name == "qat" else config
+            _check_format(adapter, quantize, quantize.quant_scheme())
+            if name == "qat":
+                check_seq_len(adapter, config.seq_len)
+
+
+def partial_work(out_dir: Path) -> list[Path]:
+    """The hidden directories an interrupted run into ``out_dir`` leaves beside it."""
+    out_dir = Path(out_dir).absolute()
+    names = (f".{out_dir.name}.run", f".{out_dir.name}.incomplete")
+    return [out_dir.parent / name for name in names if (out_dir.parent / name).exists()]
+
+
+def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:
+    """Refuse to start over an interrupted run's partial work unless told what to do with it: ``resume`` keeps
+    it, ``restart`` removes it now; neither refuses, since discarding hours of work must be asked for."""
+    if resume and restart:
+        raise UserInputError("--resume and --restart exclude each other")
+    found = partial_work(out_dir)
+    if not found:
+        return
+    if restart:
+        for path in found:
+            shutil.rmtree(path)
+        return
+    if not resume:
+        raise UserInputError(f"{found[0]}: partial work of an interrupted run into {out_dir}; {RESTART_HINT}")
+
+
+def check_writable(out_dir: Path) -> None:
+    """``out_dir`` can be created: its nearest existing ancestor is a directory in which a (removed at once)
+    hidden probe directory can be made. Permission bits alone do not tell, for root or on read-only mounts."""
+    out_dir = Path(out_dir).absolute()
+    ancestor = out_dir.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserInputError(f"--out {out_dir}: {ancestor} is not a directory")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".probe", dir=ancestor)
+    except OSError as error:
+        raise UserInputError(f"--out {out_dir}: cannot write in {ancestor} ({error.strerror})") from None
+    os.rmdir(probe)
