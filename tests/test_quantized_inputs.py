@@ -136,3 +136,199 @@ def test_unpack_int32_codes_order():
     words = torch.tensor([[0x76543210, 0x0FEDCBA9 - (1 << 32) + (1 << 32)]], dtype=torch.int64).to(torch.int32)
     codes = unpack_int32_codes(words, 4, 16) + 8
     assert codes[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 0]
+
+
+# ---- prune and quantize of quantised releases --------------------------------------------------------------
+ARGS = ["--calib-tokens", "512", "--seq-len", "64", "--eval-tokens", "512"]
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from moecompress.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _stored(directory) -> dict[str, torch.Tensor]:
+    return CheckpointReader(directory, decode=False).read_raw(CheckpointReader(directory, decode=False).keys())
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    """Tiny releases in their hub layouts, each with a tokenizer: block-FP8 DeepSeek-V3 with an MTP layer and an
+    expert width of 160 (two 128-blocks, the second partial), gpt-oss MXFP4, compressed-tensors INT4 g32
+    (symmetric, experts only: Kimi-K2-Thinking's scheme) DeepSeek-V3."""
+    from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+    from moecompress.synthetic import tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("releases")
+    tokenizer = tiny_tokenizer()
+    bf16 = add_mtp_layer(_tiny_deepseek(root, "ds_bf16", seed=3, moe_intermediate_size=160))
+    tokenizer.save_pretrained(bf16)
+    fp8 = convert_to_block_fp8(bf16, root / "ds_fp8")
+    small = add_mtp_layer(_tiny_deepseek(root, "ds_small_bf16", seed=6))
+    tokenizer.save_pretrained(small)
+    fp8_small = convert_to_block_fp8(small, root / "ds_fp8_small")
+    plain = _tiny_deepseek(root, "ds_plain", seed=4)
+    tokenizer.save_pretrained(plain)
+    ct = root / "ds_ct_int4"
+    quantize_checkpoint(
+        plain,
+        ct,
+        QuantizeConfig(scheme="int4", group_size=32, symmetric=True, format="compressed-tensors"),
+        progress=False,
+    )
+    oss_bf16 = save_tiny_model("gpt_oss", root / "oss_bf16", seed=5)
+    tokenizer.save_pretrained(oss_bf16)
+    oss = root / "oss_mxfp4"
+    quantize_checkpoint(oss_bf16, oss, QuantizeConfig(scheme="mxfp4", format="gpt-oss"), progress=False)
+    return {"bf16": bf16, "fp8": fp8, "fp8_small": fp8_small, "ct": ct, "oss": oss}
+
+
+def _stock(directory, masked=None):
+    """The stock transformers model of ``directory`` in float32, with the experts ``masked`` ({layer: ids})
+    excluded from routing (a -inf router bias or correction bias)."""
+    import transformers
+
+    kwargs = {}
+    if (
+        json.loads((directory / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+        == "mxfp4"
+    ):
+        kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+    for layer, ids in (masked or {}).items():
+        router = model.model.layers[layer].mlp
+        router = getattr(router, "gate", None) or router.router
+        bias = router.e_score_correction_bias if hasattr(router, "e_score_correction_bias") else router.bias
+        with torch.no_grad():
+            bias[ids] = float("-inf")
+    return model
+
+
+def _logits(model) -> torch.Tensor:
+    ids = torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("name", ["fp8", "ct", "oss"])
+def test_prune_keeps_the_release_format_and_masked_logits(releases, tmp_path, name):
+    source, out = releases[name], tmp_path / "pruned"
+    result = _cli("prune", source, "--out", out, "--ratio", "0.5", "--method", "frequency", *ARGS)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "moecompress_report.json").read_text())
+    assert report["input_format"]["format"] == {"fp8": "fp8", "ct": "compressed-tensors", "oss": "mxfp4"}[name]
+    source_config = json.loads((source / "config.json").read_text())
+    out_config = json.loads((out / "config.json").read_text())
+    assert out_config["quantization_config"] == source_config["quantization_config"]
+    before, after = _stored(source), _stored(out)
+    kept = {int(layer): entry["kept"] for layer, entry in report["layers"].items()}
+    if name == "fp8":
+        kept[3] = report["mtp"]["kept"]["3"]
+        assert len(kept[3]) == len(kept[1])
+    checked = 0
+    for key, tensor in after.items():
+        layer = key.split(".")[2] if key.startswith("model.layers.") else None
+        routed = any(part in key for part in (".experts.", ".mlp.gate.", ".mlp.router."))
+        if layer is None or int(layer) not in kept or not routed:
+            assert torch.equal(tensor.view(torch.uint8), before[key].view(torch.uint8)), key
+            continue
+        ids = kept[int(layer)]
+        parts = key.split(".")
+        if parts[5].isdigit():  # per-expert tensors: expert j of the output is expert ids[j] of the input
+            parts[5] = str(ids[int(parts[5])])
+            original = before[".".join(parts)]
+        else:  # fused experts and router rows
+            original = before[key][ids]
+        assert tensor.dtype == original.dtype and torch.equal(tensor.view(torch.uint8), original.view(torch.uint8))
+        checked += 1
+    assert checked > 0 and set(after) <= set(before) | {k for k in after if k not in before and "experts" in k}
+    removed = {int(layer): entry["removed"] for layer, entry in report["layers"].items()}
+    torch.testing.assert_close(_logits(_stock(out)), _logits(_stock(source, removed)), rtol=0, atol=1e-5)
+
+
+def test_prune_drops_the_mtp_layer_on_request(releases, tmp_path):
+    out = tmp_path / "pruned"
+    result = _cli("prune", releases["fp8"], "--out", out, "--ratio", "0.5", "--mtp", "drop", *ARGS)
+    assert result.exit_code == 0, result.output
+    assert not any(key.startswith("model.layers.3.") for key in CheckpointReader(out, decode=False).keys())
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+@pytest.mark.parametrize("name", ["fp8_small", "oss"])
+def test_quantize_of_a_release_equals_quantize_of_its_stock_dequantised_copy(releases, tmp_path, name):
+    """Byte-identical outputs. The FP8 release has every dim below 128: with a partial block after a full one
+    (the 160-wide experts of ``fp8``) stock transformers 5.25 derives the block as dim / grid (80) and its copy
+    differs from DeepSeek's definition, which the reader follows (test above)."""
+    stock_copy = tmp_path / "stock_bf16"
+    from moecompress.checkpoint.decode import target_dtype
+
+    model = _stock(releases[name]).to(target_dtype(json.loads((releases[name] / "config.json").read_text())))
+    model.save_pretrained(stock_copy)
+    for path in releases[name].glob("tokenizer*"):
+        (stock_copy / path.name).write_bytes(path.read_bytes())
+    config = json.loads((stock_copy / "config.json").read_text())
+    assert "quantization_config" not in config
+    outputs = {}
+    for label, source in (("release", releases[name]), ("copy", stock_copy)):
+        outputs[label] = tmp_path / label
+        result = _cli(
+            "quantize",
+            source,
+            "--out",
+            outputs[label],
+            "--scheme",
+            "int4",
+            "--mtp",
+            "drop",
+            "--seq-len",
+            "64",
+            "--no-eval",
+        )
+        assert result.exit_code == 0, result.output
+    release, copy = _stored(outputs["release"]), _stored(outputs["copy"])
+    assert set(release) == set(copy)
+    for key in release:
+        assert torch.equal(release[key].view(torch.uint8), copy[key].view(torch.uint8)), key
+    report = json.loads((outputs["release"] / "moecompress_report.json").read_text())
+    assert report["input_format"]["format"] == {"fp8_small": "fp8", "oss": "mxfp4"}[name]
+    quantization = [json.loads((outputs[k] / "config.json").read_text())["quantization_config"] for k in outputs]
+    assert quantization[0] == quantization[1]
+
+
+def test_default_quantize_with_evaluation_keeps_the_mtp_layer_unquantised(releases, tmp_path):
+    import transformers
+
+    import moecompress  # noqa: F401  (the plugin)
+
+    out = tmp_path / "quantized"
+    result = _cli("quantize", releases["fp8"], "--out", out, "--seq-len", "64", "--eval-tokens", "512")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "moecompress_report.json").read_text())
+    assert report["mtp"]["mode"] == "keep" and report["eval"]["perplexity"] > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert not any(".3." in module for module in config["quantization_config"]["modules"])
+    stored = CheckpointReader(out, decode=False)
+    mtp = {k: v for k, v in stored.raw_tensors.items() if k.startswith("model.layers.3.")}
+    assert mtp and all(info.dtype == "BF16" for info in mtp.values())
+    decoded = CheckpointReader(releases["fp8"])
+    for key in mtp:
+        assert torch.equal(stored.read_raw([key])[key], decoded.tensor(key)), key
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize("command", ["prune", "quantize"])
+def test_native_output_as_input_is_one_line_exit_2(releases, tmp_path, command):
+    from helpers import run_cli
+
+    native = tmp_path / "native"
+    made = _cli("quantize", releases["bf16"], "--out", native, "--scheme", "int4", "--seq-len", "64", "--no-eval")
+    assert made.exit_code == 0, made.output
+    result = run_cli(command, str(native), "--out", str(tmp_path / "again"), *ARGS)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("moecompress: error: ")
+    assert line.endswith(f"{native}: already quantised by moecompress (native format); use the original checkpoint")
