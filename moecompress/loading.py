@@ -36,9 +36,11 @@ def load_model(
     import transformers
 
     auto_class = getattr(transformers, adapter.auto_class)
+    config = adapter.transformers_config()
     try:
         model = auto_class.from_pretrained(
             directory,
+            **({} if config is None else {"config": config}),
             dtype=dtype,
             device_map=device_map,
             trust_remote_code=trust.CURRENT.remote_code,

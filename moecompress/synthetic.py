@@ -6,6 +6,7 @@ is far from uniform, and saved with ``save_pretrained`` (which writes the origin
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -144,7 +145,159 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+_MLA = dict(
+    num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
+)
+_DEEPSEEK_MOE = dict(
+    num_hidden_layers=3,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+_QWEN_HYBRID = dict(
+    num_hidden_layers=3,
+    head_dim=16,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    norm_topk_prob=True,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+TINY_CONFIGS.update(
+    {
+        "glm4_moe": dict(
+            _COMMON, **_DEEPSEEK_MOE, model_type="glm4_moe", head_dim=16, attention_bias=True, use_qk_norm=True
+        ),
+        "glm4_moe_lite": dict(
+            _COMMON, **_DEEPSEEK_MOE, **_MLA, model_type="glm4_moe_lite", mlp_layer_types=["dense", "sparse", "sparse"]
+        ),
+        "deepseek_v32": dict(
+            _COMMON,
+            **_DEEPSEEK_MOE,
+            **_MLA,
+            model_type="deepseek_v32",
+            index_topk=32,
+            index_head_dim=16,
+            index_n_heads=2,
+        ),
+        "dots1": dict(_COMMON, **_DEEPSEEK_MOE, model_type="dots1", head_dim=16),
+        "kimi_k2": dict(
+            TINY_CONFIGS["deepseek_v3"], model_type="deepseek_v3", n_group=1, topk_group=1, routed_scaling_factor=2.827
+        ),
+        "qwen3_next": dict(_COMMON, **_QWEN_HYBRID, model_type="qwen3_next", intermediate_size=64),
+        "ernie4_5_moe": dict(
+            _COMMON,
+            model_type="ernie4_5_moe",
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=2,
+            moe_layer_interval=1,
+        ),
+        "minimax": dict(
+            _COMMON,
+            model_type="minimax",
+            num_hidden_layers=3,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            block_size=8,
+        ),
+        "minimax_m2": dict(
+            _COMMON,
+            model_type="minimax_m2",
+            num_hidden_layers=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+        ),
+        "hunyuan_v1_moe": dict(
+            _COMMON,
+            model_type="hunyuan_v1_moe",
+            num_hidden_layers=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_experts=8,
+            moe_topk=2,
+            use_qk_norm=True,
+        ),
+        "granitemoe": dict(
+            _COMMON,
+            model_type="granitemoe",
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=4,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+            attention_multiplier=0.125,
+        ),
+        "qwen3_5_moe_text": dict(_COMMON, **_QWEN_HYBRID, model_type="qwen3_5_moe_text"),
+        "qwen3_5_moe": dict(
+            model_type="qwen3_5_moe",
+            text_config=dict(
+                {k: v for k, v in _COMMON.items() if k not in ("tie_word_embeddings",)},
+                **_QWEN_HYBRID,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 1, 1],
+                    "mrope_interleaved": True,
+                    "partial_rotary_factor": 0.5,
+                },
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=32,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                num_position_embeddings=16,
+            ),
+            image_token_id=380,
+            video_token_id=381,
+            vision_start_token_id=382,
+            vision_end_token_id=383,
+            tie_word_embeddings=False,
+        ),
+    }
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
+
+_RELEASE_CONFIG: dict[str, dict[str, Any]] = {
+    "kimi_k2": {
+        "model_type": "kimi_k2",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModel": "modeling_deepseek.DeepseekV3Model",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        },
+    },
+}
+"""``config.json`` entries of a hub release that ``save_pretrained`` of the stock class does not write."""
+_FUSED_RELEASES = ("qwen3_5_moe",)
+"""Families whose hub releases store the experts fused (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
+``[E, H, I]``) where ``save_pretrained`` writes them per expert."""
 
 
 def tiny_config(family: str):
@@ -183,10 +336,48 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
 
 
 def save_tiny_model(family: str, directory: str | os.PathLike[str], seed: int = 0, **save_kwargs: Any) -> Path:
-    """Build ``family``'s tiny model and save it to ``directory`` with ``save_pretrained``."""
+    """Build ``family``'s tiny model and save it to ``directory`` with ``save_pretrained``, then in its hub
+    release's layout where that differs (config entries, fused experts)."""
     model = build_tiny_model(family, seed)
     model.save_pretrained(directory, **save_kwargs)
-    return Path(directory)
+    directory = Path(directory)
+    if family in _RELEASE_CONFIG:
+        config = json.loads((directory / "config.json").read_text())
+        config.update(_RELEASE_CONFIG[family])
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if family in _FUSED_RELEASES:
+        _fuse_experts(directory)
+    return directory
+
+
+def _fuse_experts(directory: Path) -> None:
+    """Rewrite every shard's per-expert ``experts.{e}.{gate,up,down}_proj.weight`` as fused tensors."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    pattern = re.compile(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for shard in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(shard)
+        groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+        for key in list(tensors):
+            if match := pattern.match(key):
+                prefix, expert, name = match.group(1), int(match.group(2)), match.group(3)
+                groups.setdefault(prefix, {}).setdefault(name, {})[expert] = tensors.pop(key)
+        for prefix, parts in groups.items():
+            count = len(parts["gate_proj"])
+            gate = torch.stack([parts["gate_proj"][e] for e in range(count)])
+            up = torch.stack([parts["up_proj"][e] for e in range(count)])
+            tensors[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=1).contiguous()
+            tensors[prefix + "down_proj"] = torch.stack([parts["down_proj"][e] for e in range(count)]).contiguous()
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        if index is not None:
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not pattern.match(k)}
+            index["weight_map"].update({key: shard.name for key in tensors})
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def tiny_tokenizer(vocab_size: int = 384):

@@ -20,3 +20,21 @@ def run_cli(*args, env=None):
 def tree_hashes(directory):
     """SHA-256 of every file directly inside ``directory``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def load_stock(directory, dtype=None):
+    """``directory``'s model built by plain transformers with the family's model class, in eval mode (for a
+    family whose ``config.json`` names a model type transformers lacks, Kimi-K2, with the config it maps to)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from moecompress.families import adapter_for
+
+    adapter = adapter_for(json.loads((Path(directory) / "config.json").read_text()))
+    config = adapter.transformers_config()
+    kwargs = {} if config is None else {"config": config}
+    model = getattr(transformers, adapter.auto_class).from_pretrained(directory, dtype=dtype or torch.float32, **kwargs)
+    return model.eval()

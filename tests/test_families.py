@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-import transformers
-from helpers import tree_hashes
+from helpers import load_stock, tree_hashes
 
 from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.errors import UserInputError
@@ -12,8 +11,7 @@ from moecompress.synthetic import FAMILIES, build_tiny_model
 
 
 def _load_stock(directory, config_dict):
-    auto = getattr(transformers, adapter_for(config_dict).auto_class)
-    return auto.from_pretrained(directory, dtype=torch.float32).eval()
+    return load_stock(directory)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -49,7 +47,7 @@ def test_moe_view_reproduces_the_stock_router_and_experts(family, tiny_checkpoin
 
     hidden = torch.randn(40, adapter.shape().hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        _, stock_weights, stock_ids = adapter.router_of(model, layer)(hidden)
+        _, stock_weights, stock_ids = adapter.stock_route(model, layer, hidden)
         stock_out = adapter.experts_of(model, layer)(hidden, stock_ids, stock_weights)
         ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
         ours = adapter.moe_forward(moe, hidden)

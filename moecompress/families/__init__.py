@@ -7,10 +7,22 @@ from typing import Any
 from ..errors import UserInputError
 from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
 from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
+from .deepseek_derived import (
+    DeepseekV32Adapter,
+    Dots1Adapter,
+    Glm4MoeAdapter,
+    Glm4MoeLiteAdapter,
+    KimiK2Adapter,
+)
+from .ernie import Ernie45MoeAdapter
 from .gpt_oss import GptOssAdapter
+from .granite import GraniteMoeAdapter
+from .hunyuan import HunyuanMoeAdapter
+from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
 from .qwen_moe import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
+from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapter
 from .routing import RoutingRule
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
@@ -22,6 +34,19 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     DeepseekV3Adapter,
     GptOssAdapter,
     Qwen3VLMoeAdapter,
+    Glm4MoeAdapter,
+    Glm4MoeLiteAdapter,
+    KimiK2Adapter,
+    DeepseekV32Adapter,
+    Dots1Adapter,
+    Qwen3NextAdapter,
+    Qwen3_5MoeAdapter,
+    Qwen3_5MoeTextAdapter,
+    Ernie45MoeAdapter,
+    MiniMaxAdapter,
+    MiniMaxM2Adapter,
+    HunyuanMoeAdapter,
+    GraniteMoeAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

@@ -201,6 +201,11 @@ class FamilyAdapter:
             raise ValueError(f"{self.family}: unsupported expert activation {act!r}")
         return F.silu(gate) * up
 
+    def transformers_config(self) -> Any:
+        """The transformers config object to build the model from, or None where transformers reads
+        ``config.json`` itself (families whose config names a model type transformers does not know)."""
+        return None
+
     # ---- keys -----------------------------------------------------------------------------------------
     def layer_prefix(self, layer: int) -> str:
         return f"{self.layers_prefix}{layer}."
@@ -379,6 +384,10 @@ class FamilyAdapter:
         """Layer ``layer``'s router module; its forward returns ``(logits, weights, top-k ids)``."""
         return self.decoder_layers(model)[layer].get_submodule(self.router_module)
 
+    def stock_route(self, model: torch.nn.Module, layer: int, hidden: torch.Tensor):
+        """``(logits, weights, top-k ids)`` of layer ``layer``'s stock router for tokens ``hidden`` ``[T, H]``."""
+        return self.router_of(model, layer)(hidden)
+
     @property
     def moe_block_name(self) -> str:
         """The MoE block's name inside a runtime decoder layer (the router's parent): ``mlp`` for every family."""
@@ -443,6 +452,12 @@ class FamilyAdapter:
             contribution = self.expert_output(moe, expert, hidden[token_pos])
             out.index_add_(0, token_pos, contribution * weights[token_pos, slot, None].to(hidden.dtype))
         return out
+
+    def softmax_attention(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends with softmax attention (whose weights say how much attention each token
+        receives), not with a linear-attention mixer (Gated DeltaNet, lightning attention)."""
+        layer_types = self.text_config.get("layer_types") or []
+        return layer >= len(layer_types) or layer_types[layer] != "linear_attention"
 
     # ---- attention heads --------------------------------------------------------------------------------
     def check_head_pruning(self, source: str = "model") -> None:

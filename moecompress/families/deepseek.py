@@ -7,18 +7,23 @@ V2 routes softmax → (group-limited) greedy top-k without renormalising; V3 rou
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from .base import FamilyAdapter
 from .routing import RoutingRule
 
 
 class _DeepseekAdapter(FamilyAdapter):
     num_experts_keys = ("n_routed_experts", "num_local_experts")
+    first_dense_default: ClassVar[int] = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         cfg = self.text_config
         if self.num_experts <= 0:
             return False
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        if cfg.get("mlp_layer_types"):
+            return cfg["mlp_layer_types"][layer] == "sparse"
+        first_dense = int(cfg.get("first_k_dense_replace", self.first_dense_default) or 0)
         freq = int(cfg.get("moe_layer_freq") or 1)
         return layer >= first_dense and layer % freq == 0
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk"]
+RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class RoutingRule:
       uncorrected scores, renormalised if ``normalize`` (DeepSeek-V3).
     - ``softmax_group_topk``: softmax scores, optionally restricted to the best groups by their maximum
       (DeepSeek-V2 ``group_limited_greedy``), weights not renormalised.
+    - ``softmax_bias_topk``: softmax scores, choice on scores plus a correction bias, weights are the uncorrected
+      scores divided by their sum clamped below at ``norm_min`` (ERNIE 4.5).
     Every rule multiplies the weights by ``scaling``.
     """
 
@@ -38,6 +40,7 @@ class RoutingRule:
     scaling: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    norm_min: float = 0.0
 
     def route(
         self,
@@ -50,7 +53,7 @@ class RoutingRule:
         ``allowed`` is a boolean ``[E]`` or ``[T, E]`` mask; disallowed experts are never chosen.
         """
         logits = logits.float()
-        if allowed is not None and self.kind in ("softmax_topk", "softmax_group_topk"):
+        if allowed is not None and self.kind in ("softmax_topk", "softmax_group_topk", "softmax_bias_topk"):
             logits = logits.masked_fill(~allowed, float("-inf"))
         if self.kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
@@ -79,6 +82,14 @@ class RoutingRule:
             weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
             if self.normalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        elif self.kind == "softmax_bias_topk":
+            scores = torch.softmax(logits, dim=-1)
+            choice = scores if correction_bias is None else scores + correction_bias.float()
+            if allowed is not None:
+                choice = choice.masked_fill(~allowed, float("-inf"))
+            ids = torch.topk(choice, self.top_k, dim=-1)[1]
+            weights = scores.gather(1, ids)
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
         else:
             raise ValueError(f"unknown routing rule {self.kind!r}")
         return ids, weights * self.scaling
@@ -90,6 +101,9 @@ class RoutingRule:
         logits = logits.float()
         if self.kind == "topk_softmax":
             weights = torch.softmax(logits.gather(1, ids), dim=-1)
+        elif self.kind == "softmax_bias_topk":
+            weights = torch.softmax(logits, dim=-1).gather(1, ids)
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
         else:
             scores = logits.sigmoid() if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
             weights = scores.gather(1, ids)

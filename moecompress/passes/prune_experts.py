@@ -453,6 +453,12 @@ def prune_experts(
     check_output_is_not_input(Path(model_dir), Path(out_dir))
     adapter = load_adapter(model_dir)
     native_refusal(adapter.config, str(model_dir))
+    linear = [layer for layer in adapter.moe_layers() if not adapter.softmax_attention(layer)]
+    if config.method == "maep" and config.prune_tags and linear:
+        raise UserInputError(
+            f"{model_dir}: --prune-tags needs the attention each token receives, and MoE layers {linear} of this "
+            f"{adapter.family} model use linear attention; use --preserve-tags alone"
+        )
     batches, tags, tag_names = calibration_batches(
         adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size
     )

@@ -1,0 +1,59 @@
+"""Families whose MoE block and router are DeepSeek-V3's (sigmoid scores, ``e_score_correction_bias``, group-limited
+top-k, renormalised, scaled; shared experts; the first layers dense), with their own attention.
+
+On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.shared_experts.*``.
+
+- GLM-4.5/4.6/4.7 (``glm4_moe``): grouped-query attention with ``head_dim``, q/k/v biases, optional q/k norms.
+- GLM-4.7-Flash (``glm4_moe_lite``) and DeepSeek-V3.2 (``deepseek_v32``, with its sparse-attention indexer): MLA.
+- dots.llm1 (``dots1``): grouped-query attention with per-head q/k norms.
+- Kimi-K2 (``kimi_k2``): DeepSeek-V3 itself; its ``config.json`` names a model type transformers does not know and an
+  ``auto_map`` into the release's own Python. That code is never run: the config is read as DeepSeek-V3's and the
+  model built from that config (``DeepseekV3ForCausalLM``, which the release's ``architectures`` names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import FamilyAdapter
+from .deepseek import DeepseekV3Adapter
+
+
+class Glm4MoeAdapter(DeepseekV3Adapter):
+    family = "glm4_moe"
+    model_types = ("glm4_moe",)
+
+    def head_counts(self) -> tuple[int, int, int]:
+        return FamilyAdapter.head_counts(self)
+
+
+class Glm4MoeLiteAdapter(DeepseekV3Adapter):
+    family = "glm4_moe_lite"
+    model_types = ("glm4_moe_lite",)
+    first_dense_default = 1
+
+
+class DeepseekV32Adapter(DeepseekV3Adapter):
+    family = "deepseek_v32"
+    model_types = ("deepseek_v32",)
+    first_dense_default = 3
+
+
+class Dots1Adapter(DeepseekV3Adapter):
+    family = "dots1"
+    model_types = ("dots1",)
+
+    def head_counts(self) -> tuple[int, int, int]:
+        return FamilyAdapter.head_counts(self)
+
+
+class KimiK2Adapter(DeepseekV3Adapter):
+    family = "kimi_k2"
+    model_types = ("kimi_k2",)
+
+    def transformers_config(self) -> Any:
+        from transformers import DeepseekV3Config
+
+        fields = {key: value for key, value in self.config.items() if key not in ("model_type", "auto_map")}
+        return DeepseekV3Config.from_dict(fields)

@@ -1,0 +1,107 @@
+"""Every family end to end on a tiny checkpoint in its hub release's layout: `prune --scope layer` writes what stock
+transformers loads, `quantize` writes what loads through the plugin, and the perplexity each command reports is
+the one plain transformers computes on the written model."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from helpers import load_stock
+
+from moecompress.calibration.builtin_corpus import builtin_documents
+from moecompress.cli.main import app
+from moecompress.families import adapter_for
+from moecompress.synthetic import tiny_tokenizer
+
+E2E_FAMILIES = (
+    "glm4_moe",
+    "glm4_moe_lite",
+    "deepseek_v32",
+    "dots1",
+    "kimi_k2",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "qwen3_5_moe",
+)
+SEQ_LEN, TOKENS = 64, 512
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    tokenizer = tiny_tokenizer()
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = root / family
+            shutil.copytree(tiny_checkpoints[family], made[family])
+            tokenizer.save_pretrained(made[family])
+        return made[family]
+
+    return get
+
+
+def _config(directory):
+    return json.loads((directory / "config.json").read_text())
+
+
+def _plain_perplexity(directory):
+    """The evaluation's definition computed the obvious way on the model plain transformers loads."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = load_stock(directory)
+    ids = []
+    for doc in builtin_documents("prose", "heldout"):
+        ids.extend(tokenizer(doc.text + "\n\n", add_special_tokens=False)["input_ids"])
+    losses = []
+    with torch.no_grad():
+        for i in range(min(len(ids), TOKENS) // SEQ_LEN):
+            window = torch.tensor([ids[i * SEQ_LEN : (i + 1) * SEQ_LEN]])
+            losses.append(model(input_ids=window, labels=window).loss.item())
+    return math.exp(sum(losses) / len(losses)), model
+
+
+def _run(command, source, out, *args):
+    options = ["--calib-tokens", "512", "--seq-len", str(SEQ_LEN), "--eval-tokens", str(TOKENS)]
+    result = CliRunner().invoke(app, [command, str(source), "--out", str(out), *options, *args])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "moecompress_report.json").read_text())
+
+
+@pytest.mark.parametrize("family", E2E_FAMILIES)
+def test_layer_scope_prune_loads_in_stock_transformers_with_the_reported_perplexity(family, with_tokenizer, tmp_path):
+    source = with_tokenizer(family)
+    adapter = adapter_for(_config(source))
+    out = tmp_path / "pruned"
+    report = _run("prune", source, out, "--ratio", "0.25", "--scope", "layer")
+    pruned = adapter_for(_config(out))
+    kept = adapter.num_experts * 3 // 4
+    assert pruned.num_experts == kept and report["uniform"]
+
+    config = pruned.transformers_config()
+    _, loading = getattr(transformers, pruned.auto_class).from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True, **({} if config is None else {"config": config})
+    )
+    assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    perplexity, model = _plain_perplexity(out)
+    for layer in pruned.moe_layers():
+        assert pruned.experts_of(model, layer).gate_up_proj.shape[0] == kept
+        assert pruned.router_of(model, layer).weight.shape[0] == kept
+    assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
+    assert _plain_perplexity(source)[0] == pytest.approx(report["eval"]["reference_perplexity"], rel=1e-4)
+
+
+@pytest.mark.parametrize("family", E2E_FAMILIES)
+def test_quantized_output_loads_through_the_plugin_with_the_reported_perplexity(family, with_tokenizer, tmp_path):
+    source = with_tokenizer(family)
+    out = tmp_path / "quantized"
+    report = _run("quantize", source, out, "--scheme", "int4", "--group-size", "32")
+    adapter = adapter_for(_config(out))
+    perplexity, model = _plain_perplexity(out)
+    for layer in adapter.moe_layers():
+        assert type(adapter.experts_of(model, layer)).__name__ == "QuantizedExperts"
+    assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
