@@ -42,18 +42,11 @@ from .checkpoint.stream import check_output_is_not_input
 from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
 from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from .errors import UserInputError
-from .passes.prune_experts import PruneExpertsConfig
-from .passes.prune_heads import PruneHeadsConfig
-from .passes.qat import QATConfig
 from .passes.quantize import QuantizeConfig
+from .passes.registry import PASSES
 from .progress import event
 
-CONFIGS: dict[str, type] = {
-    "prune_experts": PruneExpertsConfig,
-    "prune_heads": PruneHeadsConfig,
-    "quantize": QuantizeConfig,
-    "qat": QATConfig,
-}
+CONFIGS: dict[str, type] = {name: entry.config for name, entry in PASSES.items()}
 LOWRANK_KEYS = (
     "lowrank_budget",
     "lowrank_rank",
@@ -262,6 +255,7 @@ def check_recipe(recipe: Recipe, model_dir: Path) -> None:
         seq_len=recipe.calibration.seq_len,
         eval_data=None if evaluation is None else evaluation.data,
         eval_tokens=None if evaluation is None else evaluation.tokens,
+        name_passes=len(recipe.passes) > 1 or recipe.evaluation is not None,
     )
 
 
@@ -375,14 +369,17 @@ def run_recipe(
     overwrite: bool = False,
     progress: bool = True,
     resume: bool = False,
+    chained: bool = False,
 ) -> dict[str, Any]:
     """Run the passes in order, then the evaluation; returns the last pass's report with the recipe, the earlier
     passes' reports, the evaluation and the outcome (the summary table's figures) added.
 
-    Each pass reads the previous pass's output from the run's hidden directory; the output directory appears,
-    in one rename, only at the very end. With ``resume`` a run that was killed continues: finished passes whose
-    files are intact are skipped, the pass under way continues from its last finished layer, and the output is
-    byte-identical to an uninterrupted run.
+    Consecutive layer passes run as one pipeline (:mod:`moecompress.pipeline`: shared sweeps, the output written
+    once); a whole-model pass runs on the previous stage's output, kept in the run's hidden directory. With
+    ``chained`` every pass is its own stage writing a whole checkpoint, as recipes ran before the pipeline (kept for
+    the comparison in docs/pipeline.md). The output directory appears, in one rename, only at the very end. With
+    ``resume`` a run that was killed continues: finished stages whose files are intact are skipped, the stage under
+    way continues from its last finished layer, and the output is byte-identical to an uninterrupted run.
 
     Under ``torchrun`` (``WORLD_SIZE`` above 1) a recipe of one ``prune_experts`` pass shares its calibration over
     the ranks: rank 0 alone creates the run directory and the output and evaluates, the others take part in the
@@ -412,9 +409,8 @@ def run_recipe(
             model_dir, target, config, **common, overwrite=True, progress=progress, image_size=calib.image_size
         )
         return distributed.on_writer(lambda: None)
-    return distributed.on_writer(
-        lambda: _run_passes(recipe, model_dir, out_dir, state, common, progress=progress, resume=resume)
-    )
+    options = dict(progress=progress, resume=resume, chained=chained or ranks > 1)
+    return distributed.on_writer(lambda: _run_passes(recipe, model_dir, out_dir, state, common, **options))
 
 
 def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, resume: bool) -> RunState:
@@ -432,36 +428,43 @@ def _run_passes(
     *,
     progress: bool,
     resume: bool,
+    chained: bool = False,
 ) -> dict[str, Any]:
     from .evals.perplexity import evaluate
     from .passes.prune_experts import prune_experts, update_report
     from .passes.prune_heads import prune_heads
     from .passes.qat import qat_checkpoint
     from .passes.quantize import quantize_checkpoint
+    from .pipeline import plan_stages, run_layer_passes
     from .run_summary import attribute_to_input, load_report, measure_outcome
 
     calib = recipe.calibration
-    total = len(recipe.passes)
+    stages = plan_stages(recipe.passes, chained=chained)
+    total = len(stages)
     done = state.last_intact_step() if resume else None
     source = model_dir if done is None else state.step(done)
     if done is not None:
-        event("resume", f"resuming after pass {done + 1}/{total} ({recipe.passes[done][0]}), already finished")
-    reports = state.reports(before=total - 1)
+        event("resume", f"resuming after stage {done + 1}/{total} ({stages[done].name}), already finished")
+    reports = [r for stage in state.reports(before=total - 1) for r in [*stage.pop("previous_passes", []), stage]]
     try:
         for index in range(0 if done is None else done + 1, total):
-            name, config = recipe.passes[index]
+            stage = stages[index]
+            name, config = stage.passes[-1]
             target = state.step(index)
             started = time.monotonic()
-            event(
-                "pass",
-                f"pass {index + 1}/{total}: {name} started",
-                index=index,
-                name=name,
-                state="start",
-                starting=True,
-            )
+            for pass_name in stage.names:
+                event(
+                    "pass",
+                    f"pass {index + 1}/{total}: {pass_name} started",
+                    index=index,
+                    name=pass_name,
+                    state="start",
+                    starting=True,
+                )
             options = dict(overwrite=True, progress=progress)
-            if name == "prune_experts":
+            if len(stage.passes) > 1:
+                report = run_layer_passes(source, target, stage.passes, calib, **options, resume=resume)
+            elif name == "prune_experts":
                 report = prune_experts(
                     source, target, config, **common, **options, image_size=calib.image_size, resume=resume
                 )
@@ -474,26 +477,28 @@ def _run_passes(
                     source, target, config, data=calib.source, calib_tokens=calib.tokens, eval_data=None, **options
                 )
             seconds = time.monotonic() - started
-            event(
-                "pass",
-                f"pass {index + 1}/{total}: {name} done in {seconds:.1f}s",
-                index=index,
-                name=name,
-                state="end",
-                seconds=round(seconds, 2),
-            )
+            for pass_name in stage.names:
+                event(
+                    "pass",
+                    f"pass {index + 1}/{total}: {pass_name} done in {seconds:.1f}s",
+                    index=index,
+                    name=pass_name,
+                    state="end",
+                    seconds=round(seconds, 2),
+                )
             if index < total - 1 or recipe.evaluation is not None:
                 # The last pass's hashes serve only a resume of the evaluation; without one, hashing the whole
                 # output again would cost a read of it (BENCHMARKS.md) for nothing.
                 state.mark_finished(index, report)
             if index < total - 1:
-                reports.append(report)
+                reports.extend([*report.get("previous_passes", []), report])
+                report.pop("previous_passes", None)
             source = target
         final = state.step(total - 1)
         report = load_report(final)
-        report.pop("previous_passes", None)
+        inner = report.pop("previous_passes", None) or []
         report["recipe"] = {"model": str(model_dir), "passes": describe(recipe)}
-        report["previous_passes"] = reports
+        report["previous_passes"] = [*reports, *inner]
         evaluation = None
         if recipe.evaluation is not None:
             event("eval", f"evaluating on {recipe.evaluation.data}", state="start", starting=True)

@@ -68,7 +68,9 @@ def test_the_cli_refuses_a_bad_recipe_with_one_line(tmp_path):
     assert result.returncode == 2 and "not valid YAML" in result.stderr
 
 
-def test_a_recipe_gives_the_same_checkpoint_as_its_passes_run_by_hand(tiny_with_tokenizer, tmp_path):
+def test_a_chained_recipe_gives_the_same_checkpoint_as_its_passes_run_by_hand(tiny_with_tokenizer, tmp_path):
+    """``chained`` runs each pass as its own checkpoint-to-checkpoint job, as recipes ran before the pipeline (the
+    pipeline's own equivalences are in test_pipeline.py)."""
     source = tiny_with_tokenizer["qwen3_moe"]
     document = _recipe(
         {"prune_experts": {"ratio": 0.25}},
@@ -76,8 +78,8 @@ def test_a_recipe_gives_the_same_checkpoint_as_its_passes_run_by_hand(tiny_with_
         {"lowrank": {"lowrank_budget": 0.5}},
         calibration={"tokens": 1024, "seq_len": 64},
     )
-    report = run_recipe(parse_recipe(document), source, tmp_path / "recipe", progress=False)
-    assert report["recipe"]["passes"][1] == "quantize: scheme=int4, lowrank_budget=0.5"
+    report = run_recipe(parse_recipe(document), source, tmp_path / "recipe", progress=False, chained=True)
+    assert report["recipe"]["passes"][1] == "quantize: scheme=int4, method=rtn, format=native, lowrank_budget=0.5"
     common = dict(calib="builtin:prose", calib_tokens=1024, seq_len=64, progress=False)
     prune_experts(source, tmp_path / "pruned", PruneExpertsConfig(ratio=0.25), **common)
     quantize_checkpoint(

@@ -57,7 +57,9 @@ def run_command(
     )
     steps = [f"  {index + 1}. {line}" for index, line in enumerate(describe(parsed))]
     if dry_run:
-        click.echo("\n".join([header, *steps]))
+        from ..pipeline import describe_plan
+
+        click.echo("\n".join([header, *steps, "plan:", *(f"  {line}" for line in describe_plan(parsed))]))
         return
     if out_dir is None:
         raise UserInputError("--out is required (or pass --dry-run)")

@@ -1,0 +1,52 @@
+"""The one list of passes: recipe keys and their config dataclasses, layer passes and whole-model passes.
+
+Adding a pass: a module with its config dataclass (``validate()`` raising :class:`UserInputError`) and either a
+:class:`~moecompress.passes.base.LayerPass` subclass or a whole-model function, and one entry here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .base import PassEntry
+from .prune_experts import PruneExpertsConfig
+from .prune_experts_layer import PruneExpertsPass
+from .prune_heads import PruneHeadsConfig
+from .qat import QATConfig
+from .quantize import QuantizeConfig
+from .quantize_layer import QuantizePass
+
+
+def _prune_heads(source: Path, target: Path, config: PruneHeadsConfig, *, calibration, options) -> dict[str, Any]:
+    from .prune_heads import prune_heads
+
+    return prune_heads(
+        source,
+        target,
+        config,
+        calib=calibration.source,
+        calib_tokens=calibration.tokens,
+        seq_len=calibration.seq_len,
+        eval_data=None,
+        **options,
+    )
+
+
+def _qat(source: Path, target: Path, config: QATConfig, *, calibration, options) -> dict[str, Any]:
+    from .qat import qat_checkpoint
+
+    return qat_checkpoint(
+        source, target, config, data=calibration.source, calib_tokens=calibration.tokens, eval_data=None, **options
+    )
+
+
+PASSES: dict[str, PassEntry] = {
+    entry.name: entry
+    for entry in (
+        PassEntry("prune_experts", PruneExpertsConfig, layer_pass=PruneExpertsPass, help="remove routed experts"),
+        PassEntry("prune_heads", PruneHeadsConfig, run_whole_model=_prune_heads, help="remove attention heads"),
+        PassEntry("quantize", QuantizeConfig, layer_pass=QuantizePass, help="quantise (and compensate) experts"),
+        PassEntry("qat", QATConfig, run_whole_model=_qat, help="quantisation-aware training of the quantised model"),
+    )
+}

@@ -1,0 +1,366 @@
+"""The one driver of a recipe's layer passes: every pass in the same layer sweeps, the output written once.
+
+A recipe's consecutive layer passes (:mod:`moecompress.passes.registry`) form one *stage*, run as:
+
+1. the sensitivity sweep, only if a pass asks for a downstream sensitivity (the low-rank budget's Fisher factor:
+   a streamed forward, then a backward one layer at a time);
+2. one measuring sweep, only if a pass needs a global decision: every layer is read once and calibrated, and every
+   pass measures what it needs on it (MAEP scores, every expert matrix's error spectrum); then every pass decides
+   from all layers' measurements (the expert ranking, the rank budget);
+3. one rewriting sweep: per decoder layer, read once, calibrate (if a pass needs routed inputs), apply the passes
+   in recipe order (prune experts -> quantise -> low-rank adapters), write the layer once, and recompute its
+   outputs through the rewritten block (pruned, quantised) as the next layer's inputs (sequential calibration).
+
+The measuring sweep runs on the original weights: a pruning decision is global, known only after it. A low-rank
+budget is therefore spent on spectra and loads measured before pruning; the spectra of the experts pruning removes
+are dropped at decision time and the budget counts the kept experts only. The rewriting sweep recomputes each
+kept expert's spectrum on the pruned, sequentially calibrated block and keeps the ranks it was given.
+
+A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result. A stage of
+one layer pass is run by that pass's own driver (``prune_experts``, ``quantize_checkpoint``: the same sweeps, and
+what the pipeline does not cover yet: torchrun, MTP layers, a quantised release streamed as stored); the pipeline
+writes the same tensors for it (tests/test_pipeline.py).
+:func:`plan_stages` groups a recipe; :func:`describe_plan` is what ``moecompress run --dry-run`` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
+from .checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
+from .errors import UserInputError
+from .families import FamilyAdapter, MoEWeights
+from .memory import release_freed_memory
+from .passes.base import CalibrationData, LayerPass, PassContext, block_weights
+from .passes.registry import PASSES
+from .progress import bar as progress_bar
+from .sweep import CalibrationSweep
+from .sweep_state import LayerResult, SweepState
+
+CALIBRATION_BATCH = 8
+
+
+@dataclass
+class Stage:
+    """Consecutive layer passes run by one pipeline, or one whole-model pass."""
+
+    kind: str
+    passes: list[tuple[str, Any]] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.passes]
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.names)
+
+
+def plan_stages(passes: list[tuple[str, Any]], *, chained: bool = False) -> list[Stage]:
+    """Group ``passes`` into stages: consecutive layer passes share one pipeline (a pass named twice starts a
+    new one). ``chained`` gives every pass its own stage, as recipes ran before the pipeline."""
+    stages: list[Stage] = []
+    for name, config in passes:
+        kind = PASSES[name].kind
+        last = stages[-1] if stages else None
+        if not chained and kind == "layer" and last is not None and last.kind == "layer" and name not in last.names:
+            last.passes.append((name, config))
+        else:
+            stages.append(Stage(kind, [(name, config)]))
+    return stages
+
+
+def _layer_passes(passes: list[tuple[str, Any]]) -> list[LayerPass]:
+    return [PASSES[name].layer_pass(config) for name, config in passes]
+
+
+@dataclass(frozen=True)
+class Sweeps:
+    """Which sweeps a stage of layer passes runs, decided from the passes' configs alone."""
+
+    sensitivity: list[str]
+    measuring: list[tuple[str, str]]
+    calibrated: bool
+    sequential: bool
+
+    @property
+    def reads(self) -> int:
+        """How many times the sweeps read the input checkpoint (the sensitivity sweep reads it twice: a forward,
+        then a backward one layer at a time)."""
+        return 2 * bool(self.sensitivity) + bool(self.measuring) + 1
+
+
+def plan_sweeps(passes: list[LayerPass]) -> Sweeps:
+    needs = [p.needs() for p in passes]
+    calibrated = any(n.calibration for n in needs)
+    return Sweeps(
+        sensitivity=sorted({n.sensitivity for n in needs if n.sensitivity}),
+        measuring=[(p.name, n.measuring) for p, n in zip(passes, needs, strict=True) if n.measuring],
+        calibrated=calibrated,
+        sequential=calibrated and any(n.sequential for n in needs),
+    )
+
+
+def describe_plan(recipe) -> list[str]:
+    """The plan of ``recipe`` (a :class:`~moecompress.recipes.Recipe`): its stages, the sweeps of each with the
+    passes in them, and how many times each reads a checkpoint. Nothing is read to make it."""
+    lines, reads = [], 0
+    stages = plan_stages(recipe.passes)
+    for number, stage in enumerate(stages, start=1):
+        source = "the input" if number == 1 else f"stage {number - 1}'s output"
+        last = number == len(stages)
+        writes = "the output" if last else "an intermediate checkpoint"
+        if stage.kind == "model":
+            lines.append(f"stage {number}: {stage.name} (whole model): loads {source}, writes {writes}")
+            reads += 1
+            continue
+        passes = _layer_passes(stage.passes)
+        sweeps = plan_sweeps(passes)
+        lines.append(f"stage {number}: one layer pipeline of {', '.join(stage.names)}, on {source}")
+        if sweeps.sensitivity:
+            lines.append(
+                f"  sensitivity sweep ({', '.join(sweeps.sensitivity)}): a forward then a backward one layer at a "
+                "time; reads it twice"
+            )
+        if sweeps.measuring:
+            measured = "; ".join(f"{name}: {what}" for name, what in sweeps.measuring)
+            lines.append(f"  measuring sweep (original weights): {measured}; reads it once; then the passes decide")
+        calibration = "calibrated, sequential" if sweeps.sequential else "calibrated" if sweeps.calibrated else "plain"
+        steps = " -> ".join(f"{p.name}: {p.needs().rewrites}" if p.needs().rewrites else p.name for p in passes)
+        # A one-pass stage runs the pass's own driver, whose calibrated rewriting sweep reads each layer twice.
+        twice = len(passes) == 1 and sweeps.calibrated
+        read = "twice (the sweep and the writer)" if twice else "once"
+        lines.append(f"  rewriting sweep ({calibration}): per layer {steps}; reads it {read}, writes {writes} once")
+        reads += sweeps.reads + twice
+    if recipe.evaluation is not None:
+        lines.append(
+            f"evaluation: {recipe.evaluation.data}, {recipe.evaluation.tokens} tokens, "
+            "the output against the input (reads both)"
+        )
+    lines.append(f"checkpoint reads before the evaluation: {reads}")
+    return lines
+
+
+def _combine(parts: dict[int, LayerResult]) -> LayerResult:
+    tensors = {f"p{index}.{name}": tensor for index, (stored, _) in parts.items() for name, tensor in stored.items()}
+    return tensors, {str(index): meta for index, (_, meta) in parts.items()}
+
+
+def _part(result: LayerResult, index: int) -> LayerResult:
+    tensors, meta = result
+    prefix = f"p{index}."
+    return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}, meta[str(index)]
+
+
+def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
+    needs = [p.needs() for p in passes]
+    measuring = [(index, p) for index, (p, n) in enumerate(zip(passes, needs, strict=True)) if n.measuring]
+    if not measuring:
+        return
+    state = SweepState(context.state_dir / "measure")
+    for layer, result in sorted(state.results().items()):
+        for index, p in measuring:
+            p.absorb(layer, _part(result, index))
+    data = context.calibration
+    sweep = CalibrationSweep(
+        context.model_dir,
+        data.batches,
+        data.tags,
+        data.tag_names,
+        capture_attention=any(needs[index].attention for index, _ in measuring),
+        moe_in_compute_dtype=all(needs[index].weights_only for index, _ in measuring),
+        progress=context.progress,
+    )
+    for capture in sweep.run(state, label="measuring"):
+        parts = {}
+        for index, p in measuring:
+            parts[index] = p.measure(capture)
+            p.absorb(capture.layer, parts[index])
+        capture.result = _combine(parts)
+
+
+def _replacement(original: MoEWeights, block: Any) -> tuple[MoEWeights, torch.Tensor | None]:
+    """What the next layer's calibration should see of a rewritten block, at the original block's size (the stock
+    layer module is built for it): removed experts are zeros the router may not choose."""
+    weights = block_weights(block)
+    if weights.num_experts == original.num_experts:
+        return weights, None
+    positions = torch.tensor([original.expert_ids.index(expert) for expert in weights.expert_ids])
+
+    def padded(tensor: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        full = torch.zeros(like.shape, dtype=tensor.dtype)
+        full[positions] = tensor
+        return full
+
+    allowed = torch.zeros(original.num_experts, dtype=torch.bool)
+    allowed[positions] = True
+    full = replace(
+        original,
+        gate_up=padded(weights.gate_up, original.gate_up),
+        down=padded(weights.down, original.down),
+        gate_up_bias=padded(weights.gate_up_bias, original.gate_up_bias),
+        down_bias=padded(weights.down_bias, original.down_bias),
+    )
+    return full, allowed
+
+
+class _LayerWriter:
+    """Applies the passes to one layer and writes it as one journalled unit of ``writer``."""
+
+    def __init__(self, passes: list[LayerPass], adapter: FamilyAdapter, writer: CheckpointWriter):
+        self.passes, self.adapter, self.writer = passes, adapter, writer
+        writers = [p for p in passes if p.writes_layers]
+        self.layout_pass = writers[-1] if writers else None
+
+    def _meta(self, unit: str) -> dict[str, Any]:
+        entries = {p.name: p.unit_meta(unit) for p in self.passes}
+        return {name: entry for name, entry in entries.items() if entry is not None}
+
+    def restore_all(self) -> None:
+        for unit, record in self.writer.units.items():
+            for p in self.passes:
+                entry = (record.meta or {}).get(p.name)
+                if entry is not None:
+                    p.restore(unit, entry)
+
+    def outside(self, tensors: dict[str, torch.Tensor]) -> None:
+        for p in self.passes:
+            tensors = p.write_outside(tensors)
+        self.writer.add(tensors, unit=OUTSIDE_UNIT, meta=self._meta(OUTSIDE_UNIT))
+
+    def layer(self, layer: int, moe: MoEWeights | None, rest: dict, layout: Any, capture) -> Any:
+        block = moe
+        for p in self.passes:
+            block = p.rewrite(layer, block, capture)
+        if self.layout_pass is not None:
+            tensors = self.layout_pass.write_layer(layer, block, rest)
+        else:
+            tensors = self.adapter.join_layer(layer, block, rest, layout)
+        unit = layer_unit(layer)
+        self.writer.add(tensors, unit=unit, meta=self._meta(unit))
+        return block
+
+
+def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: FamilyAdapter, writer) -> None:
+    sweeps = plan_sweeps(passes)
+    write = _LayerWriter(passes, adapter, writer)
+    with CheckpointReader(context.model_dir) as reader:
+        layers, outside = group_keys_by_layer(reader, adapter)
+        state = None
+        if sweeps.calibrated:
+            state = SweepState(context.state_dir / "rewrite")
+            start = state.start_layer
+            if any(layer_unit(layer) not in writer.units for layer in range(start)):
+                state.clear()
+                start = 0
+            writer.keep_units({OUTSIDE_UNIT, *(layer_unit(layer) for layer in range(start))})
+        write.restore_all()
+        if OUTSIDE_UNIT not in writer.units:
+            write.outside(reader.read(outside))
+        if state is not None:
+            data = context.calibration
+            sweep = CalibrationSweep(
+                context.model_dir,
+                data.batches,
+                data.tags,
+                data.tag_names,
+                keep_tensors=True,
+                progress=context.progress,
+            )
+            for capture in sweep.run(state, label="rewriting"):
+                block = write.layer(capture.layer, capture.moe, capture.rest, capture.layout, capture)
+                capture.replacement = capture.allowed = None
+                if sweeps.sequential and capture.moe is not None and block is not capture.moe:
+                    capture.replacement, capture.allowed = _replacement(capture.moe, block)
+                del block
+        remaining = [layer for layer in layers if layer_unit(layer) not in writer.units]
+        for layer in progress_bar(remaining, desc="writing", unit="layer", disable=not context.progress):
+            moe, rest, layout = adapter.split_layer(layer, reader.pending(layers[layer]), consume=True)
+            write.layer(layer, moe, rest, layout, None)
+            del moe, rest
+            release_freed_memory()
+
+
+def run_layer_passes(
+    model_dir: Path,
+    out_dir: Path,
+    passes: list[tuple[str, Any]],
+    calibration,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """Run one stage of layer passes on ``model_dir`` into ``out_dir``; returns the last pass's report, with the
+    earlier passes' reports under ``previous_passes`` (also saved as moecompress_report.json).
+
+    ``calibration`` is the recipe's :class:`~moecompress.recipes.Calibration`; its windows are drawn with the first
+    pass's seed (the recipe's unless the pass sets its own), and every sweep shares them. With ``resume`` a killed
+    run continues: the sensitivity, the measured layers and the written layers are kept, and the output is
+    byte-identical to an uninterrupted run's."""
+    from .loading import load_adapter
+    from .passes.prune_experts import calibration_batches, update_report
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_output_is_not_input(model_dir, out_dir)
+    adapter = load_adapter(model_dir)
+    with CheckpointReader(model_dir) as reader:
+        beyond = [layer for layer in group_keys_by_layer(reader, adapter)[0] if layer >= adapter.num_layers]
+    if beyond:
+        raise UserInputError(
+            f"{model_dir}: layers {beyond} lie beyond the decoder's {adapter.num_layers} (MTP); the layer pipeline "
+            "does not handle them yet: run the passes as separate recipes"
+        )
+    layer_passes = _layer_passes(passes)
+    sweeps = plan_sweeps(layer_passes)
+    data = None
+    if sweeps.measuring or sweeps.calibrated:
+        seed = getattr(passes[0][1], "seed", calibration.seed)
+        batches, tags, tag_names = calibration_batches(
+            adapter,
+            model_dir,
+            calibration.source,
+            calibration.tokens,
+            calibration.seq_len,
+            CALIBRATION_BATCH,
+            seed,
+            calibration.image_size,
+        )
+        data = CalibrationData(batches, tags, tag_names, calibration.source, calibration.seq_len, seed)
+    writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
+    context = PassContext(model_dir, adapter, data, writer.state_dir, progress)
+    try:
+        for p in layer_passes:
+            p.prepare(context)
+        _measuring_sweep(layer_passes, context)
+        for p in layer_passes:
+            p.decide(context)
+        _rewriting_sweep(layer_passes, context, adapter, writer)
+        writer.copy_side_files(model_dir)
+        writer.write_json("moecompress_report.json", _stage_report(layer_passes))
+        config = dict(adapter.config)
+        for p in layer_passes:
+            config = p.finish_config(config)
+        writer.finish(config)
+    except (UserInputError, OSError):
+        writer.abort()
+        raise
+    for p in layer_passes:
+        p.finished(out_dir)
+    report = _stage_report(layer_passes)
+    update_report(out_dir, report)
+    return report
+
+
+def _stage_report(passes: list[LayerPass]) -> dict[str, Any]:
+    reports = [p.report() for p in passes]
+    if len(reports) == 1:
+        return reports[0]
+    return {**reports[-1], "previous_passes": reports[:-1]}

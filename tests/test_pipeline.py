@@ -1,0 +1,144 @@
+"""The layer pipeline: a recipe's layer passes share their sweeps and write the output once; sequential calibration
+through a pruned block computes what the pruned model computes; ``run --dry-run`` prints the plan."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import run_cli
+from safetensors.torch import load_file
+
+from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
+from moecompress.passes.quantize import QuantizeConfig, _components_for_budget, quantize_checkpoint
+from moecompress.pipeline import _replacement, plan_stages, run_layer_passes
+from moecompress.recipes import Calibration, parse_recipe, run_recipe
+
+DEFAULT = Path(__file__).parent.parent / "recipes" / "default.yaml"
+CALIBRATION = {"source": "builtin:prose", "tokens": 512, "seq_len": 64, "seed": 2}
+
+
+def _tensors_equal(first: Path, second: Path) -> list[str]:
+    """Names of the tensors that differ between two single-shard checkpoints (both must hold the same names)."""
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys()
+    return [key for key in a if not torch.equal(a[key], b[key])]
+
+
+def test_dry_run_prints_the_plan_and_does_no_work(tmp_path):
+    result = run_cli("run", str(DEFAULT), "--dry-run", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    plan = result.stdout.split("plan:\n", 1)[1].splitlines()
+    assert plan[0].strip() == "stage 1: one layer pipeline of prune_experts, quantize, on the input"
+    assert "sensitivity sweep (fisher-token)" in plan[1]
+    assert "measuring sweep" in plan[2] and "maep expert scores" in plan[2] and "error spectra" in plan[2]
+    assert "rewriting sweep (calibrated, sequential)" in plan[3] and "writes the output once" in plan[3]
+    assert plan[-1].strip() == "checkpoint reads before the evaluation: 4"
+    assert not (tmp_path / "out").exists()
+
+
+def test_whole_model_passes_are_stages_of_their_own():
+    recipe = parse_recipe(
+        {
+            "passes": [
+                {"prune_heads": {}},
+                {"prune_experts": {"ratio": 0.25}},
+                {"quantize": {"scheme": "mxfp4"}},
+            ]
+        }
+    )
+    stages = plan_stages(recipe.passes)
+    assert [(stage.kind, stage.names) for stage in stages] == [
+        ("model", ["prune_heads"]),
+        ("layer", ["prune_experts", "quantize"]),
+    ]
+    assert [stage.names for stage in plan_stages(recipe.passes, chained=True)] == [
+        ["prune_heads"],
+        ["prune_experts"],
+        ["quantize"],
+    ]
+
+
+def test_prune_and_gptq_in_one_pipeline_equal_the_passes_chained(tiny_with_tokenizer, tmp_path):
+    """GPTQ in the chained run calibrates on the pruned checkpoint with each quantised layer's outputs feeding the
+    next; the pipeline gets the same inputs from the pruned block recomputed at its original size with the pruned
+    experts routed around, so the two write the same tensors."""
+    source = tiny_with_tokenizer["qwen3_moe"]
+    recipe = parse_recipe(
+        {
+            "calibration": CALIBRATION,
+            "passes": [{"prune_experts": {"ratio": 0.25}}, {"quantize": {"scheme": "int4", "method": "gptq"}}],
+        }
+    )
+    report = run_recipe(recipe, source, tmp_path / "pipeline", progress=False)
+    run_recipe(recipe, source, tmp_path / "chained", progress=False, chained=True)
+    assert _tensors_equal(tmp_path / "pipeline", tmp_path / "chained") == []
+    assert (tmp_path / "pipeline" / "config.json").read_bytes() == (tmp_path / "chained" / "config.json").read_bytes()
+    assert report["pass"] == "quantize" and [p["pass"] for p in report["previous_passes"]] == ["prune_experts"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chained", "pipeline"]
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("prune_experts", PruneExpertsConfig(ratio=0.25, seed=2)),
+        ("quantize", QuantizeConfig(scheme="int4", method="gptq", lowrank_budget=0.5, seed=2)),
+    ],
+)
+def test_one_pass_through_the_pipeline_writes_what_its_own_driver_writes(tiny_with_tokenizer, tmp_path, name, config):
+    source = tiny_with_tokenizer["qwen3_moe"]
+    common = dict(calib="builtin:prose", calib_tokens=512, seq_len=64, progress=False)
+    driver = prune_experts if name == "prune_experts" else quantize_checkpoint
+    driver(source, tmp_path / "driver", config, **common)
+    run_layer_passes(source, tmp_path / "pipeline", [(name, config)], Calibration(**CALIBRATION), progress=False)
+    assert _tensors_equal(tmp_path / "pipeline", tmp_path / "driver") == []
+    assert (tmp_path / "pipeline" / "config.json").read_bytes() == (tmp_path / "driver" / "config.json").read_bytes()
+
+
+def test_the_rank_budget_after_pruning_counts_the_kept_experts_only(tiny_with_tokenizer, tmp_path):
+    source = tiny_with_tokenizer["qwen3_moe"]
+    passes = [
+        ("prune_experts", PruneExpertsConfig(ratio=0.25, seed=2)),
+        ("quantize", QuantizeConfig(scheme="int2", lowrank_budget=0.5, sensitivity="none", seed=2)),
+    ]
+    out = tmp_path / "out"
+    report = run_layer_passes(source, out, passes, Calibration(**CALIBRATION), progress=False)
+    config = json.loads((out / "config.json").read_text())
+    kept = {int(layer): len(entry["kept"]) for layer, entry in report["previous_passes"][0]["layers"].items()}
+    hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+    prune = report["previous_passes"][0]
+    assert sum(kept.values()) == prune["experts_after"] < prune["experts_before"]
+    assert report["lowrank"]["components"] == _components_for_budget(0.5, [(n, hidden, inter) for n in kept.values()])
+    assert report["lowrank"]["components_used"] <= report["lowrank"]["components"]
+    for layer, stats in report["layers"].items():
+        assert all(len(ranks) == kept[int(layer)] for ranks in stats["lowrank_ranks"].values())
+
+
+def test_a_pruned_replacement_keeps_the_block_size_and_allows_only_the_kept_experts():
+    from moecompress.families import MoEWeights
+
+    generator = torch.Generator().manual_seed(0)
+    block = MoEWeights(
+        router_weight=torch.randn(6, 4, generator=generator),
+        gate_up=torch.randn(6, 10, 4, generator=generator),
+        down=torch.randn(6, 4, 5, generator=generator),
+        expert_ids=[0, 1, 2, 3, 4, 5],
+    )
+    pruned = block.select([1, 4])
+    full, allowed = _replacement(block, pruned)
+    assert allowed.tolist() == [False, True, False, False, True, False]
+    assert full.gate_up.shape == block.gate_up.shape and torch.equal(full.gate_up[4], block.gate_up[4])
+    assert not full.gate_up[0].any() and torch.equal(full.router_weight, block.router_weight)
+    same, none = _replacement(block, block.select(list(range(6))))
+    assert none is None and same.num_experts == 6
+
+
+def test_a_recipe_file_with_both_kinds_parses_through_the_registry():
+    from moecompress.passes.registry import PASSES
+    from moecompress.recipes import CONFIGS
+
+    assert CONFIGS == {name: entry.config for name, entry in PASSES.items()}
+    assert {name for name, entry in PASSES.items() if entry.kind == "layer"} == {"prune_experts", "quantize"}
+    document = yaml.safe_load(DEFAULT.read_text())
+    assert [name for name, _ in parse_recipe(document).passes] == ["prune_experts", "quantize"]
