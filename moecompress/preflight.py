@@ -109,10 +109,11 @@ def check_passes(
     seq_len: int,
     eval_data: str | None = None,
     eval_tokens: int | None = None,
+    name_passes: bool = False,
 ) -> None:
-    """Refuse, before any work, what the passes' configs and the input's config.json decide is impossible."""
+    """Refuse, before any work, what the passes' configs and the input's config.json decide is impossible
+    (``name_passes``: a recipe's errors say which pass)."""
     from .loading import load_adapter
-    from .passes.quantize import _check_format
 
     adapter = load_adapter(model_dir)
     check_seq_len(adapter, seq_len)
@@ -126,29 +127,42 @@ def check_passes(
         check_data_spec(eval_data, "--eval-data")
     quantized = _quantized_method(adapter)
     pruned_experts = False
-    for name, config in passes:
-        if name in ("prune_experts", "quantize") and quantized:
-            from .checkpoint.decode import native_refusal
+    for index, (name, config) in enumerate(passes):
+        try:
+            _check_pass(model_dir, adapter, name, config, quantized, first_expert_pruning=not pruned_experts)
+        except UserInputError as error:
+            if not name_passes:
+                raise
+            raise UserInputError(f"pass {index + 1} ({name}): {error}") from None
+        pruned_experts = pruned_experts or name == "prune_experts"
 
-            native_refusal(adapter.config, str(model_dir))
-        if name == "prune_heads" and quantized:
-            raise UserInputError(
-                f"{model_dir}: already quantised ({quantized}); prune the unquantised model, then quantise"
-            )
-        if name == "qat" and quantized:
-            raise UserInputError(
-                f"{model_dir}: the checkpoint is already quantised ({quantized}); start from a bf16/fp16 one"
-            )
-        if name == "prune_experts" and not pruned_experts:
-            check_prune_counts(adapter, config)
-            pruned_experts = True
-        elif name == "prune_heads":
-            check_prune_heads(adapter, config, model_dir)
-        elif name in ("quantize", "qat"):
-            quantize = config.quantize if name == "qat" else config
-            _check_format(adapter, quantize, quantize.quant_scheme())
-            if name == "qat":
-                check_seq_len(adapter, config.seq_len)
+
+def _check_pass(
+    model_dir: Path, adapter: Any, name: str, config: Any, quantized: str | None, *, first_expert_pruning: bool
+) -> None:
+    from .passes.quantize import _check_format
+
+    if name in ("prune_experts", "quantize") and quantized:
+        from .checkpoint.decode import native_refusal
+
+        native_refusal(adapter.config, str(model_dir))
+    if name == "prune_heads" and quantized:
+        raise UserInputError(
+            f"{model_dir}: already quantised ({quantized}); prune the unquantised model, then quantise"
+        )
+    if name == "qat" and quantized:
+        raise UserInputError(
+            f"{model_dir}: the checkpoint is already quantised ({quantized}); start from a bf16/fp16 one"
+        )
+    if name == "prune_experts" and first_expert_pruning:
+        check_prune_counts(adapter, config)
+    elif name == "prune_heads":
+        check_prune_heads(adapter, config, model_dir)
+    elif name in ("quantize", "qat"):
+        quantize = config.quantize if name == "qat" else config
+        _check_format(adapter, quantize, quantize.quant_scheme())
+        if name == "qat":
+            check_seq_len(adapter, config.seq_len)
 
 
 def partial_work(out_dir: Path) -> list[Path]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
@@ -56,23 +57,57 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+HOLD_S = 1.0
+"""Plain-line mode holds "started" lines at most this long: quick work (and a quick failure, whose one-line error
+should stand alone) prints nothing it does not need, and slow work shows its start lines within this time, not
+only when its first step ends."""
 _held: list[str] = []
-"""Plain-line mode holds "started" lines until something slow follows them, so that quick work (and a quick
-failure, whose one-line error should stand alone) prints nothing it does not need."""
+_lock = threading.Lock()
+_timer: threading.Timer | None = None
 
 
-def _emit(record: dict[str, Any], text: str, *, hold: bool = False) -> None:
+def _flush_held() -> None:
+    with _lock:
+        for held in _held:
+            print(held, file=sys.stderr)
+        _held.clear()
+        sys.stderr.flush()
+
+
+def _hold(line: str) -> None:
+    global _timer
+    with _lock:
+        _held.append(line)
+        if _timer is None or not _timer.is_alive():
+            _timer = threading.Timer(HOLD_S, _flush_held)
+            _timer.daemon = True
+            _timer.start()
+
+
+def _drop_held(line: str | None = None) -> bool:
+    """Forget held lines (``line`` alone, when given) that the work they announced made needless; False when
+    ``line`` was no longer held (it was printed)."""
+    with _lock:
+        if line is None:
+            _held.clear()
+            return True
+        if line in _held:
+            _held.remove(line)
+            return True
+        return False
+
+
+def _emit(record: dict[str, Any], text: str, *, hold: bool = False) -> str:
     if _mode() == "json":
         print(json.dumps({"time": _now(), **record}), file=sys.stderr, flush=True)
-        return
+        return ""
     line = f"{_now()} {text}"
     if hold:
-        _held.append(line)
-        return
-    for held in _held:
-        print(held, file=sys.stderr)
-    _held.clear()
+        _hold(line)
+        return line
+    _flush_held()
     print(line, file=sys.stderr, flush=True)
+    return line
 
 
 def event(kind: str, message: str, *, starting: bool = False, only_json: bool = False, **fields: Any) -> None:
@@ -82,7 +117,7 @@ def event(kind: str, message: str, *, starting: bool = False, only_json: bool = 
     if _mode() == "quiet" or (only_json and _mode() != "json"):
         return
     if not starting:
-        _held.clear()
+        _drop_held()
     _emit({"event": kind, "message": message, **fields}, message, hold=starting)
 
 
@@ -112,13 +147,15 @@ def _lines(iterable: Iterable[Item], desc: str, unit: str, total: int | None, in
     started = last = time.monotonic()
     done = initial
     shown = False
+    shown_done = -1
+    start_line = ""
 
-    def report(state: str) -> None:
-        nonlocal shown
+    def report(state: str) -> str:
+        nonlocal shown, shown_done
         elapsed = time.monotonic() - started
         of = f"/{total}" if total is not None else ""
         percent = f" ({100 * done / total:.0f}%)" if total else ""
-        _emit(
+        line = _emit(
             {
                 "event": "progress",
                 "task": desc,
@@ -133,15 +170,20 @@ def _lines(iterable: Iterable[Item], desc: str, unit: str, total: int | None, in
             hold=state == "start",
         )
         shown = shown or state == "running"
+        if state == "running":
+            shown_done = done
+        return line
 
-    report("start")
+    start_line = report("start")
     for item in iterable:
         yield item
         done += 1
         if time.monotonic() - last >= LINE_INTERVAL_S:
             last = time.monotonic()
             report("running")
-    if shown or _mode() == "json":
+    if _mode() == "json":
         report("end")
-    elif _held:
-        _held.pop()
+    elif shown_done == done:
+        return  # the last running line already says it
+    elif shown or not _drop_held(start_line):
+        report("end")

@@ -257,16 +257,29 @@ def test_prune_drops_the_mtp_layer_on_request(releases, tmp_path):
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
-@pytest.mark.parametrize("name", ["fp8_small", "oss"])
+@pytest.mark.parametrize("name", ["fp8_small", "oss", "ct"])
 def test_quantize_of_a_release_equals_quantize_of_its_stock_dequantised_copy(releases, tmp_path, name):
-    """Byte-identical outputs. The FP8 release has every dim below 128: with a partial block after a full one
-    (the 160-wide experts of ``fp8``) stock transformers 5.25 derives the block as dim / grid (80) and its copy
-    differs from DeepSeek's definition, which the reader follows (test above)."""
-    stock_copy = tmp_path / "stock_bf16"
+    """Byte-identical outputs (the compressed-tensors copy made by compressed-tensors' dequantiser, as
+    transformers cannot save the model it loads from it). The FP8 release has every dim below 128: with a partial
+    block after a full one (the 160-wide experts of ``fp8``) stock transformers 5.25 derives the block as
+    dim / grid (80) and its copy differs from DeepSeek's definition, which the reader follows (test above)."""
+    from safetensors.torch import load_file
+
     from moecompress.checkpoint.decode import target_dtype
 
-    model = _stock(releases[name]).to(target_dtype(json.loads((releases[name] / "config.json").read_text())))
-    model.save_pretrained(stock_copy)
+    stock_copy = tmp_path / "stock_bf16"
+    config = json.loads((releases[name] / "config.json").read_text())
+    if name == "ct":  # transformers cannot save a compressed-tensors model it loaded: compressed-tensors' own copy
+        from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
+
+        tensors = load_file(releases[name] / "model.safetensors")
+        dense = CompressedTensorsDequantizer(releases[name], dtype=target_dtype(config)).process(tensors)
+        stock_copy.mkdir()
+        save_file(dense, stock_copy / "model.safetensors", metadata={"format": "pt"})
+        config.pop("quantization_config")
+        (stock_copy / "config.json").write_text(json.dumps(config))
+    else:
+        _stock(releases[name]).to(target_dtype(config)).save_pretrained(stock_copy)
     for path in releases[name].glob("tokenizer*"):
         (stock_copy / path.name).write_bytes(path.read_bytes())
     config = json.loads((stock_copy / "config.json").read_text())
@@ -293,7 +306,7 @@ def test_quantize_of_a_release_equals_quantize_of_its_stock_dequantised_copy(rel
     for key in release:
         assert torch.equal(release[key].view(torch.uint8), copy[key].view(torch.uint8)), key
     report = json.loads((outputs["release"] / "moecompress_report.json").read_text())
-    assert report["input_format"]["format"] == {"fp8_small": "fp8", "oss": "mxfp4"}[name]
+    assert report["input_format"]["format"] == {"fp8_small": "fp8", "oss": "mxfp4", "ct": "compressed-tensors"}[name]
     quantization = [json.loads((outputs[k] / "config.json").read_text())["quantization_config"] for k in outputs]
     assert quantization[0] == quantization[1]
 

@@ -4,7 +4,8 @@ length, and the evaluation. Old spellings (``--data`` for the calibration source
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -22,10 +23,19 @@ class RenamedOption(click.Option):
         self.old_names = old
 
     def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        with self._current_names_only():
+            return super().get_help_record(ctx)
+
+    def get_error_hint(self, ctx: click.Context) -> str:
+        with self._current_names_only():
+            return super().get_error_hint(ctx)
+
+    @contextlib.contextmanager
+    def _current_names_only(self) -> Iterator[None]:
         saved = self.opts
         self.opts = [name for name in self.opts if name not in self.old_names]
         try:
-            return super().get_help_record(ctx)
+            yield
         finally:
             self.opts = saved
 
@@ -75,7 +85,7 @@ def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:
             "--no-eval",
             is_flag=True,
             help=no_eval_help
-            or "Skip the evaluation (it loads both models whole; skip it for models that do not fit in memory).",
+            or "Skip the evaluation (a forward of the output and of the input, one layer at a time).",
         )(command)
         command = click.option(
             "--eval-tokens",

@@ -370,9 +370,17 @@ def main() -> None:
         where = f" writing {error.filename}" if error.filename else ""
         click.echo(f"moecompress: error: no space left on the device{where}; nothing was written", err=True)
         sys.exit(2)
+    except click.UsageError as error:
+        if debug or type(error).__name__ == "NoArgsIsHelpError":
+            error.show()
+            sys.exit(2)
+        command = error.ctx.command_path if error.ctx is not None else "moecompress"
+        message = " ".join(error.format_message().split())
+        click.echo(f"moecompress: error: {message} (see '{command} --help')", err=True)
+        sys.exit(2)
     except click.ClickException as error:
         error.show()
-        sys.exit(2 if isinstance(error, click.UsageError) else error.exit_code)
+        sys.exit(error.exit_code)
     except click.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)

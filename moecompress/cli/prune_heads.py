@@ -167,7 +167,7 @@ def prune_heads_command(
         eval_data=None if no_eval else eval_data,
         eval_tokens=None if no_eval else eval_tokens,
     )
-    check_before_work(out_dir, overwrite=overwrite, resume=resume)
+    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
     started = time.monotonic()
     report = prune_heads(
         model_dir,

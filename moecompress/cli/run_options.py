@@ -54,14 +54,16 @@ def run_options(command: Callable) -> Callable:
     )(command)
 
 
-def check_before_work(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
-    """The output-side checks every writing command makes before any work: --out can be created, is not there
-    already (unless --overwrite), and no interrupted run's partial work is there unless --resume or --restart says
-    what to do with it."""
+def check_before_work(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool) -> None:
+    """The output-side checks every writing command makes before any work: --out is not the input nor inside it,
+    can be created, is not there already (unless --overwrite), and no interrupted run's partial work is there
+    unless --resume or --restart says what to do with it."""
+    from ..checkpoint.stream import check_output_is_not_input
     from ..errors import UserInputError
     from ..preflight import check_partial_work, check_writable
 
     restart = click.get_current_context().meta.get("moecompress.restart", False)
+    check_output_is_not_input(Path(model_dir), Path(out_dir))
     check_writable(out_dir)
     if out_dir.exists() and not overwrite:
         raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
@@ -84,7 +86,7 @@ def run_and_summarise(
     from ..run_summary import format_table
 
     check_recipe(recipe, model_dir)
-    check_before_work(out_dir, overwrite=overwrite, resume=resume)
+    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
     if before_work is not None:
         before_work()
     started = time.monotonic()

@@ -1,0 +1,332 @@
+"""Run every bad-input case of every command and write the table of their messages (docs/bad_input.md).
+
+Each case is a command line that must be refused with exit code 2 and exactly one line on stderr, before any work
+and without writing anything; the table records the line. tests/test_bad_input.py runs the same cases, so the
+table and the tests cannot drift apart. The cases run in this one process (the entry point's ``main`` with
+``sys.argv`` set), so all of them take seconds, not one interpreter start each.
+
+    python scripts/bad_input_table.py                      # check every case, print the table
+    python scripts/bad_input_table.py --markdown docs/bad_input.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    args: tuple[str, ...]
+    """The command line after ``moecompress``; ``{w}`` is the case's own empty directory, ``{s}`` the shared one."""
+    expect: str
+    """A fragment the one stderr line must hold."""
+    setup: str | None = None
+    """The name of a function in :data:`SETUPS` that prepares ``{w}`` first."""
+
+    def argv(self, work: Path, shared: Path) -> list[str]:
+        return [arg.format(w=work, s=shared) for arg in self.args]
+
+
+TINY = "builtin:tiny-moe"
+DEFAULT_RECIPE = str(ROOT / "recipes" / "default.yaml")
+OUT = "{w}/out"
+
+
+def _recipe(body: str) -> Callable[[Path], None]:
+    def write(work: Path) -> None:
+        (work / "recipe.yaml").write_text(body)
+
+    return write
+
+
+SETUPS: dict[str, Callable[[Path], None]] = {
+    "partial_run": lambda w: (w / ".out.run").mkdir(),
+    "partial_writer": lambda w: (w / ".out.incomplete").mkdir(),
+    "out_exists": lambda w: (w / "out").mkdir(),
+    "a_file": lambda w: (w / "afile").write_text("not a directory\n"),
+    "empty_dir": lambda w: (w / "empty").mkdir(),
+    "bad_json": lambda w: ((w / "m").mkdir(), (w / "m" / "config.json").write_text("{not json")),
+    "bad_yaml": _recipe("model: [unclosed\n"),
+    "unknown_key": _recipe("model: builtin:tiny-moe\nmodle: x\npasses:\n  - quantize: {}\n"),
+    "lowrank_first": _recipe("model: builtin:tiny-moe\npasses:\n  - lowrank: {lowrank_budget: 0.25}\n"),
+    "prune_after_quantize": _recipe(
+        "model: builtin:tiny-moe\npasses:\n  - quantize: {}\n  - prune_experts: {ratio: 0.25}\n"
+    ),
+    "keep_9": _recipe("model: builtin:tiny-moe\npasses:\n  - prune_experts: {keep: 9, ratio: null}\n"),
+    "short_calibration": _recipe(
+        "model: builtin:tiny-moe\ncalibration: {tokens: 100}\npasses:\n  - quantize: {method: gptq}\n"
+    ),
+    "no_model": _recipe("passes:\n  - quantize: {}\n"),
+    "bad_scheme": _recipe("model: builtin:tiny-moe\npasses:\n  - quantize: {scheme: int3}\n"),
+}
+
+CASES: tuple[Case, ...] = (
+    # inspect
+    Case("inspect-missing", ("inspect", "{w}/nowhere"), "no such model directory"),
+    Case("inspect-empty-dir", ("inspect", "{w}/empty"), "config.json", "empty_dir"),
+    Case("inspect-bad-config", ("inspect", "{w}/m"), "config.json", "bad_json"),
+    Case("inspect-dense", ("inspect", "{s}/dense"), "has no MoE layers"),
+    Case("inspect-unsupported", ("inspect", "{s}/jamba"), "unsupported MoE family 'jamba'"),
+    Case("inspect-file", ("inspect", "{w}/afile"), "afile", "a_file"),
+    # eval
+    Case("eval-seq-len-beyond-positions", ("eval", TINY, "--seq-len", "100000"), "max_position_embeddings"),
+    Case("eval-missing-data", ("eval", TINY, "--eval-data", "{w}/none.txt"), "no such data file"),
+    Case("eval-unknown-builtin", ("eval", TINY, "--eval-data", "builtin:poetry"), "unknown built-in source"),
+    Case("eval-tokens-below-window", ("eval", TINY, "--eval-tokens", "100"), "less than one window"),
+    Case("eval-tokens-not-a-number", ("eval", TINY, "--eval-tokens", "many"), "not a whole number or 'all'"),
+    Case("eval-missing-reference", ("eval", TINY, "--reference", "{w}/nowhere"), "no such model directory"),
+    Case("eval-seq-len-1", ("eval", TINY, "--seq-len", "1"), "--seq-len"),
+    # prune
+    Case("prune-keep-above-experts", ("prune", TINY, "--out", OUT, "--keep", "9"), "8 experts per layer"),
+    Case("prune-keep-below-top-k", ("prune", TINY, "--out", OUT, "--keep", "1"), "top-k (2)"),
+    Case("prune-keep-all", ("prune", TINY, "--out", OUT, "--keep", "8"), "keep fewer"),
+    Case(
+        "prune-min-keep-above-experts",
+        ("prune", TINY, "--out", OUT, "--scope", "global", "--min-keep", "10"),
+        "--min-keep 10",
+    ),
+    Case("prune-ratio-uneven", ("prune", TINY, "--out", OUT, "--ratio", "0.3"), "do not split evenly"),
+    Case("prune-ratio-above-1", ("prune", TINY, "--out", OUT, "--ratio", "1.5"), "between 0 and 1"),
+    Case("prune-ratio-removes-none", ("prune", TINY, "--out", OUT, "--ratio", "0.01"), "nothing to remove"),
+    Case("prune-ratio-and-keep", ("prune", TINY, "--out", OUT, "--ratio", "0.5", "--keep", "4"), "exactly one"),
+    Case(
+        "prune-global-ratio-too-high",
+        ("prune", TINY, "--out", OUT, "--scope", "global", "--ratio", "0.9"),
+        "while keeping at least 2 per layer",
+    ),
+    Case(
+        "prune-low-attention-fraction",
+        ("prune", TINY, "--out", OUT, "--low-attention-fraction", "0"),
+        "--low-attention-fraction",
+    ),
+    Case("prune-seq-len-beyond-positions", ("prune", TINY, "--out", OUT, "--seq-len", "100000"), "max_position"),
+    Case("prune-calib-below-window", ("prune", TINY, "--out", OUT, "--calib-tokens", "100"), "less than one window"),
+    Case("prune-missing-calib", ("prune", TINY, "--out", OUT, "--calib", "{w}/none.txt"), "no such data file"),
+    Case("prune-missing-eval-data", ("prune", TINY, "--out", OUT, "--eval-data", "hf:"), "needs a dataset name"),
+    Case("prune-out-exists", ("prune", TINY, "--out", OUT), "output directory exists", "out_exists"),
+    Case("prune-out-unwritable", ("prune", TINY, "--out", "/sys/moecompress-out"), "cannot write in /sys"),
+    Case("prune-out-under-a-file", ("prune", TINY, "--out", "{w}/afile/out"), "is not a directory", "a_file"),
+    Case("prune-out-inside-input", ("prune", "{s}/copy", "--out", "{s}/copy/out"), "may not be the input"),
+    Case("prune-partial-run-left", ("prune", TINY, "--out", OUT), "--resume, or discard it", "partial_run"),
+    Case("prune-resume-and-restart", ("prune", TINY, "--out", OUT, "--resume", "--restart"), "exclude each other"),
+    Case("prune-quiet-and-log-json", ("prune", TINY, "--out", OUT, "--quiet", "--log-json"), "exclude each other"),
+    Case("prune-native-quantised", ("prune", "{s}/native", "--out", OUT), "already quantised"),
+    Case("prune-unknown-method", ("prune", TINY, "--out", OUT, "--method", "magic"), "--method"),
+    Case("prune-missing-out", ("prune", TINY), "--out"),
+    # quantize
+    Case("quantize-mxfp4-group-128", ("quantize", TINY, "--out", OUT, "--group-size", "128"), "always 32 wide"),
+    Case(
+        "quantize-int4-group-256",
+        ("quantize", TINY, "--out", OUT, "--scheme", "int4", "--group-size", "256"),
+        "group size must be one of",
+    ),
+    Case(
+        "quantize-salient-gpt-oss",
+        ("quantize", TINY, "--out", OUT, "--salient-fraction", "0.01", "--format", "gpt-oss"),
+        "native format only",
+    ),
+    Case(
+        "quantize-lowrank-compressed-tensors",
+        ("quantize", TINY, "--out", OUT, "--lowrank-budget", "0.25", "--format", "compressed-tensors"),
+        "native format only",
+    ),
+    Case("quantize-gpt-oss-layout", ("quantize", TINY, "--out", OUT, "--format", "gpt-oss"), "GPT-OSS family"),
+    Case("quantize-unknown-target", ("quantize", TINY, "--out", OUT, "--targets", "experts,mlp"), "targets must"),
+    Case("quantize-without-experts", ("quantize", TINY, "--out", OUT, "--targets", "attention"), "targets must"),
+    Case("quantize-native-quantised", ("quantize", "{s}/native", "--out", OUT), "already quantised"),
+    Case(
+        "quantize-seq-len-beyond-positions",
+        ("quantize", TINY, "--out", OUT, "--method", "gptq", "--seq-len", "100000"),
+        "max_position_embeddings",
+    ),
+    Case("quantize-partial-run-left", ("quantize", TINY, "--out", OUT), "--restart", "partial_run"),
+    # qat
+    Case(
+        "qat-rank-and-budget",
+        ("qat", TINY, "--out", OUT, "--scheme", "int2", "--adapter-rank", "4", "--lowrank-budget", "0.5"),
+        "not both",
+    ),
+    Case("qat-bad-replay", ("qat", TINY, "--out", OUT, "--scheme", "int2", "--replay", "sometimes"), "replay"),
+    Case(
+        "qat-seq-len-beyond-positions",
+        ("qat", TINY, "--out", OUT, "--scheme", "int2", "--seq-len", "100000"),
+        "max_position_embeddings",
+    ),
+    Case("qat-missing-calib", ("qat", TINY, "--out", OUT, "--scheme", "int2", "--calib", "{w}/x.txt"), "no such"),
+    Case("qat-partial-left", ("qat", TINY, "--out", OUT, "--scheme", "int2"), "--resume, or discard", "partial_writer"),
+    Case("qat-native-quantised", ("qat", "{s}/native", "--out", OUT, "--scheme", "int2"), "already quantised"),
+    # prune-heads
+    Case("prune-heads-removes-all", ("prune-heads", TINY, "--out", OUT, "--ratio", "0.9"), "removes every one"),
+    Case("prune-heads-removes-none", ("prune-heads", TINY, "--out", OUT, "--ratio", "0.1"), "removes none"),
+    Case(
+        "prune-heads-global-query-heads",
+        ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5", "--scope", "global", "--unit", "query-head"),
+        "--scope global ranks KV groups",
+    ),
+    Case(
+        "prune-heads-partial-left",
+        ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5"),
+        "--resume, or discard",
+        "partial_writer",
+    ),
+    # run
+    Case("run-missing-recipe", ("run", "{w}/none.yaml", "--out", OUT), "cannot read the recipe"),
+    Case("run-bad-yaml", ("run", "{w}/recipe.yaml", "--out", OUT), "not valid YAML", "bad_yaml"),
+    Case("run-unknown-key", ("run", "{w}/recipe.yaml", "--out", OUT), "modle: unknown key", "unknown_key"),
+    Case("run-lowrank-first", ("run", "{w}/recipe.yaml", "--out", OUT), "directly follow", "lowrank_first"),
+    Case("run-prune-after-quantize", ("run", "{w}/recipe.yaml", "--out", OUT), "before", "prune_after_quantize"),
+    Case("run-keep-above-experts", ("run", "{w}/recipe.yaml", "--out", OUT), "8 experts per layer", "keep_9"),
+    Case("run-short-calibration", ("run", "{w}/recipe.yaml", "--out", OUT), "less than one", "short_calibration"),
+    Case("run-no-model", ("run", "{w}/recipe.yaml", "--out", OUT), "no model", "no_model"),
+    Case("run-unknown-scheme", ("run", "{w}/recipe.yaml", "--out", OUT), "passes[0].quantize", "bad_scheme"),
+    Case("run-no-out", ("run", DEFAULT_RECIPE), "--out is required"),
+    Case("run-partial-run-left", ("run", DEFAULT_RECIPE, "--out", OUT), "--resume", "partial_run"),
+    # report, push
+    Case("report-missing", ("report", "{w}/nowhere"), "no such directory"),
+    Case("report-not-an-output", ("report", "{w}/empty"), "not a moecompress output", "empty_dir"),
+    Case("push-missing", ("push", "{w}/nowhere", "--repo-id", "me/t", "--dry-run"), "no such directory"),
+    Case(
+        "push-not-an-output", ("push", "{w}/empty", "--repo-id", "me/t", "--dry-run"), "not a moecompress", "empty_dir"
+    ),
+    Case("push-bad-repo-id", ("push", "{s}/copy", "--repo-id", "no-slash", "--dry-run"), "expected ORG/NAME"),
+)
+
+
+def prepare_shared(shared: Path) -> None:
+    """Models the cases read (never write): a copy of tiny-moe, one marked as moecompress's native quantised
+    output, a dense model and an unsupported family (their config.json alone decides the refusal)."""
+    from moecompress.checkpoint import resolve_model
+
+    tiny = resolve_model(TINY)
+    shutil.copytree(tiny, shared / "copy")
+    for name, edit in (
+        ("native", lambda c: c.update(quantization_config={"quant_method": "moecompress"})),
+        ("dense", lambda c: (c.clear(), c.update(model_type="llama", num_hidden_layers=2))),
+        ("jamba", lambda c: c.update(model_type="jamba", architectures=["JambaForCausalLM"])),
+    ):
+        target = shared / name
+        shutil.copytree(tiny, target)
+        config = json.loads((target / "config.json").read_text())
+        edit(config)
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@dataclass
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def run_case(argv: list[str]) -> Outcome:
+    """The console entry point in this process, as ``moecompress ARGV``."""
+    from moecompress import progress
+    from moecompress.cli.main import main
+
+    progress.configure()
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.argv
+    sys.argv = ["moecompress", *argv]
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        sys.argv = saved
+        progress.configure()
+    return Outcome(code, out.getvalue(), err.getvalue())
+
+
+def listing(directory: Path) -> list[str]:
+    """Every path under ``directory`` (hidden ones included), with each file's size."""
+    return sorted(
+        f"{p.relative_to(directory)}:{p.stat().st_size if p.is_file() else 'dir'}" for p in directory.rglob("*")
+    )
+
+
+def check(case: Case, root: Path, shared: Path) -> tuple[Outcome, list[str]]:
+    """Run ``case`` in a fresh directory under ``root``; the problems found (empty when it behaves)."""
+    work = root / case.id
+    work.mkdir()
+    if case.setup:
+        SETUPS[case.setup](work)
+    before, shared_before = listing(work), listing(shared)
+    outcome = run_case(case.argv(work, shared))
+    problems = []
+    lines = outcome.stderr.strip().splitlines()
+    if outcome.code != 2:
+        problems.append(f"exit code {outcome.code}, not 2")
+    if len(lines) != 1:
+        problems.append(f"{len(lines)} lines on stderr, not 1: {outcome.stderr[-2000:]!r}")
+    elif case.expect not in lines[0]:
+        problems.append(f"{case.expect!r} not in {lines[0]!r}")
+    if "Traceback" in outcome.stderr:
+        problems.append("a traceback")
+    if listing(work) != before:
+        problems.append(f"wrote into its directory: {sorted(set(listing(work)) ^ set(before))}")
+    if listing(shared) != shared_before:
+        problems.append("changed a shared input model")
+    return outcome, problems
+
+
+def _display(text: str, root: Path, shared: Path) -> str:
+    return text.replace(str(shared), "MODELS").replace(str(root) + "/", "").replace("|", "\\|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", type=Path, help="Write the table to this file (docs/bad_input.md).")
+    args = parser.parse_args()
+    rows, failures = [], 0
+    with tempfile.TemporaryDirectory() as temporary:
+        root, shared = Path(temporary) / "cases", Path(temporary) / "models"
+        root.mkdir()
+        shared.mkdir()
+        prepare_shared(shared)
+        for case in CASES:
+            outcome, problems = check(case, root, shared)
+            failures += bool(problems)
+            line = outcome.stderr.strip().splitlines()[0] if outcome.stderr.strip() else ""
+            command = "moecompress " + " ".join(case.args).replace("{w}/", "").replace("{s}", "MODELS")
+            command = command.replace(str(ROOT) + "/", "")
+            rows.append((case.id, command, outcome.code, _display(line, root / case.id, shared), problems))
+            print(f"{'FAIL' if problems else 'ok  '} {case.id}: {'; '.join(problems) or line}", file=sys.stderr)
+    table = [
+        "| # | case | command | exit | the one line on stderr |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {i} | {case_id} | `{command}` | {code} | {line} |"
+            for i, (case_id, command, code, line, _) in enumerate(rows, start=1)
+        ),
+    ]
+    if args.markdown:
+        text = args.markdown.read_text() if args.markdown.exists() else ""
+        head = text.split("<!-- table -->")[0] if "<!-- table -->" in text else text
+        args.markdown.write_text(head.rstrip("\n") + "\n\n<!-- table -->\n" + "\n".join(table) + "\n")
+    else:
+        print("\n".join(table))
+    if failures:
+        sys.exit(f"{failures} of {len(CASES)} cases did not give exit 2 and one line")
+
+
+if __name__ == "__main__":
+    main()
