@@ -108,8 +108,10 @@ def _patch_transformers() -> None:
 
     PreTrainedModel.post_init = post_init
     from .quantization.hf_quantizer import register
+    from .quantization.mxfp4_offline import install as install_mxfp4_offline
 
     register()
+    install_mxfp4_offline()
 
 
 class _LoaderThenPatch(importlib.abc.Loader):

@@ -17,6 +17,7 @@ from .. import __version__
 from ..defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from ..errors import UserInputError
 from .bench import bench_group
+from .export import export_command
 from .common_options import (
     EVAL_TOKENS_HELP,
     EvalTokens,
@@ -349,6 +350,7 @@ app.add_command(qat_command)
 app.add_command(run_command)
 app.add_command(push_command)
 app.add_command(report_command)
+app.add_command(export_command)
 app.add_command(bench_group)
 
 

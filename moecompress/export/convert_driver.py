@@ -1,0 +1,91 @@
+"""Runs llama.cpp's ``convert_hf_to_gguf.py`` unmodified, in its own process (it imports the ``gguf`` package its
+checkout ships, which may differ from ours), with three hooks:
+
+- a BPE pre-tokenizer the converter's hash table does not know is written as the compatible type we name
+  (only when the converter itself finds none);
+- expert tensors named in a safetensors file of raw GGML blocks replace the converter's own data for those names
+  (their logical shapes must agree);
+- ``general.file_type`` is set to the type we name.
+
+Usage: ``python convert_driver.py SPEC.json -- CONVERTER ARGS``. SPEC: ``llama_cpp`` (the directory holding
+``convert_hf_to_gguf.py``), ``pre_tokenizer`` (or null), ``blocks`` (safetensors path or null), ``types``
+(tensor name -> GGML type name), ``file_type`` (LlamaFileType name or null), ``result`` (a JSON path written at
+the end). This file imports nothing from moecompress.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> None:
+    split = argv.index("--")
+    spec = json.loads(Path(argv[split - 1]).read_text())
+    root = Path(spec["llama_cpp"])
+    sys.path.insert(0, str(root))
+    sys.path.insert(1, str(root / "gguf-py"))
+    import convert_hf_to_gguf
+    import gguf  # the converter's own copy
+    from conversion import base
+
+    used = {"pre_tokenizer_fallback": None, "substituted": []}
+    pre = spec.get("pre_tokenizer")
+    original_pre = base.TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return original_pre(self, tokenizer)
+        except NotImplementedError:
+            if pre is None:
+                raise
+            used["pre_tokenizer_fallback"] = pre
+            return pre
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+
+    blocks, pending = None, set()
+    if spec.get("blocks"):
+        from safetensors import safe_open
+
+        blocks = safe_open(spec["blocks"], framework="np")
+        pending = set(blocks.keys())
+    types = spec.get("types", {})
+    original_add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None):
+        if name in pending:
+            pending.discard(name)
+            qtype = gguf.GGMLQuantizationType[types[name]]
+            ours = blocks.get_tensor(name)
+            theirs = tuple(raw_shape) if raw_shape is not None else tuple(tensor.shape)
+            if raw_dtype is not None and tensor.dtype.itemsize == 1 and raw_shape is None:
+                theirs = gguf.quant_shape_from_byte_shape(theirs, raw_dtype)
+            logical = gguf.quant_shape_from_byte_shape(ours.shape, qtype)
+            if tuple(logical) != tuple(theirs):
+                raise ValueError(f"{name}: the converter's shape {theirs} differs from the substitute's {logical}")
+            used["substituted"].append(name)
+            return original_add_tensor(self, name, ours, raw_dtype=qtype, tensor_endianess=tensor_endianess)
+        return original_add_tensor(self, name, tensor, raw_shape, raw_dtype, tensor_endianess)
+
+    gguf.GGUFWriter.add_tensor = add_tensor
+
+    file_type = spec.get("file_type")
+    if file_type:
+        original_file_type = gguf.GGUFWriter.add_file_type
+
+        def add_file_type(self, ftype):
+            return original_file_type(self, int(gguf.LlamaFileType[file_type]))
+
+        gguf.GGUFWriter.add_file_type = add_file_type
+
+    sys.argv = ["convert_hf_to_gguf.py", *argv[split + 1 :]]
+    convert_hf_to_gguf.main()
+    if pending:
+        raise ValueError(f"the converter wrote no tensor named {sorted(pending)[0]!r} ({len(pending)} left)")
+    Path(spec["result"]).write_text(json.dumps(used))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,88 @@
+"""Finding llama.cpp's converter and running it (through :mod:`.convert_driver`) in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserInputError
+
+ENV_VAR = "MOECOMPRESS_LLAMA_CPP"
+CONVERTER = "convert_hf_to_gguf.py"
+DRIVER = Path(__file__).with_name("convert_driver.py")
+
+
+def find_converter(option: str | os.PathLike[str] | None) -> Path:
+    """The directory holding ``convert_hf_to_gguf.py`` (and its ``gguf-py``), from ``--llama-cpp`` or the
+    environment: a llama.cpp checkout, or an unpacked llama-cpp-python sdist (``vendor/llama.cpp``)."""
+    given = option if option is not None else os.environ.get(ENV_VAR)
+    if not given:
+        raise UserInputError(
+            f"no llama.cpp converter: pass --llama-cpp DIR (a llama.cpp checkout or an unpacked llama-cpp-python "
+            f"sdist) or set {ENV_VAR}"
+        )
+    root = Path(given).expanduser()
+    for candidate in (root, root / "vendor" / "llama.cpp"):
+        if (candidate / CONVERTER).is_file() and (candidate / "gguf-py").is_dir():
+            return candidate.resolve()
+    raise UserInputError(f"{root}: no {CONVERTER} with its gguf-py there or under vendor/llama.cpp")
+
+
+def gpt2_compatible(tokenizer_json: Path) -> bool:
+    """Whether a tokenizer is a byte-level BPE whose only pre-tokenisation is GPT-2's regex (``ByteLevel`` with
+    ``use_regex``, no prefix space, no normaliser): llama.cpp's ``gpt-2`` pre-tokenizer splits text the same."""
+    try:
+        data = json.loads(tokenizer_json.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    pre = data.get("pre_tokenizer") or {}
+    return (
+        (data.get("model") or {}).get("type") == "BPE"
+        and data.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", False)
+    )
+
+
+def fallback_pre_tokenizer(model_dir: Path) -> str | None:
+    return "gpt-2" if gpt2_compatible(model_dir / "tokenizer.json") else None
+
+
+def run_converter(
+    llama_cpp: Path,
+    model_dir: Path,
+    outfile: Path,
+    *,
+    outtype: str = "bf16",
+    blocks: Path | None = None,
+    types: dict[str, str] | None = None,
+    file_type: str | None = None,
+) -> dict[str, Any]:
+    """Convert ``model_dir`` to ``outfile``; returns what the hooks did. The converter's own error output ends
+    up in a one-line :class:`UserInputError` (its last line) when it fails."""
+    with tempfile.TemporaryDirectory(prefix="moecompress-convert-") as work:
+        spec_path, result_path = Path(work) / "spec.json", Path(work) / "result.json"
+        spec = {
+            "llama_cpp": str(llama_cpp),
+            "pre_tokenizer": fallback_pre_tokenizer(model_dir),
+            "blocks": None if blocks is None else str(blocks),
+            "types": types or {},
+            "file_type": file_type,
+            "result": str(result_path),
+        }
+        spec_path.write_text(json.dumps(spec))
+        command = [sys.executable, str(DRIVER), str(spec_path), "--", str(model_dir)]
+        command += ["--outfile", str(outfile), "--outtype", outtype]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=work)
+        if done.returncode != 0 or not result_path.is_file():
+            lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
+            last = lines[-1].strip() if lines else f"exit code {done.returncode}"
+            raise UserInputError(f"llama.cpp's converter failed on {model_dir}: {last}")
+        return json.loads(result_path.read_text())

@@ -1,0 +1,147 @@
+"""Reading a moecompress native-format checkpoint layer by layer for export: the routed experts as
+:class:`QuantizedTensor` s with their low-rank adapters, everything else dequantised to dense tensors under the
+original on-disk names (per-expert layout), so a stock converter sees an ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointReader, group_keys_by_layer
+from ..errors import UserInputError
+from ..families import FamilyAdapter, MoEWeights
+from ..families.base import FamilyAdapter as BaseAdapter
+from ..quantization.formats.native import experts_module
+from ..quantization.hf_quantizer import QUANT_METHOD
+from ..quantization.salient import SalientWeights, decode_positions
+from ..quantization.scheme import QuantizedTensor, QuantScheme
+
+MATRICES = ("gate", "up", "down")
+
+
+@dataclass
+class SourceLayer:
+    """One decoder layer. ``moe`` holds the router and biases, its ``gate_up``/``down`` the dequantised experts
+    (as our model computes with them, adapters not added); ``gate_up_q``/``down_q`` the stored quantised experts
+    (None when the experts are not quantised)."""
+
+    layer: int
+    moe: MoEWeights | None
+    rest: dict[str, torch.Tensor]
+    gate_up_q: QuantizedTensor | None = None
+    down_q: QuantizedTensor | None = None
+    adapters: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    qc = config.get("quantization_config")
+    return qc if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
+
+
+def check_exportable(adapter: FamilyAdapter) -> None:
+    """Per-expert on-disk layout is what we write; families with another release layout are refused."""
+    if type(adapter).detect_layout is not BaseAdapter.detect_layout:
+        raise UserInputError(
+            f"exporting a native-format {adapter.family} checkpoint is not supported "
+            "(its release layout is not per-expert); quantize it with its own export format instead"
+        )
+
+
+class NativeSource:
+    """A native-format checkpoint opened for export."""
+
+    def __init__(self, reader: CheckpointReader, adapter: FamilyAdapter):
+        self.reader, self.adapter = reader, adapter
+        qc = quant_config(reader.config) or {}
+        self.schemes = {key: QuantScheme.from_dict(value) for key, value in qc.get("schemes", {}).items()}
+        self.modules: dict[str, str] = qc.get("modules", {})
+        self.lowrank: dict[str, dict[str, list[int]]] = qc.get("lowrank", {})
+        self.salient: dict[str, dict[str, list[int]]] = qc.get("salient", {})
+        self.layers, self.outside = group_keys_by_layer(reader, adapter)
+
+    def _quantized(self, module: str, param: str, tensors: dict[str, torch.Tensor]) -> QuantizedTensor:
+        scheme = self.schemes[self.modules[module]]
+        name = f"{module}.{param}"
+        packed = tensors.pop(name)
+        scales = tensors.pop(f"{name}_scales")
+        zeros = tensors.pop(f"{name}_zeros", None)
+        shape = (*packed.shape[:-1], packed.shape[-1] * 8 // scheme.bits)
+        salient = None
+        if f"{name}_salient" in tensors:
+            stored, values = tensors.pop(f"{name}_salient"), tensors.pop(f"{name}_salient_values")
+            positions = decode_positions(stored, math.prod(shape), values.numel(), scheme.bitmap)
+            salient = SalientWeights(positions, values)
+        return QuantizedTensor(scheme, shape, packed, scales, zeros, salient)
+
+    def _dense_rest(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Quantised dense modules (attention, shared experts, lm_head) dequantised to bf16; the rest as stored."""
+        for key in [k for k in tensors if k.endswith(".weight") and k.removesuffix(".weight") in self.modules]:
+            q = self._quantized(key.removesuffix(".weight"), "weight", tensors)
+            tensors[key] = q.dequantize(torch.bfloat16)
+        return tensors
+
+    def outside_tensors(self) -> dict[str, torch.Tensor]:
+        return self._dense_rest(self.reader.read(self.outside))
+
+    def layer(self, layer: int) -> SourceLayer:
+        adapter = self.adapter
+        tensors = self.reader.read(self.layers[layer])
+        if not adapter.is_moe_layer(layer):
+            return SourceLayer(layer, None, self._dense_rest(tensors))
+        experts = experts_module(adapter, layer)
+        router = f"{adapter.layer_prefix(layer)}{adapter.router_module}"
+        out = SourceLayer(layer, None, {})
+        if experts in self.modules:
+            out.gate_up_q = self._quantized(experts, "gate_up_proj", tensors)
+            out.down_q = self._quantized(experts, "down_proj", tensors)
+            gate_up, down = out.gate_up_q.dequantize(torch.bfloat16), out.down_q.dequantize(torch.bfloat16)
+        else:
+            gate_up, down = tensors.pop(f"{experts}.gate_up_proj"), tensors.pop(f"{experts}.down_proj")
+        out.moe = MoEWeights(
+            router_weight=tensors.pop(f"{router}.weight"),
+            gate_up=gate_up,
+            down=down,
+            router_bias=tensors.pop(f"{router}.bias", None),
+            correction_bias=tensors.pop(f"{router}.e_score_correction_bias", None),
+            gate_up_bias=tensors.pop(f"{experts}.gate_up_proj_bias", None),
+            down_bias=tensors.pop(f"{experts}.down_proj_bias", None),
+            expert_ids=adapter.original_expert_ids(layer),
+        )
+        for key in [k for k in tensors if k.startswith(f"{experts}.lowrank.")]:
+            expert, which = key[len(f"{experts}.lowrank.") :].split(".")
+            if which.endswith("_L"):
+                matrix = which.removesuffix("_L")
+                right = tensors.pop(key.removesuffix("_L") + "_R")
+                out.adapters[(int(expert), matrix)] = (tensors.pop(key), right)
+        out.rest = self._dense_rest(tensors)
+        return out
+
+    def iter_layers(self) -> Iterator[SourceLayer]:
+        for layer in self.layers:
+            yield self.layer(layer)
+
+
+def fold(layer: SourceLayer) -> dict[str, torch.Tensor]:
+    """Per fused matrix (``gate_up``, ``down``) that has adapters or salient weights: the dense float32 weights
+    our model computes with, ``W_deq + L·R`` for each adapted expert (the salient weights are already in
+    ``W_deq``). Matrices needing no fold are absent."""
+    assert layer.moe is not None
+    inter = layer.moe.intermediate_size
+    out: dict[str, torch.Tensor] = {}
+    for name, q in (("gate_up", layer.gate_up_q), ("down", layer.down_q)):
+        matrices = ("gate", "up") if name == "gate_up" else ("down",)
+        adapted = [key for key in layer.adapters if key[1] in matrices]
+        if q is None or (not adapted and q.salient is None):
+            continue
+        dense = q.dequantize(torch.float32)
+        for expert, which in adapted:
+            left, right = layer.adapters[(expert, which)]
+            rows = slice(0, inter) if which == "gate" else slice(inter, 2 * inter) if which == "up" else slice(None)
+            dense[expert, rows] += left.float() @ right.float()
+        out[name] = dense
+    return out

@@ -1,0 +1,367 @@
+"""GGUF and bf16 export. The block writer and the GGUF container are tested with the gguf package alone; the
+converter-driven export runs when MOECOMPRESS_LLAMA_CPP names a llama.cpp checkout or an unpacked
+llama-cpp-python sdist (otherwise those tests skip), and the tokenisation test when MOECOMPRESS_LLAMA_CPP_BIN names
+a directory holding a built ``llama-tokenize``."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from helpers import run_cli
+
+import moecompress
+from moecompress.checkpoint import CheckpointReader
+from moecompress.errors import UserInputError
+from moecompress.export import ggml_blocks
+from moecompress.export.llama_cpp import ENV_VAR, find_converter, gpt2_compatible
+from moecompress.export.source import NativeSource, fold
+from moecompress.export.to_bf16 import export_bf16
+from moecompress.export.to_gguf import export_gguf
+from moecompress.families import adapter_for
+from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+from moecompress.quantization.scheme import QuantScheme
+from moecompress.synthetic import tiny_tokenizer
+
+BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
+SCHEMES = {
+    "mxfp4": QuantizeConfig(scheme="mxfp4"),
+    "int4": QuantizeConfig(scheme="int4", group_size=32, symmetric=True),
+    "int4-asym": QuantizeConfig(scheme="int4", group_size=32, symmetric=False),
+}
+
+
+def _converter() -> Path | None:
+    try:
+        return find_converter(None)
+    except UserInputError:
+        return None
+
+
+needs_converter = pytest.mark.skipif(_converter() is None, reason=f"{ENV_VAR} names no llama.cpp converter")
+
+
+def _weights(rows=96, cols=256, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(3, rows, cols, generator=generator) * 0.02
+    weight[0, 0, :32] = 0.0  # an all-zero block
+    weight[0, 1, :32] *= 1e-30  # scales far below fp16's range
+    weight[1, 2, 32:64] *= 1e4  # and large ones
+    return weight
+
+
+def _bound(q, scheme_name):
+    ours = q.dequantize()
+    if q.zeros is None:
+        return 2**-8 * ours.abs()
+    m = (q.zeros.float() * q.scales.float()).repeat_interleave(q.scheme.group_size, dim=-1).reshape(ours.shape)
+    return 2**-8 * ours.abs() + 2**-11 * m + 1e-12
+
+
+@pytest.mark.parametrize("rule", ["floor", "ceil"])
+def test_mxfp4_experts_become_ggml_mxfp4_blocks_that_dequantise_exactly(rule):
+    q = QuantScheme("mxfp4", scale_rule=rule).quantize(_weights())
+    blocks = ggml_blocks.to_ggml(q)
+    assert blocks.type_name == "MXFP4"
+    assert blocks.blocks.shape == (3, 96, 256 // 32 * 17)
+    theirs = gguf.quants.dequantize(blocks.blocks, gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(theirs, q.dequantize().numpy())
+    assert ggml_blocks.measure(q, blocks).exact
+    # the layout: the scale byte first, then weight j in the low nibble and weight j + 16 in the high nibble
+    codes = q.codes()[0, 5, :32]
+    block = blocks.blocks[0, 5, :17]
+    assert block[0] == q.scales[0, 5, 0]
+    assert [int(b) & 15 for b in block[1:]] == codes[:16].tolist()
+    assert [int(b) >> 4 for b in block[1:]] == codes[16:].tolist()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "ggml_type", "exact"),
+    [
+        (QuantScheme("int4", 32, symmetric=True), "Q4_0", False),
+        (QuantScheme("int4", 128, symmetric=True), "Q4_0", False),
+        (QuantScheme("int4", 32, symmetric=False), "Q4_1", False),
+        (QuantScheme("int2", 32, symmetric=True), "Q4_0", True),
+        (QuantScheme("int2", 64, symmetric=False), "Q4_1", True),
+        (QuantScheme("binary", 128), "Q4_0", True),
+    ],
+)
+def test_integer_experts_become_q4_blocks_within_the_stated_bound(scheme, ggml_type, exact):
+    weight = _weights()
+    weight[0, 1, :] = torch.randn(256) * 0.02  # keep the scales within fp16's range here
+    q = scheme.quantize(weight)
+    blocks = ggml_blocks.to_ggml(q)
+    assert blocks.type_name == ggml_type
+    theirs = torch.from_numpy(gguf.quants.dequantize(blocks.blocks, gguf.GGMLQuantizationType[ggml_type]))
+    ours = q.dequantize()
+    assert ((theirs - ours).abs() <= _bound(q, scheme.name)).all()
+    error = ggml_blocks.measure(q, blocks)
+    assert error.exact == exact
+    if not exact:
+        assert 0 < error.max_rel <= 2**-8 + (2**-11 * 15 if ggml_type == "Q4_1" else 0)
+
+
+def test_salient_weights_have_no_ggml_block():
+    weight = _weights()
+    keep = torch.zeros_like(weight, dtype=torch.bool)
+    keep[0, 0, 3] = True
+    q = QuantScheme("int2").quantize(weight, keep)
+    with pytest.raises(ValueError, match="salient"):
+        ggml_blocks.to_ggml(q)
+
+
+@pytest.fixture(scope="module")
+def native_outputs(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    tokenizer = tiny_tokenizer()
+    out = {}
+    for family in ("qwen3_moe", "mixtral"):
+        for name, config in SCHEMES.items():
+            if family == "mixtral" and name == "int4-asym":
+                continue
+            path = root / f"{family}-{name}"
+            quantize_checkpoint(tiny_checkpoints[family], path, config, progress=False)
+            tokenizer.save_pretrained(path)
+            out[(family, name)] = path
+    return out
+
+
+def _plugin_experts(directory: Path) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per MoE layer, the stacked dequantised gate_up and down the plugin-loaded model computes with."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    adapter = adapter_for(json.loads((directory / "config.json").read_text()))
+    out = {}
+    for layer in adapter.moe_layers():
+        experts = adapter.experts_of(model, layer)
+        pairs = [experts.expert_weights(e, torch.float32) for e in range(experts.num_experts)]
+        out[layer] = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+    return out
+
+
+def _expected(experts, layer, matrix):
+    gate_up, down = experts[layer]
+    inter = down.shape[-1]
+    return {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": down}[matrix]
+
+
+def _check_gguf_experts(path: Path, experts, exact: bool) -> set[str]:
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    kinds = set()
+    for layer in experts:
+        for matrix in ("gate", "up", "down"):
+            tensor = tensors[f"blk.{layer}.ffn_{matrix}_exps.weight"]
+            kinds.add(tensor.tensor_type.name)
+            want = _expected(experts, layer, matrix)
+            got = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).reshape(want.shape)
+            if exact:
+                assert torch.equal(got, want), f"layer {layer} {matrix}"
+            else:
+                assert ((got - want).abs() <= 2**-8 * want.abs() + 2**-11 * 15 * want.abs().amax()).all()
+    return kinds
+
+
+@pytest.mark.parametrize(("family", "name"), [("qwen3_moe", "mxfp4"), ("mixtral", "mxfp4"), ("qwen3_moe", "int4")])
+def test_expert_blocks_in_a_gguf_file_read_back_as_our_weights_without_a_converter(
+    native_outputs, tmp_path, family, name
+):
+    """Our blocks in a GGUF container written by the gguf package itself: the path that needs no llama.cpp."""
+    directory = native_outputs[(family, name)]
+    path = tmp_path / "experts.gguf"
+    writer = gguf.GGUFWriter(path, "test")
+    with CheckpointReader(directory) as reader:
+        source = NativeSource(reader, adapter_for(reader.config))
+        for layer in source.iter_layers():
+            if layer.gate_up_q is None:
+                continue
+            inter = layer.moe.intermediate_size
+            rows = torch.arange(2 * inter)
+            parts = {
+                "gate": layer.gate_up_q.take_rows(rows[:inter]),
+                "up": layer.gate_up_q.take_rows(rows[inter:]),
+                "down": layer.down_q,
+            }
+            for matrix, q in parts.items():
+                blocks = ggml_blocks.to_ggml(q)
+                writer.add_tensor(
+                    f"blk.{layer.layer}.ffn_{matrix}_exps.weight",
+                    blocks.blocks,
+                    raw_dtype=gguf.GGMLQuantizationType[blocks.type_name],
+                )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    kinds = _check_gguf_experts(path, _plugin_experts(directory), exact=name == "mxfp4")
+    assert kinds == {"MXFP4" if name == "mxfp4" else "Q4_0"}
+
+
+def test_bf16_export_is_the_dequantised_model_in_stock_transformers(native_outputs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    directory = native_outputs[("qwen3_moe", "int4-asym")]
+    report = export_bf16(directory, tmp_path / "bf16", progress=False)
+    assert report["folded"]["layers"] == {}
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "quantization_config" not in config
+    with CheckpointReader(tmp_path / "bf16") as reader:
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in reader.keys()
+        assert all(reader.tensors[k].dtype in ("BF16", "F32") for k in reader.keys())
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    adapter = adapter_for(config)
+    expected = _plugin_experts(directory)
+    for layer in adapter.moe_layers():
+        experts = adapter.experts_of(plain, layer)
+        assert torch.equal(experts.gate_up_proj.float(), expected[layer][0])
+        assert torch.equal(experts.down_proj.float(), expected[layer][1])
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, quantized(input_ids=ids).logits, atol=2e-2, rtol=0)
+
+
+def test_fold_adds_each_adapter_to_its_rows():
+    from moecompress.export.source import SourceLayer
+    from moecompress.families import MoEWeights
+
+    weight = torch.randn(2, 64, 32) * 0.02
+    down_w = torch.randn(2, 32, 32) * 0.02
+    q_gate_up, q_down = QuantScheme("int4").quantize(weight), QuantScheme("int4").quantize(down_w)
+    moe = MoEWeights(router_weight=torch.zeros(2, 32), gate_up=weight, down=down_w)
+    left, right = torch.randn(32, 2), torch.randn(2, 32)
+    layer = SourceLayer(0, moe, {}, q_gate_up, q_down, {(1, "up"): (left, right)})
+    folded = fold(layer)
+    assert set(folded) == {"gate_up"}
+    expected = q_gate_up.dequantize()
+    expected[1, 32:] += left @ right
+    assert torch.equal(folded["gate_up"], expected)
+
+
+def test_global_scope_output_is_refused_naming_scope_layer(tiny_with_tokenizer, tmp_path):
+    from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
+
+    out = tmp_path / "global"
+    config = PruneExpertsConfig(method="frequency", ratio=0.5, scope="global")
+    prune_experts(tiny_with_tokenizer["qwen3_moe"], out, config, calib_tokens=2048, seq_len=64, progress=False)
+    counts = json.loads((out / "config.json").read_text())["moecompress"]["experts_per_layer"]
+    assert len(set(counts.values())) > 1
+    result = run_cli("export", str(out), "--format", "gguf", "--out", str(tmp_path / "x.gguf"), env={ENV_VAR: ""})
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--scope layer" in result.stderr
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_adapters_are_refused_without_fold(native_outputs, tmp_path):
+    directory = tmp_path / "with-adapters"
+    shutil.copytree(native_outputs[("qwen3_moe", "mxfp4")], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["lowrank"] = {"model.layers.0.mlp.experts": {"gate": [1] * 8}}
+    (directory / "config.json").write_text(json.dumps(config))
+    result = run_cli("export", str(directory), "--format", "gguf", "--out", str(tmp_path / "x.gguf"))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--fold" in result.stderr and "low-rank adapters" in result.stderr
+
+
+def test_missing_converter_is_refused_with_one_line(native_outputs, tmp_path):
+    env = {ENV_VAR: ""}
+    result = run_cli(
+        "export",
+        str(native_outputs[("qwen3_moe", "mxfp4")]),
+        "--format",
+        "gguf",
+        "--out",
+        str(tmp_path / "x.gguf"),
+        env=env,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--llama-cpp" in result.stderr
+
+
+def test_builtin_tokenizer_is_a_gpt2_byte_level_bpe(tmp_path):
+    assert gpt2_compatible(BUILTIN / "tokenizer.json")
+    data = json.loads((BUILTIN / "tokenizer.json").read_text())
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Split"}, data["pre_tokenizer"]]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    assert not gpt2_compatible(tmp_path / "tokenizer.json")
+
+
+@needs_converter
+@pytest.mark.parametrize(
+    ("family", "name"), [("qwen3_moe", "mxfp4"), ("qwen3_moe", "int4"), ("mixtral", "mxfp4"), ("mixtral", "int4")]
+)
+def test_gguf_export_keeps_our_expert_codes(native_outputs, tmp_path, family, name):
+    directory = native_outputs[(family, name)]
+    out = tmp_path / "model.gguf"
+    report = export_gguf(directory, out, progress=False)
+    kind = "MXFP4" if name == "mxfp4" else "Q4_0"
+    assert report["experts"]["written_as"] == [kind]
+    assert report["experts"]["all_exact"] == (name == "mxfp4")
+    assert json.loads((tmp_path / "model.gguf.report.json").read_text())["bytes"] == out.stat().st_size
+    assert _check_gguf_experts(out, _plugin_experts(directory), exact=name == "mxfp4") == {kind}
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    file_type = gguf.LlamaFileType.MOSTLY_MXFP4_MOE if name == "mxfp4" else gguf.LlamaFileType.MOSTLY_Q4_0
+    assert reader.fields["general.file_type"].contents() == file_type
+    with CheckpointReader(directory) as source:
+        embed = source.tensor("model.embed_tokens.weight")
+    token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    got = torch.from_numpy(gguf.quants.dequantize(token_embd.data, token_embd.tensor_type)).reshape(embed.shape)
+    assert torch.equal(got, embed.float())
+
+
+@needs_converter
+def test_builtin_model_converts_with_the_gpt2_pre_tokenizer(tmp_path):
+    report = export_gguf(BUILTIN, tmp_path / "tiny.gguf", progress=False)
+    assert report["pre_tokenizer_fallback"] == "gpt-2"
+    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    with CheckpointReader(BUILTIN) as source:
+        want = source.tensor("model.layers.1.mlp.experts.5.up_proj.weight").float()
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_up_exps.weight")
+    got = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    assert torch.equal(got.reshape(-1, *want.shape)[5], want)
+
+
+@pytest.mark.skipif(
+    not (os.environ.get("MOECOMPRESS_LLAMA_CPP_BIN") and _converter()),
+    reason="MOECOMPRESS_LLAMA_CPP_BIN names no built llama-tokenize (or no converter)",
+)
+def test_llama_cpp_tokenises_the_builtin_model_like_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from moecompress.calibration.builtin_corpus import builtin_documents
+
+    export_gguf(BUILTIN, tmp_path / "tiny.gguf", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(BUILTIN)
+    binary = Path(os.environ["MOECOMPRESS_LLAMA_CPP_BIN"]) / "llama-tokenize"
+    texts = [doc.text for doc in builtin_documents("prose", "heldout")[:3]] + [
+        doc.text for doc in builtin_documents("code", "heldout")[:2]
+    ]
+    texts.append("I've been 'told he's there, 'RE you sure?  3.14  \t\n\n  ünïcödé 🦙 x")
+    for text in texts:
+        text = text[:4000]
+        (tmp_path / "t.txt").write_text(text)
+        done = subprocess.run(
+            [
+                str(binary),
+                "-m",
+                str(tmp_path / "tiny.gguf"),
+                "-f",
+                str(tmp_path / "t.txt"),
+                "--ids",
+                "--log-disable",
+                "--no-bos",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        ids = json.loads(done.stdout.strip().splitlines()[-1])
+        assert ids == tokenizer.encode(text, add_special_tokens=False)
