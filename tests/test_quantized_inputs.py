@@ -345,3 +345,54 @@ def test_native_output_as_input_is_one_line_exit_2(releases, tmp_path, command):
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("moecompress: error: ")
     assert line.endswith(f"{native}: already quantised by moecompress (native format); use the original checkpoint")
+
+
+# ---- hub downloads ---------------------------------------------------------------------------------------
+def _fetched(patterns, files):
+    from huggingface_hub.utils import filter_repo_objects
+
+    allow, ignore = patterns
+    return sorted(filter_repo_objects(files, allow_patterns=allow, ignore_patterns=ignore))
+
+
+def test_hub_download_fetches_only_what_the_model_loads():
+    from moecompress.checkpoint.resolve import hub_patterns
+
+    mistral = [
+        "config.json",
+        "consolidated.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "params.json",
+        "tokenizer.json",
+        "tokenizer.model",
+    ]
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    assert _fetched(hub_patterns(index), mistral) == sorted(set(mistral) - {"consolidated.safetensors"})
+    gpt_oss = [
+        "chat_template.jinja",
+        "config.json",
+        "metal/model.bin",
+        "model-00000-of-00002.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "original/config.json",
+        "original/model--00001-of-00002.safetensors",
+        "tokenizer.json",
+    ]
+    index = {"weight_map": {"a": "model-00000-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}}
+    assert _fetched(hub_patterns(index), gpt_oss) == [
+        "chat_template.jinja",
+        "config.json",
+        "model-00000-of-00002.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ]
+    single = ["config.json", "model.safetensors", "pytorch_model.bin", "onnx/model.safetensors"]
+    assert _fetched(hub_patterns({}), single) == ["config.json", "model.safetensors"]
+    # the index unreadable (offline, not cached): every top-level safetensors but Mistral's consolidated copy
+    assert _fetched(hub_patterns(None), [*mistral, "original/x.safetensors"]) == sorted(
+        set(mistral) - {"consolidated.safetensors"}
+    )

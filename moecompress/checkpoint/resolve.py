@@ -10,7 +10,22 @@ from ..errors import UserInputError
 
 BUILTIN_MODELS = {"tiny-moe": Path(__file__).resolve().parent.parent / "assets" / "tiny-moe"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+_SIDE_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+_INDEX = "model.safetensors.index.json"
+_SUBFOLDERS = "*/*"
+"""Anything below the top level: gpt-oss's ``original/`` and ``metal/`` weights and the like, which
+``from_pretrained`` on the repository root never reads."""
+
+
+def hub_patterns(index: dict | None) -> tuple[list[str], list[str]]:
+    """``(allow_patterns, ignore_patterns)`` that fetch what ``from_pretrained`` loads from a repository's root:
+    the config and tokenizer files, and the shards the safetensors index names (``model.safetensors`` without an
+    index; any top-level ``*.safetensors`` but Mistral's duplicate ``consolidated*`` when the index could not be
+    read). Nothing in subfolders."""
+    if index is None:
+        return [*_SIDE_FILES, "*.safetensors"], [_SUBFOLDERS, "consolidated*.safetensors"]
+    weights = sorted(set((index.get("weight_map") or {}).values())) or ["model.safetensors"]
+    return [*_SIDE_FILES, *weights], [_SUBFOLDERS]
 
 
 def resolve_model(spec: str, *, revision: str | None = None) -> Path:
@@ -45,7 +60,8 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_FILES))
+        allow, ignore = hub_patterns(_hub_index(repo_id, revision))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, ignore_patterns=ignore))
     except RepositoryNotFoundError:
         raise UserInputError(f"{repo_id}: no such local directory or Hub repository") from None
     except LocalEntryNotFoundError:
@@ -54,3 +70,23 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
         ) from None
     except (HfHubHTTPError, OSError) as error:
         raise UserInputError(f"{repo_id}: could not fetch from the Hub ({str(error).splitlines()[0]})") from None
+
+
+def _hub_index(repo_id: str, revision: str | None) -> dict | None:
+    """The repository's safetensors index; ``{}`` when it has none (one ``model.safetensors``), None when it
+    cannot be read (offline without it in the cache)."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        path = hf_hub_download(repo_id, _INDEX, revision=revision)
+    except LocalEntryNotFoundError:
+        return None
+    except EntryNotFoundError:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
