@@ -17,7 +17,6 @@ from .. import __version__
 from ..defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from ..errors import UserInputError
 from .bench import bench_group
-from .export import export_command
 from .common_options import (
     EVAL_TOKENS_HELP,
     EvalTokens,
@@ -27,6 +26,7 @@ from .common_options import (
     eval_options,
     seq_len_option,
 )
+from .export import export_command
 from .numbers import human_bytes as _human_bytes
 from .numbers import human_int as _human_int
 from .prune_heads import prune_heads_command
@@ -266,6 +266,15 @@ def eval_command(
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed for calibration windows and --method random."
 )
+@click.option(
+    "--mtp",
+    type=click.Choice(["keep", "drop"]),
+    default="keep",
+    show_default=True,
+    help="Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers): keep (the "
+    "same expert removal, experts ranked by e_score_correction_bias) or drop (not written, "
+    "num_nextn_predict_layers 0).",
+)
 @eval_options("Evaluate the pruned model against the input on this source (held-out part for built-ins).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 def prune_command(
@@ -286,6 +295,7 @@ def prune_command(
     aggregate: str,
     greedy: bool,
     seed: int,
+    mtp: str,
     image_size: int,
     eval_data: str,
     eval_tokens: int | None,
@@ -321,6 +331,7 @@ def prune_command(
         aggregate=aggregate,
         greedy=greedy,
         seed=seed,
+        mtp=mtp,
     )
     config.validate()
     recipe = Recipe(

@@ -148,6 +148,14 @@ GROUP_SIZE_HELP = (
     "fisher: its mean per layer; none: 1 (skips the pass).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration windows.")
+@click.option(
+    "--mtp",
+    type=click.Choice(["keep", "drop"]),
+    default="keep",
+    show_default=True,
+    help="Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5): keep (written unquantised in the "
+    "decoded dtype, outside quantization_config) or drop (not written, num_nextn_predict_layers 0).",
+)
 @eval_options("Evaluate the quantised model against the input on this source (held-out part for built-ins).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 def quantize_command(
@@ -172,6 +180,7 @@ def quantize_command(
     load_weighting: str,
     sensitivity: str,
     seed: int,
+    mtp: str,
     eval_data: str,
     eval_tokens: int | None,
     no_eval: bool,
@@ -207,6 +216,7 @@ def quantize_command(
         load_weighting=load_weighting,
         sensitivity=sensitivity,
         seed=seed,
+        mtp=mtp,
     )
     config.validate()
     recipe = Recipe(
