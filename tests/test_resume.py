@@ -1,5 +1,8 @@
 """Resume: a recipe run killed (SIGKILL) at several points and resumed each time writes exactly the bytes of an
-uninterrupted run; the writer's journal and the sweep states survive a kill and are checked on reopening."""
+uninterrupted run; the writer's journal and the sweep states survive a kill and are checked on reopening.
+
+The recipe (prune + GPTQ + low-rank + eval) runs as one layer pipeline: the kill points are its sensitivity, its
+measuring sweep, its rewriting sweep, its written layers and the evaluation."""
 
 import os
 import shutil
@@ -69,15 +72,13 @@ def test_killed_at_several_points_and_resumed_gives_the_same_bytes(tmp_path):
     out.rename(reference)
 
     run = out.parent / ".out.run"
+    work = run / ".step-0.incomplete"
     points = [
-        ("pruning sweep", lambda: (run / ".step-0.incomplete/state/prune-scores/hidden.safetensors").exists()),
-        ("pruned layers written", lambda: _journal_units(run / ".step-0.incomplete") >= 3),
-        (
-            "low-rank measuring sweep",
-            lambda: (run / ".step-1.incomplete/state/lowrank-measure/hidden.safetensors").exists(),
-        ),
-        ("quantised layers written", lambda: _journal_units(run / ".step-1.incomplete") >= 3),
-        ("evaluation", lambda: (run / "step-1").is_dir()),
+        ("sensitivity computed", lambda: (work / "state/sensitivity.safetensors").exists()),
+        ("measuring sweep", lambda: (work / "state/measure/hidden.safetensors").exists()),
+        ("rewriting sweep", lambda: (work / "state/rewrite/hidden.safetensors").exists()),
+        ("layers written", lambda: _journal_units(work) >= 3),
+        ("evaluation", lambda: (run / "step-0").is_dir()),
     ]
     killed = []
     for index, (name, condition) in enumerate(points):
