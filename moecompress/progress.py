@@ -121,6 +121,16 @@ def event(kind: str, message: str, *, starting: bool = False, only_json: bool = 
     _emit({"event": kind, "message": message, **fields}, message, hold=starting)
 
 
+def warn(message: str) -> None:
+    """Something the user should know that is not an error (a replaced character, a fallback): one line on stderr,
+    or one JSON object with --log-json; shown under --quiet too."""
+    if _mode() == "json":
+        print(json.dumps({"time": _now(), "event": "warning", "message": message}), file=sys.stderr, flush=True)
+        return
+    _flush_held()
+    print(f"moecompress: warning: {message}", file=sys.stderr, flush=True)
+
+
 def bar(
     iterable: Iterable[Item],
     *,

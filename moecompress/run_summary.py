@@ -105,9 +105,7 @@ def format_table(outcome: dict[str, Any]) -> str:
     if outcome.get("eval_data"):
         tokens = outcome.get("eval_tokens")
         counted = f", {tokens:,} predicted tokens in windows of {outcome.get('eval_seq_len')}" if tokens else ""
-        lines.append(
-            f"(evaluated on {outcome['eval_data']}{counted}; KL and agreement are against the input model)"
-        )
+        lines.append(f"(evaluated on {outcome['eval_data']}{counted}; KL and agreement are against the input model)")
     return "\n".join(lines)
 
 
@@ -138,8 +136,8 @@ def outcome_of(directory: Path, report: dict[str, Any]) -> dict[str, Any]:
     return measure_outcome(Path(source), Path(directory), evaluation)
 
 
-def plot_runs(runs: list[tuple[str, dict[str, Any]]], path: Path) -> None:
-    """Perplexity against weight bytes, one labelled point per run (and the input model once per source)."""
+def draw_runs(runs: list[tuple[str, dict[str, Any]]]) -> Any:
+    """The figure of :func:`plot_runs`."""
     try:
         import matplotlib
 
@@ -150,19 +148,36 @@ def plot_runs(runs: list[tuple[str, dict[str, Any]]], path: Path) -> None:
     evaluated = [(name, outcome) for name, outcome in runs if "perplexity" in outcome]
     if not evaluated:
         raise UserInputError("--plot: none of the runs was evaluated (no perplexity in their reports)")
-    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    figure, axes = plt.subplots(figsize=(8.4, 4.2))
     inputs = {(outcome["bytes"][0], outcome["perplexity"][0]) for _, outcome in evaluated}
-    for size, perplexity in sorted(inputs):
-        axes.scatter([size / 2**20], [perplexity], marker="s", color="black")
-        axes.annotate("input", (size / 2**20, perplexity), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    for name, outcome in evaluated:
+    for number, (size, perplexity) in enumerate(sorted(inputs)):
+        axes.scatter([size / 2**20], [perplexity], marker="s", color="black", label="input" if number == 0 else None)
+    # Runs of similar size and perplexity sit on top of each other, and so would labels beside the points: each
+    # run gets its own colour and marker, and its name goes in a legend beside the axes.
+    markers, colours = "o^vD<>pP*Xh", plt.get_cmap("tab10").colors
+    for index, (name, outcome) in enumerate(evaluated):
         size, perplexity = outcome["bytes"][1] / 2**20, outcome["perplexity"][1]
-        axes.scatter([size], [perplexity])
-        axes.annotate(name, (size, perplexity), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        axes.scatter(
+            [size],
+            [perplexity],
+            marker=markers[index % len(markers)],
+            color=colours[index % len(colours)],
+            label=f"{name} ({size:.2f} MiB, {perplexity:.2f})",
+        )
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     axes.set_xlabel("weight bytes (MiB)")
     axes.set_ylabel("perplexity")
     axes.set_title("perplexity against size")
     axes.grid(alpha=0.3)
     figure.tight_layout()
+    return figure
+
+
+def plot_runs(runs: list[tuple[str, dict[str, Any]]], path: Path) -> None:
+    """Perplexity against weight bytes, one point per run (and the input model once per source), saved to
+    ``path``."""
+    figure = draw_runs(runs)
+    import matplotlib.pyplot as plt
+
     figure.savefig(path, dpi=120)
     plt.close(figure)

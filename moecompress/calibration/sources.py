@@ -58,25 +58,39 @@ def _load_one(spec: str, default_part: str, text_field: str) -> list[Document]:
     raise UserInputError(f"{spec}: no such data file, and not builtin:NAME or hf:NAME")
 
 
+def read_text(path: Path) -> str:
+    """``path`` decoded as UTF-8; bytes that are not UTF-8 become U+FFFD, with a warning saying how many."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        text = data.decode("utf-8", errors="replace")
+        replaced = text.count("\ufffd") - data.count("\ufffd".encode())
+        from ..progress import warn
+
+        warn(
+            f"{path} is not valid UTF-8 (first bad byte at offset {error.start}); {replaced} undecodable "
+            "byte sequence(s) were replaced by U+FFFD"
+        )
+        return text
+
+
 def _file_documents(path: Path, text_field: str) -> list[Document]:
     tag = path.stem
     if path.suffix == ".txt":
-        return [Document(text=path.read_text(encoding="utf-8", errors="replace"), tag=tag, id=str(path))]
+        return [Document(text=read_text(path), tag=tag, id=str(path))]
     if path.suffix == ".jsonl":
         documents = []
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise UserInputError(f"{path}:{number}: invalid JSON ({error.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise UserInputError(f"{path}:{number}: no string field {text_field!r}")
-                documents.append(
-                    Document(text=record[text_field], tag=str(record.get("tag", tag)), id=f"{path}:{number}")
-                )
+        for number, line in enumerate(re.split(r"\r\n|\r|\n", read_text(path)), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserInputError(f"{path}:{number}: invalid JSON ({error.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise UserInputError(f"{path}:{number}: no string field {text_field!r}")
+            documents.append(Document(text=record[text_field], tag=str(record.get("tag", tag)), id=f"{path}:{number}"))
         return documents
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
