@@ -365,3 +365,33 @@ def test_llama_cpp_tokenises_the_builtin_model_like_transformers(tmp_path):
         )
         ids = json.loads(done.stdout.strip().splitlines()[-1])
         assert ids == tokenizer.encode(text, add_special_tokens=False)
+
+
+@needs_converter
+def test_fold_writes_adapted_layers_dense_and_the_rest_as_blocks(tiny_with_tokenizer, tmp_path):
+    source = tmp_path / "lowrank"
+    config = QuantizeConfig(scheme="mxfp4", lowrank_budget=0.5)
+    quantize_checkpoint(tiny_with_tokenizer["qwen3_moe"], source, config, calib_tokens=2048, seq_len=64, progress=False)
+    lowrank = json.loads((source / "config.json").read_text())["quantization_config"]["lowrank"]
+    assert lowrank
+    report = export_gguf(source, tmp_path / "folded.gguf", fold=True, progress=False)
+    assert report["folded"]["what"] == ["lowrank"]
+    reader = gguf.GGUFReader(tmp_path / "folded.gguf")
+    tensors = {t.name: t for t in reader.tensors}
+    with CheckpointReader(source) as checkpoint:
+        native = NativeSource(checkpoint, adapter_for(checkpoint.config))
+        for layer in native.iter_layers():
+            folded = fold(layer)
+            assert sorted(folded) == report["folded"]["layers"].get(str(layer.layer), [])
+            inter = layer.moe.intermediate_size
+            for matrix in ("gate", "up", "down"):
+                tensor = tensors[f"blk.{layer.layer}.ffn_{matrix}_exps.weight"]
+                whole = "down" if matrix == "down" else "gate_up"
+                got = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+                if whole in folded:
+                    assert tensor.tensor_type.name in ("BF16", "F32")  # the converter's outtype: the source's
+                    rows = {"gate": slice(0, inter), "up": slice(inter, None), "down": slice(None)}[matrix]
+                    want = folded[whole][:, rows].to(torch.bfloat16).float()
+                    assert torch.equal(got.reshape(want.shape), want)
+                else:
+                    assert tensor.tensor_type.name == "MXFP4"

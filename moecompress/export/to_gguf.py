@@ -190,7 +190,8 @@ def export_gguf(
             report["folded"] = {
                 "what": needs,
                 "layers": collector.folded,
-                "how": "folded matrices are written dense in bf16 (W_deq + L·R rounded to bf16), not as GGML blocks",
+                "how": f"folded matrices are written dense, not as GGML blocks: W_deq + L·R rounded to bf16, stored "
+                f"as the converter's --outtype {outtype}",
                 "max_abs_rounding_error": dense["folded"]["max_abs_rounding_error"],
             }
             report["other_tensors"] = (
