@@ -280,7 +280,8 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
                 if sweeps.sequential and capture.moe is not None and block is not capture.moe:
                     capture.replacement, capture.allowed = _replacement(capture.moe, block)
                 del block
-        remaining = [layer for layer in layers if layer_unit(layer) not in writer.units]
+        dropped = context.extra.get("drop_layers", frozenset())
+        remaining = [layer for layer in layers if layer_unit(layer) not in writer.units and layer not in dropped]
         for layer in progress_bar(remaining, desc="writing", unit="layer", disable=not context.progress):
             moe, rest, layout = adapter.split_layer(layer, reader.pending(layers[layer]), consume=True)
             write.layer(layer, moe, rest, layout, None)
@@ -311,13 +312,6 @@ def run_layer_passes(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
     adapter = load_adapter(model_dir)
-    with CheckpointReader(model_dir) as reader:
-        beyond = [layer for layer in group_keys_by_layer(reader, adapter)[0] if layer >= adapter.num_layers]
-    if beyond:
-        raise UserInputError(
-            f"{model_dir}: layers {beyond} lie beyond the decoder's {adapter.num_layers} (MTP); the layer pipeline "
-            "does not handle them yet: run the passes as separate recipes"
-        )
     layer_passes = _layer_passes(passes)
     sweeps = plan_sweeps(layer_passes)
     data = None

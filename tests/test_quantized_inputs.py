@@ -396,3 +396,30 @@ def test_hub_download_fetches_only_what_the_model_loads():
     assert _fetched(hub_patterns(None), [*mistral, "original/x.safetensors"]) == sorted(
         set(mistral) - {"consolidated.safetensors"}
     )
+
+
+@pytest.mark.parametrize("mtp", ["keep", "drop"])
+def test_pipeline_prune_and_quantize_of_an_fp8_release_with_mtp(releases, tmp_path, mtp):
+    """Prune and quantize in one layer pipeline: the MTP layer pruned like the others and written unquantised
+    (keep), or gone (drop); the plugin loads the output for the recipe's evaluation."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "calibration: {source: builtin:prose, tokens: 512, seq_len: 64}\n"
+        "passes:\n"
+        f"  - prune_experts: {{ratio: 0.5, mtp: {mtp}}}\n"
+        f"  - quantize: {{scheme: mxfp4, mtp: {mtp}}}\n"
+        "  - eval: {data: builtin:prose, tokens: 512}\n"
+    )
+    out = tmp_path / "out"
+    result = _cli("run", recipe, "--model", releases["fp8"], "--out", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert not any(".3." in module for module in config["quantization_config"]["modules"])
+    mtp_keys = [k for k in CheckpointReader(out, decode=False).keys() if k.startswith("model.layers.3.")]
+    if mtp == "drop":
+        assert config["num_nextn_predict_layers"] == 0 and not mtp_keys
+        return
+    assert config["num_nextn_predict_layers"] == 1
+    kept = config["moecompress"]["kept_experts"]
+    assert len(kept["3"]) == len(kept["1"]) == 4
+    assert {k.split(".")[5] for k in mtp_keys if ".experts." in k} == {"0", "1", "2", "3"}

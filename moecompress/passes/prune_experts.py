@@ -31,8 +31,8 @@ from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
-from ..checkpoint.mtp import check_mode as check_mtp_mode
 from ..checkpoint.decode import describe_input, native_refusal
+from ..checkpoint.mtp import check_mode as check_mtp_mode
 from ..checkpoint.mtp import plan_stored_prune
 from ..checkpoint.stream import check_output_is_not_input
 from ..errors import UserInputError

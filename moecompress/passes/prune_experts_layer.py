@@ -7,11 +7,13 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.decode import describe_input
+from ..checkpoint.mtp import plan_stored_prune
 from ..families import FamilyAdapter
 from ..sweep import LayerCapture
 from ..sweep_state import LayerResult
 from .base import LayerPass, Needs, PassContext
-from .prune_experts import LayerScores, PruneExpertsConfig, PrunePlan, plan_pruning, score_layer
+from .prune_experts import LayerScores, PruneExpertsConfig, PrunePlan, group_limit, plan_pruning, score_layer
 
 
 class PruneExpertsPass(LayerPass):
@@ -60,6 +62,19 @@ class PruneExpertsPass(LayerPass):
             "tag_counts": torch.bincount(data.tags, minlength=len(data.tag_names)).tolist(),
         }
         self.plan = plan_pruning(context.model_dir, context.adapter, self.layer_scores, self.config, calibration)
+        stored = plan_stored_prune(
+            context.model_dir,
+            context.adapter,
+            self.plan.keep_positions,
+            self.plan.config,
+            self.config.mtp,
+            group_limit(context.adapter),
+        )
+        self.plan.keep_positions, self.plan.config = stored.keep_positions, stored.config
+        if stored.report:
+            self.plan.report["mtp"] = stored.report
+        self.plan.report["input_format"] = describe_input(context.model_dir)
+        context.extra["drop_layers"] = context.extra.get("drop_layers", frozenset()) | stored.drop_layers
         context.kept_positions = self.plan.keep_positions
         context.adapter = adapter_for(self.plan.config, source=str(context.model_dir))
 

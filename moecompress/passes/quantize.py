@@ -404,9 +404,13 @@ class QuantizedLayers:
         self.measured = {"without_adapters": 0.0, "with_adapters": 0.0}
         self.pending: dict[str, Any] = {}
         self._layer_meta: dict[int, dict[str, Any]] = {}
+        self.passthrough: frozenset[int] = frozenset()
+        """Layers written as they are given, unquantised and outside ``quantization_config`` (MTP layers)."""
         report["layers"] = self.layer_stats
 
     def quantize_moe(self, layer: int, moe: MoEWeights, capture) -> QuantizedMoE:
+        if layer in self.passthrough:
+            return moe
         meta: dict[str, Any] = {}
         quantizer = self.quantizer
         quantized = quantizer.quantize(layer, moe, capture)
@@ -441,9 +445,12 @@ class QuantizedLayers:
         tensors = self.tensors
         first_key = len(tensors.keys)
         meta = self._layer_meta.pop(layer, {})
-        if quantized is not None:
-            meta.update(layer=layer, stats=quantized.stats)
-        written = self.layout.layer_tensors(self.quantizer.adapter, layer, quantized, tensors(rest))
+        if layer in self.passthrough:
+            written = self.quantizer.adapter.join_layer(layer, quantized, rest, "per_expert")
+        else:
+            if quantized is not None:
+                meta.update(layer=layer, stats=quantized.stats)
+            written = self.layout.layer_tensors(self.quantizer.adapter, layer, quantized, tensors(rest))
         meta.update(tensor_keys=tensors.keys[first_key:], salient=native.salient_sizes(written))
         del tensors.keys[first_key:]
         self.pending[layer_unit(layer)] = meta

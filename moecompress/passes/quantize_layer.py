@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.decode import describe_input
+from ..checkpoint.mtp import quantize_mtp_plan, without_mtp
 from ..evals.footprint import checkpoint_footprint
 from ..quantization.sensitivity import stored_layer_sensitivity
 from ..sweep_state import LayerResult
@@ -84,6 +86,8 @@ class QuantizePass(LayerPass):
         self.tensors = _TensorQuantizer(adapter, self.scheme, config.targets)
         self.quantizer = _ExpertQuantizer(adapter, self.scheme, config)
         self._source = str(context.model_dir)
+        self._mtp = quantize_mtp_plan(context.model_dir, adapter, config.mtp)
+        context.extra["drop_layers"] = context.extra.get("drop_layers", frozenset()) | self._mtp.drop_layers
         if self.lowrank:
             self.quantizer.sensitivity = stored_layer_sensitivity(
                 context.state_dir / "sensitivity.safetensors",
@@ -149,10 +153,13 @@ class QuantizePass(LayerPass):
             "scheme": self.scheme.to_dict(),
             "scheme_description": self.scheme.describe(),
             "source": self._source,
+            "input_format": describe_input(self._source),
             "family": adapter.family,
             "calibration": calibration,
+            "mtp": self._mtp.report or None,
         }
         self.layers = QuantizedLayers(report, lowrank_report, self.layout, self.tensors, self.quantizer, ranks)
+        self.layers.passthrough = self._mtp.passthrough_layers
 
     def rewrite(self, layer: int, block: Any, capture) -> Any:
         return None if block is None else self.layers.quantize_moe(layer, block, capture)
@@ -170,7 +177,7 @@ class QuantizePass(LayerPass):
         self.layers.restore(unit, entry)
 
     def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        return self.layers.finish_config(config)
+        return self.layers.finish_config(without_mtp(config) if self._mtp.drop_layers else config)
 
     def report(self) -> dict[str, Any]:
         return self.layers.final_report()
