@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
+
 if TYPE_CHECKING:
     from .evals.perplexity import EvalResult
     from .passes.prune_experts import PruneExpertsConfig
@@ -93,6 +95,7 @@ def prune(
     evaluation: Mapping[str, Any] | None = _DEFAULT,  # type: ignore[assignment]
     overwrite: bool = False,
     resume: bool = False,
+    restart: bool = False,
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
@@ -104,12 +107,13 @@ def prune(
     ``ratio``, ``keep``, ``scope``, ...); giving ``keep`` alone prunes to that count (as ``--keep`` does).
     ``calibration`` takes :class:`~moecompress.recipes.Calibration`'s fields (``source``, ``tokens``,
     ``seq_len``, ``seed``, ``image_size``), ``evaluation`` :class:`~moecompress.recipes.Evaluation`'s (``data``,
-    ``tokens``), or None to skip it.
+    ``tokens``), or None to skip it. ``overwrite`` replaces an existing ``out``; an interrupted run's partial work
+    is refused unless ``resume`` (continue it) or ``restart`` (discard it), as on the command line.
     """
     if "keep" in options and "ratio" not in options:
         options["ratio"] = None
     recipe, model_dir = _one_pass("prune", "prune_experts", model, options, calibration, evaluation)
-    report = _run(recipe, model_dir, out, overwrite, resume, progress, trust_remote_code, allow_pickle)
+    report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle)
     layers = report.get("layers", {})
     return PruneResult(
         **_common(report, out),
@@ -128,6 +132,7 @@ def quantize(
     evaluation: Mapping[str, Any] | None = _DEFAULT,  # type: ignore[assignment]
     overwrite: bool = False,
     resume: bool = False,
+    restart: bool = False,
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
@@ -140,7 +145,7 @@ def quantize(
     :func:`prune` (calibration is used by gptq, salient weights and low-rank adapters only).
     """
     recipe, model_dir = _one_pass("quantize", "quantize", model, options, calibration, evaluation)
-    report = _run(recipe, model_dir, out, overwrite, resume, progress, trust_remote_code, allow_pickle)
+    report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle)
     lowrank = report.get("lowrank")
     return QuantizeResult(
         **_common(report, out),
@@ -161,6 +166,7 @@ def run(
     model: str | Path | None = None,
     overwrite: bool = False,
     resume: bool = False,
+    restart: bool = False,
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
@@ -184,7 +190,7 @@ def run(
         raise UserInputError("run(): the recipe names no model; pass model=")
     parsed = dataclasses.replace(parsed, model=name)
     model_dir = _resolve(name)
-    report = _run(parsed, model_dir, out, overwrite, resume, progress, trust_remote_code, allow_pickle)
+    report = _run(parsed, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle)
     return RunResult(**_common(report, out), passes=tuple(describe(parsed)))
 
 
@@ -192,27 +198,34 @@ def evaluate(
     model: str | Path,
     reference: str | Path | None = None,
     *,
-    data: str = "builtin:prose",
+    data: str = DEFAULT_EVAL_DATA,
     seq_len: int = 256,
-    max_tokens: int | None = None,
+    max_tokens: int | None = DEFAULT_EVAL_TOKENS,
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
 ) -> EvalResult:
-    """Perplexity of ``model`` on ``data`` (built-in sources: their held-out part); with ``reference``, also
-    KL(reference ‖ model), the reference's perplexity and routing agreement. As ``moecompress eval``."""
+    """Perplexity of ``model`` on ``data`` (built-in sources: their held-out part) over windows of ``seq_len``
+    tokens, at most ``max_tokens`` of them (None: all); with ``reference``, also KL(reference ‖ model), the
+    reference's perplexity and routing agreement. As ``moecompress eval``, with the same checks before any work."""
     from .errors import UserInputError
     from .evals.perplexity import evaluate as evaluate_dirs
+    from .loading import load_adapter
+    from .preflight import check_data_spec, check_seq_len
 
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
         raise UserInputError(f"evaluate(): seq_len must be an integer of at least 2, got {seq_len!r}")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 2):
-        raise UserInputError(f"evaluate(): max_tokens must be an integer of at least 2 or None, got {max_tokens!r}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
+        raise UserInputError(f"evaluate(): max_tokens must be an integer or None (all), got {max_tokens!r}")
+    if max_tokens is not None and max_tokens < seq_len:
+        raise UserInputError(f"evaluate(): max_tokens {max_tokens} is less than one window of seq_len {seq_len}")
     if not isinstance(data, str):
         raise UserInputError(f"evaluate(): data must be a source name such as builtin:prose, got {data!r}")
     with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
         model_dir = _resolve(model)
         reference_dir = None if reference is None else _resolve(reference)
+        check_seq_len(load_adapter(model_dir), seq_len, "seq_len")
+        check_data_spec(data, "data")
         return evaluate_dirs(
             model_dir, data, seq_len=seq_len, max_tokens=max_tokens, reference_dir=reference_dir, progress=progress
         )
@@ -309,14 +322,21 @@ def _run(
     out: str | Path,
     overwrite: bool,
     resume: bool,
+    restart: bool,
     progress: bool,
     trust_remote_code: bool,
     allow_pickle: bool,
 ) -> dict[str, Any]:
-    from .recipes import run_recipe
+    """The recipe run as the commands run it (:func:`moecompress.cli.run_options.run_and_summarise`, which also
+    prints): the recipe and the output checked before any work, then :func:`~moecompress.recipes.run_recipe`."""
+    from .preflight import check_output
+    from .recipes import check_recipe, run_recipe
 
+    out_dir = Path(out).absolute()
     with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
-        return run_recipe(recipe, model_dir, Path(out), overwrite=overwrite, resume=resume, progress=progress)
+        check_recipe(recipe, model_dir)
+        check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart)
+        return run_recipe(recipe, model_dir, out_dir, overwrite=overwrite, resume=resume, progress=progress)
 
 
 def _common(report: dict[str, Any], out: str | Path) -> dict[str, Any]:

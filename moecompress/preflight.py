@@ -188,6 +188,19 @@ def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:
         raise UserInputError(f"{found[0]}: partial work of an interrupted run into {out_dir}; {RESTART_HINT}")
 
 
+def check_output(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool) -> None:
+    """The output-side checks every writing command (and the Python API) makes before any work: ``out_dir`` is not
+    the input nor inside it, can be created, is not there already (unless ``overwrite``), and no interrupted run's
+    partial work is there unless ``resume`` or ``restart`` says what to do with it."""
+    from .checkpoint.stream import check_output_is_not_input
+
+    check_output_is_not_input(Path(model_dir), Path(out_dir))
+    check_writable(out_dir)
+    if Path(out_dir).exists() and not overwrite:
+        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+    check_partial_work(out_dir, resume=resume, restart=restart)
+
+
 def check_writable(out_dir: Path) -> None:
     """``out_dir`` can be created: its nearest existing ancestor is a directory in which a (removed at once)
     hidden probe directory can be made. Permission bits alone do not tell, for root or on read-only mounts."""

@@ -129,6 +129,12 @@ def test_run_takes_a_recipe_file_and_a_model_override(tmp_path):
         (lambda out: moecompress.prune("builtin:tiny-moe", out, evaluation={"tokens": "x"}), UserInputError, "tokens"),
         (lambda out: moecompress.quantize("builtin:nothing", out), UserInputError, "builtin:nothing"),
         (lambda out: moecompress.run({"passes": [{"quantise": {}}]}, out=out), UserInputError, "quantise"),
+        (lambda out: moecompress.evaluate("builtin:tiny-moe", data="builtin:poetry"), UserInputError, "poetry"),
+        (
+            lambda out: moecompress.evaluate("builtin:tiny-moe", seq_len=10**6, max_tokens=None),
+            UserInputError,
+            "max_position",
+        ),
     ],
 )
 def test_a_wrong_option_is_refused_before_any_work(tmp_path, monkeypatch, call, error, message):
@@ -141,6 +147,29 @@ def test_a_wrong_option_is_refused_before_any_work(tmp_path, monkeypatch, call, 
     with pytest.raises(error, match=message):
         call(tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_partial_work_is_refused_unless_resume_or_restart(tmp_path, monkeypatch):
+    import moecompress.recipes
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(moecompress.recipes, "run_recipe", started)
+    partial = tmp_path / ".out.run"
+    partial.mkdir()
+    with pytest.raises(UserInputError, match="partial work"):
+        moecompress.quantize("builtin:tiny-moe", tmp_path / "out", evaluation=None)
+    assert partial.is_dir()
+    with pytest.raises(Started):
+        moecompress.quantize("builtin:tiny-moe", tmp_path / "out", evaluation=None, resume=True)
+    assert partial.is_dir()
+    with pytest.raises(Started):
+        moecompress.quantize("builtin:tiny-moe", tmp_path / "out", evaluation=None, restart=True)
+    assert not partial.exists()
 
 
 def test_import_sets_no_process_state_and_the_cli_sets_huge_pages():

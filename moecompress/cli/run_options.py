@@ -57,17 +57,11 @@ def run_options(command: Callable) -> Callable:
 def check_before_work(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool) -> None:
     """The output-side checks every writing command makes before any work: --out is not the input nor inside it,
     can be created, is not there already (unless --overwrite), and no interrupted run's partial work is there
-    unless --resume or --restart says what to do with it."""
-    from ..checkpoint.stream import check_output_is_not_input
-    from ..errors import UserInputError
-    from ..preflight import check_partial_work, check_writable
+    unless --resume or --restart says what to do with it (:func:`~moecompress.preflight.check_output`)."""
+    from ..preflight import check_output
 
     restart = click.get_current_context().meta.get("moecompress.restart", False)
-    check_output_is_not_input(Path(model_dir), Path(out_dir))
-    check_writable(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
-    check_partial_work(out_dir, resume=resume, restart=restart)
+    check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart)
 
 
 def run_and_summarise(
