@@ -23,6 +23,7 @@ def summarize(directory: Path) -> dict[str, Any]:
             dtypes[info.dtype] += info.numel
         quantization = (reader.config.get("quantization_config") or {}).get("quant_method")
         bytes_on_disk, shards = reader.total_bytes(), len(reader.shard_files)
+        heads = {adapter.heads_in_layer(layer) for layer in range(shape.num_layers)}
     footprint = checkpoint_footprint(directory).to_json()
     parameters = {name: footprint["classes"].get(name, {}).get("weights", 0) for name in PARAM_CLASSES}
     summary = asdict(shape)
@@ -36,5 +37,18 @@ def summarize(directory: Path) -> dict[str, Any]:
         dtypes=dict(dtypes.most_common()),
         quantization=quantization,
         footprint=footprint,
+        needs_plugin=_needs_plugin(quantization, set(shape.experts_per_layer.values()), heads),
     )
     return summary
+
+
+def _needs_plugin(quantization: str | None, expert_counts: set[int], heads: set[tuple[int, int]]) -> str | None:
+    """Why stock transformers cannot load the model (it refuses with a size mismatch that names neither cause),
+    or None: moecompress's native format, or per-layer expert or head counts."""
+    if quantization == "moecompress":
+        return "moecompress's native quantised format"
+    if len(expert_counts) > 1:
+        return "expert counts that differ by layer"
+    if len(heads) > 1:
+        return "attention head counts that differ by layer"
+    return None

@@ -2,12 +2,13 @@
 while a slow first layer runs, one evaluation default, one option vocabulary with help everywhere, warnings for
 replaced characters, the plan header, the packaging and the report plot."""
 
+import json
 import time
 from pathlib import Path
 
 import click
 import pytest
-import tomllib
+from click.testing import CliRunner
 
 from moecompress import progress
 from moecompress.cli.main import app
@@ -153,6 +154,7 @@ def test_the_plan_header_shows_the_options_given():
 
 def test_pip_install_moecompress_does_not_pull_triton():
     """Triton (about 1 GB) is for the GPU kernels and CI's interpreter tests: an extra, never a dependency."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.lower().startswith("triton")]
     assert any(d.startswith("triton") for d in project["optional-dependencies"]["triton"])
@@ -199,3 +201,23 @@ def test_report_plot_labels_do_not_overlap():
     ]
     plt.close(figure)
     assert not overlapping, overlapping
+
+
+def test_inspect_says_when_loading_needs_import_moecompress(tmp_path):
+    """Stock transformers refuses these outputs with a size mismatch naming neither cause; inspect names it."""
+    import shutil
+
+    from moecompress.checkpoint import resolve_model
+    from moecompress.summary import _needs_plugin, summarize
+
+    native = tmp_path / "native"
+    shutil.copytree(resolve_model("builtin:tiny-moe"), native)
+    config = json.loads((native / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "moecompress"}
+    (native / "config.json").write_text(json.dumps(config))
+    assert summarize(native)["needs_plugin"] == "moecompress's native quantised format"
+    assert summarize(resolve_model("builtin:tiny-moe"))["needs_plugin"] is None
+    assert _needs_plugin(None, {6, 7}, {(8, 4)}) == "expert counts that differ by layer"
+    assert _needs_plugin(None, {8}, {(8, 4), (6, 3)}) == "attention head counts that differ by layer"
+    text = CliRunner().invoke(app, ["inspect", str(native)]).output
+    assert "`import moecompress` before from_pretrained" in text

@@ -86,6 +86,11 @@ def inspect_command(model: str, as_json: bool) -> None:
         f"on disk      {_human_bytes(summary['bytes_on_disk'])} in {summary['shards']} shard(s)",
         "dtypes       " + ", ".join(f"{k} {_human_int(v)}" for k, v in summary["dtypes"].items()),
         f"quantized    {summary['quantization'] or 'no'}",
+        *(
+            [f"loading      `import moecompress` before from_pretrained ({summary['needs_plugin']})"]
+            if summary["needs_plugin"]
+            else []
+        ),
         f"parameters   {_human_int(summary['parameters_total'])} total "
         f"({summary['footprint']['total']['bits_per_weight']:.3f} bits/weight incl. scales and metadata)",
     ]
