@@ -395,3 +395,13 @@ def test_fold_writes_adapted_layers_dense_and_the_rest_as_blocks(tiny_with_token
                     assert torch.equal(got.reshape(want.shape), want)
                 else:
                     assert tensor.tensor_type.name == "MXFP4"
+
+
+@needs_converter
+def test_gpt_oss_export_converts_to_the_same_mxfp4_values(tiny_with_tokenizer, tmp_path):
+    """Our --format gpt-oss output goes to the converter as it is; llama.cpp's own MXFP4 repacking keeps our values."""
+    source = tiny_with_tokenizer["gpt_oss"]
+    quantize_checkpoint(source, tmp_path / "native", QuantizeConfig(), progress=False)
+    quantize_checkpoint(source, tmp_path / "export", QuantizeConfig(format="gpt-oss"), progress=False)
+    export_gguf(tmp_path / "export", tmp_path / "gpt-oss.gguf", progress=False)
+    assert _check_gguf_experts(tmp_path / "gpt-oss.gguf", _plugin_experts(tmp_path / "native"), exact=True) == {"MXFP4"}
