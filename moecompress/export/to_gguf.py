@@ -21,6 +21,7 @@ import torch
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..errors import UserInputError
 from ..families import FamilyAdapter, adapter_for
+from ..quantization.scheme import QuantScheme
 from . import ggml_blocks
 from .llama_cpp import find_converter, run_converter
 from .source import SourceLayer, check_exportable, quant_config
@@ -111,6 +112,10 @@ def source_outtype(reader: CheckpointReader) -> str:
     return "bf16"
 
 
+def native_schemes(config: dict[str, Any]) -> list[QuantScheme]:
+    return [QuantScheme.from_dict(value) for value in (quant_config(config) or {}).get("schemes", {}).values()]
+
+
 def _file_type(types: dict[str, str]) -> str | None:
     kinds = set(types.values())
     return FILE_TYPES[kinds.pop()] if len(kinds) == 1 else None
@@ -187,6 +192,11 @@ def export_gguf(
                 "tensors": collector.errors,
                 "all_exact": all(entry["exact"] for entry in collector.errors.values()),
             }
+            if any(scheme.activation_bits for scheme in native_schemes(config)):
+                report["experts"]["activations"] = (
+                    "W4A8: the weights are Q4_0; llama.cpp quantises activations its own way (Q8_0 blocks of 32 on "
+                    "CPU), not per token as our W4A8 does"
+                )
             report["folded"] = {
                 "what": needs,
                 "layers": collector.folded,
