@@ -182,6 +182,13 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
             parts[index] = p.measure(capture)
             p.absorb(capture.layer, parts[index])
         capture.result = _combine(parts)
+    mtp_scorers = [p for _, p in measuring if p.name == "prune_experts" and p.config.mtp == "keep"]
+    if mtp_scorers:
+        from .mtp_sweep import mtp_captures
+
+        for capture in mtp_captures(sweep, data.batches):
+            for p in mtp_scorers:
+                p.absorb(capture.layer, p.measure(capture))
 
 
 def _replacement(original: MoEWeights, block: Any) -> tuple[MoEWeights, torch.Tensor | None]:

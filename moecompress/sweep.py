@@ -11,6 +11,7 @@ runs the real layers itself, one at a time, so peak memory is the skeleton plus 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -184,9 +185,11 @@ class CalibrationSweep:
                 _LayerProxy(i, recorder, _layer_attributes(layer)) for i, layer in enumerate(meta_layers)
             ),
         )
+        ignored = [re.compile(p) for p in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
+        keys = [key for key in self._outside_keys if not any(p.search(key) for p in ignored)]
         state = {
             key: tensor.to(dtype) if tensor.is_floating_point() else tensor
-            for key, tensor in self.reader.read(self._outside_keys).items()
+            for key, tensor in self.reader.read(keys).items()
         }
         _, unexpected = skeleton.load_state_dict(state, strict=False)
         if unexpected:
@@ -335,6 +338,8 @@ class CalibrationSweep:
             ]
             if state is not None:
                 state.commit(layer, hidden, result)
+        self.last_hidden = hidden
+        """The last decoder layer's outputs per batch (what an MTP layer takes), once the sweep has finished."""
         self.reader.close()
 
     def _forward_routed(

@@ -245,7 +245,8 @@ def test_prune_keeps_the_release_format_and_masked_logits(releases, tmp_path, na
         assert tensor.dtype == original.dtype and torch.equal(tensor.view(torch.uint8), original.view(torch.uint8))
         checked += 1
     assert checked > 0 and set(after) <= set(before) | {k for k in after if k not in before and "experts" in k}
-    removed = {int(layer): entry["removed"] for layer, entry in report["layers"].items()}
+    main = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    removed = {int(layer): entry["removed"] for layer, entry in report["layers"].items() if int(layer) < main}
     torch.testing.assert_close(_logits(_stock(out)), _logits(_stock(source, removed)), rtol=0, atol=1e-5)
 
 
@@ -422,4 +423,72 @@ def test_pipeline_prune_and_quantize_of_an_fp8_release_with_mtp(releases, tmp_pa
     assert config["num_nextn_predict_layers"] == 1
     kept = config["moecompress"]["kept_experts"]
     assert len(kept["3"]) == len(kept["1"]) == 4
+    prune_report = json.loads((out / "moecompress_report.json").read_text())["previous_passes"][0]
+    assert prune_report["mtp"]["calibrated"] == [3]
     assert {k.split(".")[5] for k in mtp_keys if ".experts." in k} == {"0", "1", "2", "3"}
+
+
+def test_mtp_calibration_sees_the_mtp_modules_moe_inputs(releases):
+    """The MTP layer's captured MoE inputs equal a direct computation from the stock model: the last decoder
+    layer's output h_i and token i+1's embedding through enorm/hnorm/eh_proj, then the MTP layer's attention
+    (built from its stored weights), at every position but the last."""
+    import copy
+
+    import torch.nn.functional as F
+    import transformers
+
+    from moecompress.mtp_sweep import mtp_captures
+    from moecompress.sweep import CalibrationSweep
+
+    source = releases["bf16"]
+    ids = torch.randint(3, 384, (2, 16), generator=torch.Generator().manual_seed(7))
+    batches = [{"input_ids": ids}]
+    sweep = CalibrationSweep(source, batches, torch.zeros(ids.numel(), dtype=torch.long), ["all"], progress=False)
+    for _ in sweep.run():
+        pass
+    (capture,) = list(mtp_captures(sweep, batches))
+    assert capture.layer == 3 and capture.moe_input.shape == (2 * 15, 64) and capture.tags.shape == (30,)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    last = {}
+    model.model.layers[-1].register_forward_hook(lambda m, a, o: last.update(h=o[0] if isinstance(o, tuple) else o))
+    stored = CheckpointReader(source)
+    mtp = {k[len("model.layers.3.") :]: v.float() for k, v in stored.read(stored.keys()).items() if ".3." in k[:16]}
+    layer = copy.deepcopy(model.model.layers[2])
+    experts = range(8)
+    weights = {
+        k: v for k, v in mtp.items() if k.split(".")[0] in ("self_attn", "input_layernorm", "post_attention_layernorm")
+    }
+    weights.update({k: v for k, v in mtp.items() if k.startswith(("mlp.shared_experts.", "mlp.gate."))})
+    weights["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([mtp[f"mlp.experts.{e}.gate_proj.weight"], mtp[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts]
+    )
+    weights["mlp.experts.down_proj"] = torch.stack([mtp[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+    layer.load_state_dict(weights, strict=True)
+    seen = []
+    layer.mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].reshape(-1, a[0].shape[-1])))
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps))
+
+    with torch.no_grad():
+        model(input_ids=ids)
+        h = last["h"][:, :-1]
+        embedded = F.embedding(ids[:, 1:], mtp["embed_tokens.weight"])
+        x = F.linear(
+            torch.cat([rms(embedded, mtp["enorm.weight"]), rms(h, mtp["hnorm.weight"])], -1), mtp["eh_proj.weight"]
+        )
+        positions = torch.arange(15)[None]
+        layer(x, position_embeddings=model.model.rotary_emb(x, positions), position_ids=positions, attention_mask=None)
+    torch.testing.assert_close(capture.moe_input, seen[0], rtol=0, atol=2e-5)
+
+
+def test_mtp_layer_is_pruned_by_its_own_calibration(releases, tmp_path):
+    out = tmp_path / "pruned"
+    result = _cli("prune", releases["fp8"], "--out", out, "--ratio", "0.5", "--method", "frequency", *ARGS)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "moecompress_report.json").read_text())
+    assert report["mtp"]["calibrated"] == [3] and "uncalibrated_rule" not in report["mtp"]
+    scores = report["layers"]["3"]
+    assert sum(scores["frequency"]) == pytest.approx(2.0, abs=1e-4)  # top-2 of 8 over the MTP tokens
+    assert sorted(scores["kept"]) == scores["kept"] and len(scores["kept"]) == 4

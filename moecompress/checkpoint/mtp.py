@@ -125,7 +125,8 @@ def plan_stored_prune(
             removed_fraction = sum(
                 adapter.experts_in_layer(layer) - len(keep_positions[layer]) for layer in main
             ) / sum(adapter.experts_in_layer(layer) for layer in main)
-            for layer in layers:
+            calibrated = [layer for layer in layers if layer in keep_positions]
+            for layer in (layer for layer in layers if layer not in keep_positions):
                 block = f"{adapter.layer_prefix(layer)}{adapter.moe_disk_prefix}"
                 bias_key = f"{block}{adapter.router_key}.e_score_correction_bias"
                 bias = reader.read_raw([bias_key])[bias_key].float() if bias_key in reader.raw_tensors else None
@@ -139,12 +140,16 @@ def plan_stored_prune(
                 kept_ids[layer] = [original[e] for e in plan.keep_positions[layer]]
                 per_layer[layer] = len(plan.keep_positions[layer])
             plan.config = _with_mtp_counts(adapter, config, per_layer, kept_ids)
+            section = adapter._text_section(plan.config).get("moecompress") or {}
+            kept_all = {str(layer): section.get("kept_experts", {}).get(str(layer)) for layer in layers}
             plan.report = {
                 "mtp_layers": layers,
                 "mode": "keep",
-                "rule": "highest e_score_correction_bias removed (no MTP calibration)",
-                "kept": {str(layer): ids for layer, ids in kept_ids.items()},
+                "calibrated": calibrated,
+                "kept": kept_all,
             }
+            if kept_ids:
+                plan.report["uncalibrated_rule"] = "highest e_score_correction_bias removed first"
     if stored_format:
 
         def raw_layer_fn(layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

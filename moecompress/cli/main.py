@@ -276,8 +276,8 @@ def eval_command(
     type=click.Choice(["keep", "drop"]),
     default="keep",
     show_default=True,
-    help="Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers): keep (the "
-    "same expert removal, experts ranked by e_score_correction_bias) or drop (not written, "
+    help="Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers): keep "
+    "(calibrated on the inputs the MTP module computes and pruned like the main layers) or drop (not written, "
     "num_nextn_predict_layers 0).",
 )
 @eval_options("Evaluate the pruned model against the input on this source (held-out part for built-ins).")

@@ -416,6 +416,10 @@ def measure_experts(
         scores = score_layer(adapter, capture, config)
         capture.result = scores.to_result()
         layer_scores.append(scores)
+    if config.mtp == "keep":
+        from ..mtp_sweep import mtp_captures
+
+        layer_scores += [score_layer(adapter, capture, config) for capture in mtp_captures(sweep, shard.batches)]
     return layer_scores
 
 
