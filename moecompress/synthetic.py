@@ -226,6 +226,28 @@ TINY_CONFIGS.update(
             intermediate_size=32,
             num_local_experts=8,
         ),
+        "phimoe": dict(
+            _COMMON,
+            model_type="phimoe",
+            num_hidden_layers=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            router_jitter_noise=0.5,
+            attention_bias=True,
+        ),
+        "flex_olmo": dict(_COMMON, model_type="flex_olmo", num_hidden_layers=2, intermediate_size=32, num_experts=8),
+        "solar_open": dict(_COMMON, **_DEEPSEEK_MOE, model_type="solar_open", head_dim=16),
+        "exaone_moe": dict(
+            _COMMON,
+            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
+            model_type="exaone_moe",
+            head_dim=16,
+            num_experts=8,
+            num_shared_experts=1,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
+        ),
         "hunyuan_v1_moe": dict(
             _COMMON,
             model_type="hunyuan_v1_moe",
@@ -296,6 +318,8 @@ _RELEASE_CONFIG: dict[str, dict[str, Any]] = {
 }
 """``config.json`` entries of a hub release that ``save_pretrained`` of the stock class does not write."""
 _FUSED_RELEASES = ("qwen3_5_moe",)
+_QWEN_MTP_RELEASES = ("qwen3_next", "qwen3_5_moe")
+"""Families whose hub releases carry a top-level ``mtp.*`` multi-token-prediction module (which transformers skips)."""
 """Families whose hub releases store the experts fused (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
 ``[E, H, I]``) where ``save_pretrained`` writes them per expert."""
 
@@ -347,7 +371,36 @@ def save_tiny_model(family: str, directory: str | os.PathLike[str], seed: int = 
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if family in _FUSED_RELEASES:
         _fuse_experts(directory)
+    if family in _QWEN_MTP_RELEASES:
+        _add_qwen_mtp(directory)
     return directory
+
+
+def _add_qwen_mtp(directory: Path) -> None:
+    """Add the release's top-level ``mtp.*`` module (Qwen3-Next, Qwen3.5): a full-attention MoE decoder layer (a copy
+    of decoder layer 1) with its input projection and norms, and ``mtp_num_hidden_layers: 1``."""
+    from safetensors.torch import load_file, save_file
+
+    shard = directory / "model.safetensors"
+    tensors = load_file(shard)
+    config = json.loads((directory / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = 1
+    source = next(
+        prefix
+        for prefix in ("model.language_model.layers.1.", "model.layers.1.")
+        if prefix + "mlp.gate.weight" in tensors
+    )
+    hidden = int(text["hidden_size"])
+    generator = torch.Generator().manual_seed(1)
+    mtp = {
+        "mtp.layers.0." + key[len(source) :]: value.clone() for key, value in tensors.items() if key.startswith(source)
+    }
+    mtp["mtp.fc.weight"] = 0.2 * torch.randn(hidden, 2 * hidden, generator=generator)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
+    save_file({**tensors, **mtp}, str(shard), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _fuse_experts(directory: Path) -> None:

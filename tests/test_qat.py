@@ -26,6 +26,8 @@ from moecompress.training.replay import ReplaySchedule
         RoutingRule("topk_softmax", top_k=2),
         RoutingRule("sigmoid_group_topk", top_k=2, scaling=2.5, n_group=2, topk_group=1),
         RoutingRule("softmax_group_topk", top_k=2, normalize=False, n_group=2, topk_group=1),
+        RoutingRule("softmax_bias_topk", top_k=2, norm_min=1e-12),
+        RoutingRule("sparsemixer", top_k=2, jitter_eps=0.3),
     ],
 )
 def test_weights_for_the_chosen_ids_are_the_rules_own_weights(rule):

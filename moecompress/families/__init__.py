@@ -10,18 +10,20 @@ from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
 from .deepseek_derived import (
     DeepseekV32Adapter,
     Dots1Adapter,
+    ExaoneMoeAdapter,
     Glm4MoeAdapter,
     Glm4MoeLiteAdapter,
     KimiK2Adapter,
+    SolarOpenAdapter,
 )
 from .ernie import Ernie45MoeAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter
 from .hunyuan import HunyuanMoeAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
-from .mixtral import MixtralAdapter
+from .mixtral import MixtralAdapter, PhimoeAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
-from .qwen_moe import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
+from .qwen_moe import FlexOlmoAdapter, OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
 from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapter
 from .routing import RoutingRule
 
@@ -47,9 +49,21 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MiniMaxM2Adapter,
     HunyuanMoeAdapter,
     GraniteMoeAdapter,
+    PhimoeAdapter,
+    FlexOlmoAdapter,
+    SolarOpenAdapter,
+    ExaoneMoeAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
+REFUSED_FAMILIES: dict[str, str] = {
+    "llama4": (
+        "Llama 4's MoE block scales each token by its sigmoid routing score before the experts and runs every expert "
+        "on every token, and its router returns dense scores, which the expert passes, the routing hooks and the "
+        "quantised-expert plugin do not model yet"
+    ),
+}
+"""MoE families transformers has that moecompress refuses on purpose, with the reason it gives."""
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -64,6 +78,8 @@ def adapter_for(config: dict[str, Any], source: str = "model") -> FamilyAdapter:
     supported = ", ".join(SUPPORTED_FAMILIES)
     cls = _BY_MODEL_TYPE.get(model_type)
     if cls is None:
+        if model_type in REFUSED_FAMILIES:
+            raise UserInputError(f"{source}: {model_type} is not supported: {REFUSED_FAMILIES[model_type]}")
         if _declares_experts(config):
             raise UserInputError(f"{source}: unsupported MoE family {model_type!r}; supported families: {supported}")
         raise UserInputError(
@@ -78,6 +94,7 @@ def adapter_for(config: dict[str, Any], source: str = "model") -> FamilyAdapter:
 __all__ = [
     "ADAPTERS",
     "PARAM_CLASSES",
+    "REFUSED_FAMILIES",
     "SUPPORTED_FAMILIES",
     "FamilyAdapter",
     "MoEWeights",

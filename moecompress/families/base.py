@@ -415,11 +415,13 @@ class FamilyAdapter:
 
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
         block = self.moe_block_name
-        state = {
-            f"{self.router_module}.weight": moe.router_weight,
-            f"{block}.experts.gate_up_proj": moe.gate_up,
-            f"{block}.experts.down_proj": moe.down,
-        }
+        state = {f"{block}.experts.gate_up_proj": moe.gate_up, f"{block}.experts.down_proj": moe.down}
+        state.update(self.runtime_router_state(moe))
+        return state
+
+    def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        """The router's tensors (weight, bias, correction bias) under their runtime names in the decoder layer."""
+        state = {f"{self.router_module}.weight": moe.router_weight}
         if moe.router_bias is not None:
             state[f"{self.router_module}.bias"] = moe.router_bias
         if moe.correction_bias is not None:

@@ -57,3 +57,37 @@ class KimiK2Adapter(DeepseekV3Adapter):
 
         fields = {key: value for key, value in self.config.items() if key not in ("model_type", "auto_map")}
         return DeepseekV3Config.from_dict(fields)
+
+
+class SolarOpenAdapter(DeepseekV3Adapter):
+    """Solar Open: every decoder layer is MoE (transformers ignores ``first_k_dense_replace``)."""
+
+    family = "solar_open"
+    model_types = ("solar_open",)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0
+
+    def head_counts(self) -> tuple[int, int, int]:
+        return FamilyAdapter.head_counts(self)
+
+
+class ExaoneMoeAdapter(DeepseekV3Adapter):
+    """EXAONE MoE: the correction bias is stored on the MoE block (``mlp.e_score_correction_bias``); transformers
+    moves it under the router at load."""
+
+    family = "exaone_moe"
+    model_types = ("exaone_moe",)
+    num_experts_keys = ("num_experts", "n_routed_experts")
+    first_dense_default = 1
+
+    def head_counts(self) -> tuple[int, int, int]:
+        return FamilyAdapter.head_counts(self)
+
+    def _router_key(self, layer: int, name: str) -> str:
+        if name == "e_score_correction_bias":
+            return f"{self.layer_prefix(layer)}mlp.e_score_correction_bias"
+        return super()._router_key(layer, name)
+
+    def classify_key(self, key: str):
+        return "router" if key.endswith("mlp.e_score_correction_bias") else super().classify_key(key)

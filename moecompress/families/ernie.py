@@ -60,8 +60,8 @@ class Ernie45MoeAdapter(FamilyAdapter):
             out[key] = out[key].reshape(1, -1)
         return out
 
-    def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
-        state = super().runtime_moe_state(moe)
+    def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        state = super().runtime_router_state(moe)
         bias = state.pop("mlp.gate.e_score_correction_bias", None)
         if bias is not None:
             state["mlp.gate.moe_statics.e_score_correction_bias"] = bias.reshape(1, -1)

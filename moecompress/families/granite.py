@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from .base import FamilyAdapter, Layout, MoEWeights
+from .base import FamilyAdapter, Layout
 from .routing import RoutingRule
 
 
@@ -39,10 +37,3 @@ class GraniteMoeAdapter(FamilyAdapter):
         if key.endswith(("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")):
             return "experts"
         return super().classify_key(key)
-
-    def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
-        return {
-            "block_sparse_moe.router.weight": moe.router_weight,
-            "block_sparse_moe.experts.gate_up_proj": moe.gate_up,
-            "block_sparse_moe.experts.down_proj": moe.down,
-        }

@@ -30,7 +30,7 @@ class HunyuanMoeAdapter(FamilyAdapter):
     def _router_key(self, layer: int, name: str) -> str:
         return f"{self.layer_prefix(layer)}mlp.gate.wg.{name}"
 
-    def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
-        state = super().runtime_moe_state(moe)
+    def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        state = super().runtime_router_state(moe)
         state["mlp.gate.wg.weight"] = state.pop("mlp.gate.weight")
         return state

@@ -39,8 +39,8 @@ class MiniMaxM2Adapter(MixtralAdapter):
     def classify_key(self, key: str):
         return "router" if key.endswith("block_sparse_moe.e_score_correction_bias") else super().classify_key(key)
 
-    def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
-        state = super().runtime_moe_state(moe)
+    def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        state = super().runtime_router_state(moe)
         bias = state.pop("mlp.gate.e_score_correction_bias", None)
         if bias is not None:
             state["mlp.e_score_correction_bias"] = bias

@@ -20,3 +20,22 @@ class MixtralAdapter(FamilyAdapter):
         from .routing import RoutingRule
 
         return RoutingRule("softmax_topk", top_k=self.top_k, normalize=True)
+
+
+class PhimoeAdapter(MixtralAdapter):
+    """PhiMoE (Phi-3.5-MoE): Mixtral's on-disk layout; transformers names the router ``mlp.router`` at runtime; routes
+    by ``sparsemixer`` (top-2 only); layer norms and attention projections carry biases."""
+
+    family = "phimoe"
+    model_types = ("phimoe",)
+    router_module = "mlp.router"
+    router_key = "gate"
+    head_pruning = False
+
+    def routing_rule(self):
+        from ..errors import UserInputError
+        from .routing import RoutingRule
+
+        if self.top_k != 2:
+            raise UserInputError(f"phimoe: sparsemixer routes to 2 experts, config.json asks for {self.top_k}")
+        return RoutingRule("sparsemixer", top_k=2, jitter_eps=float(self.text_config.get("router_jitter_noise", 0.0)))

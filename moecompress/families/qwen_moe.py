@@ -39,3 +39,11 @@ class OlmoeAdapter(FamilyAdapter):
     model_types = ("olmoe",)
     head_pruning = True
     qk_norm = "per_projection"
+
+
+class FlexOlmoAdapter(OlmoeAdapter):
+    """FlexOlmo: OLMoE's block and routing in an OLMo-2-style decoder (norms after attention and MLP)."""
+
+    family = "flex_olmo"
+    model_types = ("flex_olmo",)
+    head_pruning = False

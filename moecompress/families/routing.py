@@ -14,7 +14,12 @@ from typing import Literal
 
 import torch
 
-RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk"]
+RuleKind = Literal[
+    "softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk", "sparsemixer"
+]
+
+_MASK_LOGITS = ("softmax_topk", "softmax_group_topk", "softmax_bias_topk", "sparsemixer")
+"""Rules whose removed experts are masked out of the logits (equal to deleting their router rows)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class RoutingRule:
       (DeepSeek-V2 ``group_limited_greedy``), weights not renormalised.
     - ``softmax_bias_topk``: softmax scores, choice on scores plus a correction bias, weights are the uncorrected
       scores divided by their sum clamped below at ``norm_min`` (ERNIE 4.5).
+    - ``sparsemixer``: PhiMoE's top-2 at inference. The best expert, weighted by its softmax over the logits within
+      a relative distance ``2 * jitter_eps`` of its own; then the best of the others, weighted the same way among
+      the others.
     Every rule multiplies the weights by ``scaling``.
     """
 
@@ -41,6 +49,7 @@ class RoutingRule:
     n_group: int = 1
     topk_group: int = 1
     norm_min: float = 0.0
+    jitter_eps: float = 0.0
 
     def route(
         self,
@@ -53,7 +62,7 @@ class RoutingRule:
         ``allowed`` is a boolean ``[E]`` or ``[T, E]`` mask; disallowed experts are never chosen.
         """
         logits = logits.float()
-        if allowed is not None and self.kind in ("softmax_topk", "softmax_group_topk", "softmax_bias_topk"):
+        if allowed is not None and self.kind in _MASK_LOGITS:
             logits = logits.masked_fill(~allowed, float("-inf"))
         if self.kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1)
@@ -90,6 +99,11 @@ class RoutingRule:
             ids = torch.topk(choice, self.top_k, dim=-1)[1]
             weights = scores.gather(1, ids)
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+        elif self.kind == "sparsemixer":
+            first = logits.argmax(dim=-1, keepdim=True)
+            second = logits.scatter(1, first, float("-inf")).argmax(dim=-1, keepdim=True)
+            ids = torch.cat([first, second], dim=1)
+            weights = self._sparsemixer_weights(logits, ids)
         else:
             raise ValueError(f"unknown routing rule {self.kind!r}")
         return ids, weights * self.scaling
@@ -101,6 +115,8 @@ class RoutingRule:
         logits = logits.float()
         if self.kind == "topk_softmax":
             weights = torch.softmax(logits.gather(1, ids), dim=-1)
+        elif self.kind == "sparsemixer":
+            weights = self._sparsemixer_weights(logits, ids)
         elif self.kind == "softmax_bias_topk":
             weights = torch.softmax(logits, dim=-1).gather(1, ids)
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
@@ -112,6 +128,20 @@ class RoutingRule:
                     weights.sum(dim=-1, keepdim=True) + (0.0 if self.kind == "softmax_topk" else 1e-20)
                 )
         return weights * self.scaling
+
+    def _sparsemixer_weights(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each of the two experts' softmax weight among the logits close to its own (the first expert's logit
+        out of the second's competition), as transformers' ``sparsemixer`` computes them in eval mode."""
+        weights = []
+        competing = logits
+        for slot in range(2):
+            chosen = competing.gather(1, ids[:, slot : slot + 1])
+            factor = logits.abs().clamp(min=chosen)
+            far = ((chosen - logits) / factor) > 2 * self.jitter_eps
+            gates = torch.softmax(competing.masked_fill(far, float("-inf")), dim=-1)
+            weights.append(gates.gather(1, ids[:, slot : slot + 1]))
+            competing = competing.scatter(1, ids[:, slot : slot + 1], float("-inf"))
+        return torch.cat(weights, dim=1)
 
     def _restrict_to_groups(self, scores: torch.Tensor, group_size_reduce: str, fill: float) -> torch.Tensor:
         tokens, experts = scores.shape

@@ -52,13 +52,9 @@ def layer_tensors(
         out.update(stored(runtime_key(adapter, key), tensor))
     if moe is None:
         return out
-    router = f"{adapter.layer_prefix(layer)}{adapter.router_module}"
     weights = moe.weights
-    out[f"{router}.weight"] = weights.router_weight
-    if weights.router_bias is not None:
-        out[f"{router}.bias"] = weights.router_bias
-    if weights.correction_bias is not None:
-        out[f"{router}.e_score_correction_bias"] = weights.correction_bias
+    prefix = adapter.layer_prefix(layer)
+    out.update({prefix + name: tensor for name, tensor in adapter.runtime_router_state(weights).items()})
     experts = experts_module(adapter, layer)
     out.update(moe.gate_up.stored(f"{experts}.gate_up_proj"))
     out.update(moe.down.stored(f"{experts}.down_proj"))
