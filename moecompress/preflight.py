@@ -116,15 +116,6 @@ def check_passes(
     from .loading import load_adapter
 
     adapter = load_adapter(model_dir)
-    check_seq_len(adapter, seq_len)
-    if calib_tokens < seq_len:
-        raise UserInputError(f"--calib-tokens {calib_tokens} is less than one window of --seq-len {seq_len}")
-    if eval_tokens is not None and eval_tokens < seq_len:
-        raise UserInputError(f"--eval-tokens {eval_tokens} is less than one window of --seq-len {seq_len}")
-    if calib_source is not None:
-        check_data_spec(calib_source, "--calib")
-    if eval_data is not None:
-        check_data_spec(eval_data, "--eval-data")
     quantized = _quantized_method(adapter)
     pruned_experts = False
     for index, (name, config) in enumerate(passes):
@@ -135,6 +126,24 @@ def check_passes(
                 raise
             raise UserInputError(f"pass {index + 1} ({name}): {error}") from None
         pruned_experts = pruned_experts or name == "prune_experts"
+    calibrated = any(_calibrates(name, config) for name, config in passes)
+    if calibrated or eval_data is not None:
+        check_seq_len(adapter, seq_len)
+    if calibrated and calib_tokens < seq_len:
+        raise UserInputError(f"--calib-tokens {calib_tokens} is less than one window of --seq-len {seq_len}")
+    if eval_data is not None and eval_tokens is not None and eval_tokens < seq_len:
+        raise UserInputError(f"--eval-tokens {eval_tokens} is less than one window of --seq-len {seq_len}")
+    if calibrated and calib_source is not None:
+        check_data_spec(calib_source, "--calib")
+    if eval_data is not None:
+        check_data_spec(eval_data, "--eval-data")
+
+
+def _calibrates(name: str, config: Any) -> bool:
+    """Whether the pass reads calibration windows (plain RTN quantisation reads none)."""
+    if name != "quantize":
+        return True
+    return config.method == "gptq" or bool(config.salient_fraction or config.lowrank_budget or config.lowrank_rank)
 
 
 def _check_pass(
@@ -174,24 +183,28 @@ def partial_work(out_dir: Path) -> list[Path]:
 
 def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:
     """Refuse to start over an interrupted run's partial work unless told what to do with it: ``resume`` keeps
-    it, ``restart`` removes it now; neither refuses, since discarding hours of work must be asked for."""
+    it, ``restart`` has it removed (by :func:`discard_partial_work`, once every other check passed); neither
+    refuses, since discarding hours of work must be asked for."""
     if resume and restart:
         raise UserInputError("--resume and --restart exclude each other")
     found = partial_work(out_dir)
-    if not found:
-        return
-    if restart:
-        for path in found:
-            shutil.rmtree(path)
-        return
-    if not resume:
+    if found and not resume and not restart:
         raise UserInputError(f"{found[0]}: partial work of an interrupted run into {out_dir}; {RESTART_HINT}")
 
 
-def check_output(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool) -> None:
+def discard_partial_work(out_dir: Path) -> None:
+    for path in partial_work(out_dir):
+        shutil.rmtree(path)
+
+
+def check_output(
+    out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool = True
+) -> None:
     """The output-side checks every writing command (and the Python API) makes before any work: ``out_dir`` is not
     the input nor inside it, can be created, is not there already (unless ``overwrite``), and no interrupted run's
-    partial work is there unless ``resume`` or ``restart`` says what to do with it."""
+    partial work is there unless ``resume`` or ``restart`` says what to do with it. With ``restart`` and
+    ``discard`` the partial work is removed here; a caller with checks still to make passes ``discard=False`` and
+    calls :func:`discard_partial_work` after them."""
     from .checkpoint.stream import check_output_is_not_input
 
     check_output_is_not_input(Path(model_dir), Path(out_dir))
@@ -199,6 +212,8 @@ def check_output(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: boo
     if Path(out_dir).exists() and not overwrite:
         raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
     check_partial_work(out_dir, resume=resume, restart=restart)
+    if restart and discard:
+        discard_partial_work(out_dir)
 
 
 def check_writable(out_dir: Path) -> None:

@@ -14,7 +14,7 @@ from moecompress import progress
 from moecompress.cli.main import app
 from moecompress.defaults import DEFAULT_EVAL_TOKENS
 from moecompress.errors import UserInputError
-from moecompress.preflight import check_partial_work
+from moecompress.preflight import check_partial_work, discard_partial_work
 from moecompress.recipes import Evaluation, describe, load_recipe
 
 ROOT = Path(__file__).parent.parent
@@ -84,6 +84,8 @@ def test_partial_work_is_refused_until_resume_or_restart(tmp_path):
     check_partial_work(out, resume=True, restart=False)
     assert (partial / "step-0").is_dir()
     check_partial_work(out, resume=False, restart=True)
+    assert (partial / "step-0").is_dir()  # removed only once every other check passed
+    discard_partial_work(out)
     assert not partial.exists()
 
 

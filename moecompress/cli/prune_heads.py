@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
-from .run_options import check_before_work, run_options
+from .run_options import check_before_work, run_options, start_over_if_asked
 from .trust_options import trust_options
 
 
@@ -158,6 +158,7 @@ def prune_heads_command(
     )
     config.validate()
     model_dir = resolve_model(model)
+    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
     check_passes(
         model_dir,
         [("prune_heads", config)],
@@ -167,7 +168,7 @@ def prune_heads_command(
         eval_data=None if no_eval else eval_data,
         eval_tokens=None if no_eval else eval_tokens,
     )
-    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
+    start_over_if_asked(out_dir)
     started = time.monotonic()
     report = prune_heads(
         model_dir,

@@ -10,7 +10,7 @@ import click
 from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
 from .numbers import human_bytes
 from .quantize import GROUP_SIZE_HELP
-from .run_options import check_before_work, run_options
+from .run_options import check_before_work, run_options, start_over_if_asked
 from .trust_options import trust_options
 
 
@@ -181,6 +181,7 @@ def qat_command(
     )
     config.validate()
     model_dir = resolve_model(model)
+    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
     check_passes(
         model_dir,
         [("qat", config)],
@@ -190,7 +191,7 @@ def qat_command(
         eval_data=None if no_eval else eval_data,
         eval_tokens=None if no_eval else eval_tokens,
     )
-    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
+    start_over_if_asked(out_dir)
     started = time.monotonic()
     report = qat_checkpoint(
         model_dir,

@@ -61,7 +61,15 @@ def check_before_work(out_dir: Path, model_dir: Path, *, overwrite: bool, resume
     from ..preflight import check_output
 
     restart = click.get_current_context().meta.get("moecompress.restart", False)
-    check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart)
+    check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)
+
+
+def start_over_if_asked(out_dir: Path) -> None:
+    """With --restart, remove an interrupted run's partial work (called once every check has passed)."""
+    from ..preflight import discard_partial_work
+
+    if click.get_current_context().meta.get("moecompress.restart", False):
+        discard_partial_work(out_dir)
 
 
 def run_and_summarise(
@@ -79,8 +87,9 @@ def run_and_summarise(
     from ..recipes import check_recipe, run_recipe
     from ..run_summary import format_table
 
-    check_recipe(recipe, model_dir)
     check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
+    check_recipe(recipe, model_dir)
+    start_over_if_asked(out_dir)
     if before_work is not None:
         before_work()
     started = time.monotonic()
