@@ -329,13 +329,15 @@ def _run(
 ) -> dict[str, Any]:
     """The recipe run as the commands run it (:func:`moecompress.cli.run_options.run_and_summarise`, which also
     prints): the recipe and the output checked before any work, then :func:`~moecompress.recipes.run_recipe`."""
-    from .preflight import check_output
+    from .preflight import check_output, discard_partial_work
     from .recipes import check_recipe, run_recipe
 
     out_dir = Path(out).absolute()
     with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
+        check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)
         check_recipe(recipe, model_dir)
-        check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart)
+        if restart:
+            discard_partial_work(out_dir)
         return run_recipe(recipe, model_dir, out_dir, overwrite=overwrite, resume=resume, progress=progress)
 
 

@@ -167,6 +167,9 @@ def test_partial_work_is_refused_unless_resume_or_restart(tmp_path, monkeypatch)
     with pytest.raises(Started):
         moecompress.quantize("builtin:tiny-moe", tmp_path / "out", evaluation=None, resume=True)
     assert partial.is_dir()
+    with pytest.raises(UserInputError, match="keep"):
+        moecompress.prune("builtin:tiny-moe", tmp_path / "out", keep=100, evaluation=None, restart=True)
+    assert partial.is_dir(), "a refused run discarded the partial work"
     with pytest.raises(Started):
         moecompress.quantize("builtin:tiny-moe", tmp_path / "out", evaluation=None, restart=True)
     assert not partial.exists()
