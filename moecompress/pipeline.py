@@ -270,7 +270,8 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
             writer.keep_units({OUTSIDE_UNIT, *(layer_unit(layer) for layer in range(start))})
         write.restore_all()
         if OUTSIDE_UNIT not in writer.units:
-            write.outside(reader.read(outside))
+            dropped_keys = context.extra.get("drop_keys", frozenset())
+            write.outside(reader.read([key for key in outside if key not in dropped_keys]))
         if state is not None:
             data = context.calibration
             sweep = CalibrationSweep(

@@ -492,3 +492,22 @@ def test_mtp_layer_is_pruned_by_its_own_calibration(releases, tmp_path):
     scores = report["layers"]["3"]
     assert sum(scores["frequency"]) == pytest.approx(2.0, abs=1e-4)  # top-2 of 8 over the MTP tokens
     assert sorted(scores["kept"]) == scores["kept"] and len(scores["kept"]) == 4
+
+
+def test_top_level_mtp_module_is_dropped_on_request(tmp_path):
+    """Qwen3-Next / Qwen3.5 ship their MTP module as top-level ``mtp.*`` tensors: --mtp drop leaves them out."""
+    from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
+    from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+    from moecompress.synthetic import tiny_tokenizer
+
+    source = save_tiny_model("qwen3_next", tmp_path / "source")
+    tiny_tokenizer().save_pretrained(source)
+    assert any(key.startswith("mtp.") for key in CheckpointReader(source).keys())
+    prune_experts(
+        source, tmp_path / "p", PruneExpertsConfig(ratio=0.5, mtp="drop"), calib_tokens=256, seq_len=64, progress=False
+    )
+    quantize_checkpoint(source, tmp_path / "q", QuantizeConfig(scheme="mxfp4", mtp="drop"), progress=False)
+    for out in (tmp_path / "p", tmp_path / "q"):
+        assert not any(key.startswith("mtp.") for key in CheckpointReader(out, decode=False).keys())
+        config = json.loads((out / "config.json").read_text())
+        assert config.get("mtp_num_hidden_layers", config.get("text_config", {}).get("mtp_num_hidden_layers")) == 0

@@ -32,6 +32,11 @@ def mtp_layers(adapter: FamilyAdapter, keys: list[str] | set[str]) -> list[int]:
     return sorted(layer for layer in found if layer >= adapter.num_layers)
 
 
+def outside_mtp_keys(adapter: FamilyAdapter, keys) -> frozenset[str]:
+    """Keys of a top-level MTP module outside the decoder layers (Qwen3-Next's and Qwen3.5's ``mtp.*``)."""
+    return frozenset(k for k in keys if adapter.layer_of_key(k) is None and k.startswith(("mtp.", "model.mtp.")))
+
+
 def check_mode(mode: str) -> None:
     if mode not in MTP_MODES:
         raise UserInputError(f"--mtp must be keep or drop, got {mode!r}")
@@ -99,6 +104,7 @@ class StoredPrune:
         self.keep_positions = keep_positions
         self.config = config
         self.drop_layers = drop_layers
+        self.drop_keys: frozenset[str] = frozenset()
         self.report: dict[str, Any] = {}
         self.raw_layer_fn = None
 
@@ -113,12 +119,15 @@ def plan_stored_prune(
     check_mode(mode)
     with CheckpointReader(model_dir, decode=False) as reader:
         layers = mtp_layers(adapter, reader.keys())
+        outside = outside_mtp_keys(adapter, reader.keys())
         stored_format = reader.config.get("quantization_config") is not None
         plan = StoredPrune(dict(keep_positions), config, frozenset())
-        if layers and mode == "drop":
+        if (layers or outside) and mode == "drop":
             plan.config = without_mtp(config)
-            plan.drop_layers = frozenset(layers)
-            plan.report = {"mtp_layers": layers, "mode": "drop"}
+            plan.drop_layers, plan.drop_keys = frozenset(layers), outside
+            plan.report = {"mtp_layers": layers, "mode": "drop", "mtp_tensors_dropped": len(outside)}
+        elif outside:
+            plan.report = {"mode": "keep", "not_pruned": "the top-level mtp.* module is kept whole"}
         elif layers:
             kept_ids, per_layer = {}, {}
             main = adapter.moe_layers()
@@ -186,6 +195,7 @@ class QuantizeMtp:
 
     def __init__(self, config: dict[str, Any], drop: frozenset[int], passthrough: frozenset[int], report):
         self.config, self.drop_layers, self.passthrough_layers, self.report = config, drop, passthrough, report
+        self.drop_keys: frozenset[str] = frozenset()
 
 
 def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str) -> QuantizeMtp:
@@ -194,11 +204,13 @@ def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str) -> QuantizeM
     check_mode(mode)
     with CheckpointReader(model_dir, decode=False) as reader:
         layers = mtp_layers(adapter, reader.keys())
-    if not layers:
+        outside = outside_mtp_keys(adapter, reader.keys())
+    if not layers and not outside:
         return QuantizeMtp(adapter.config, frozenset(), frozenset(), {})
     if mode == "drop":
-        return QuantizeMtp(
-            without_mtp(adapter.config), frozenset(layers), frozenset(), {"mtp_layers": layers, "mode": "drop"}
-        )
+        report = {"mtp_layers": layers, "mode": "drop", "mtp_tensors_dropped": len(outside)}
+        plan = QuantizeMtp(without_mtp(adapter.config), frozenset(layers), frozenset(), report)
+        plan.drop_keys = outside
+        return plan
     report = {"mtp_layers": layers, "mode": "keep", "written": "decoded, unquantised"}
     return QuantizeMtp(adapter.config, frozenset(), frozenset(layers), report)

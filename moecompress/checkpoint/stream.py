@@ -70,6 +70,7 @@ def rewrite_checkpoint(
     raw_layer_fn: RawLayerFn | None = None,
     drop_layers: frozenset[int] = frozenset(),
     passthrough_layers: frozenset[int] = frozenset(),
+    drop_keys: frozenset[str] = frozenset(),
 ) -> Path:
     """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
 
@@ -88,7 +89,8 @@ def rewrite_checkpoint(
     With ``raw_layer_fn`` the checkpoint is streamed as stored (a quantised release's codes and scales, not
     decoded): each layer's stored tensors go to ``raw_layer_fn(layer, tensors)`` and what it returns is written.
     Layers in ``drop_layers`` (an MTP layer the user drops) are not written; layers in ``passthrough_layers`` are
-    written as read (decoded), without ``layer_fn`` or ``layer_writer``.
+    written as read (decoded), without ``layer_fn`` or ``layer_writer``; tensors outside the layers named in
+    ``drop_keys`` (a top-level MTP module) are not written.
     A failure that resuming cannot mend (bad input, a full disk) removes the work directory; any other
     interruption leaves it, marked incomplete, for ``resume``.
     """
@@ -97,6 +99,7 @@ def rewrite_checkpoint(
     with CheckpointReader(source, decode=raw_layer_fn is None) as reader:
         adapter = adapter_for(reader.config, source=str(source))
         layers, outside = group_keys_by_layer(reader, adapter)
+        outside = [key for key in outside if key not in drop_keys]
         if writer is None:
             writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
         try:

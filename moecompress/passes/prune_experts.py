@@ -550,6 +550,7 @@ def write_pruned(
         writer=writer,
         raw_layer_fn=stored.raw_layer_fn,
         drop_layers=stored.drop_layers,
+        drop_keys=stored.drop_keys,
     )
     return plan.report
 

@@ -75,6 +75,7 @@ class PruneExpertsPass(LayerPass):
             self.plan.report["mtp"] = stored.report
         self.plan.report["input_format"] = describe_input(context.model_dir)
         context.extra["drop_layers"] = context.extra.get("drop_layers", frozenset()) | stored.drop_layers
+        context.extra["drop_keys"] = context.extra.get("drop_keys", frozenset()) | stored.drop_keys
         context.kept_positions = self.plan.keep_positions
         context.adapter = adapter_for(self.plan.config, source=str(context.model_dir))
 

@@ -518,6 +518,7 @@ def _write_quantized(
         model_dir,
         out_dir,
         drop_layers=mtp.drop_layers,
+        drop_keys=mtp.drop_keys,
         passthrough_layers=mtp.passthrough_layers,
         layer_writer=write_layer,
         outside_fn=layers.write_outside,

@@ -88,6 +88,7 @@ class QuantizePass(LayerPass):
         self._source = str(context.model_dir)
         self._mtp = quantize_mtp_plan(context.model_dir, adapter, config.mtp)
         context.extra["drop_layers"] = context.extra.get("drop_layers", frozenset()) | self._mtp.drop_layers
+        context.extra["drop_keys"] = context.extra.get("drop_keys", frozenset()) | self._mtp.drop_keys
         if self.lowrank:
             self.quantizer.sensitivity = stored_layer_sensitivity(
                 context.state_dir / "sensitivity.safetensors",
@@ -177,7 +178,8 @@ class QuantizePass(LayerPass):
         self.layers.restore(unit, entry)
 
     def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        return self.layers.finish_config(without_mtp(config) if self._mtp.drop_layers else config)
+        dropping = self._mtp.drop_layers or self._mtp.drop_keys
+        return self.layers.finish_config(without_mtp(config) if dropping else config)
 
     def report(self) -> dict[str, Any]:
         return self.layers.final_report()
