@@ -286,7 +286,11 @@ def _plan_compressed_tensors(qconfig: dict[str, Any], shapes, dtype: torch.dtype
                     raise UserInputError(f"{key}: pack-quantized weight without its {parts[part]} tensor")
             args = _ct_weight_args(qconfig, "int", name)
             bits = int(args.get("num_bits") or 4)
-            rows, cols = (int(v) for v in read_small(parts["weight_shape"]).tolist())
+            group = args.get("group_size") if (args.get("strategy") or "group") == "group" else None
+            if group and len(shape) == 2:  # no read needed: (rows, scale columns x group)
+                rows, cols = shape[0], shapes[parts["scale"]][0][-1] * int(group)
+            else:
+                rows, cols = (int(v) for v in read_small(parts["weight_shape"]).tolist())
             formats.add(f"pack-quantized INT{bits}")
             encoded[logical] = Encoded(parts, (rows, cols), _pack_quantized_decoder(args, bits, dtype))
         elif param == "weight" and name in ("F8_E4M3", "F8_E5M2"):
