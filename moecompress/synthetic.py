@@ -248,6 +248,29 @@ TINY_CONFIGS.update(
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             sliding_window=8,
         ),
+        "afmoe": dict(
+            _COMMON,
+            model_type="afmoe",
+            num_hidden_layers=3,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            route_scale=2.0,
+        ),
+        "lfm2_moe": dict(
+            _COMMON,
+            model_type="lfm2_moe",
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention", "conv"],
+            routed_scaling_factor=1.5,
+        ),
         "hunyuan_v1_moe": dict(
             _COMMON,
             model_type="hunyuan_v1_moe",
@@ -354,7 +377,7 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
             else:
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     return model.eval()
 

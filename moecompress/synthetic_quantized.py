@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 
 FP8_MAX = 448.0
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
-_FP8_TARGET = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\..*_proj\.weight$")
+_FP8_TARGET = re.compile(
+    r"^model\.layers\.\d+\.(?:(?:self_attn|mlp)\..*_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
+)
 MTP_EXTRAS = (
     "embed_tokens.weight",
     "enorm.weight",

@@ -97,3 +97,50 @@ def test_quantized_output_loads_through_the_plugin_with_the_reported_perplexity(
     for layer in adapter.moe_layers():
         assert type(adapter.experts_of(model, layer)).__name__ == "QuantizedExperts"
     assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
+
+
+FP8_FAMILIES = ("glm4_moe", "kimi_k2", "qwen3_next", "minimax_m2")
+"""Families whose hub releases ship block-FP8 (GLM-4.5-FP8, Kimi-K2, Qwen3-Next-*-FP8, MiniMax-M2)."""
+
+
+@pytest.fixture(scope="module")
+def fp8_release(with_tokenizer, tmp_path_factory):
+    from moecompress.synthetic_quantized import convert_to_block_fp8
+
+    root = tmp_path_factory.mktemp("fp8")
+    return lambda family: convert_to_block_fp8(with_tokenizer(family), root / family)
+
+
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_release_prunes_in_its_format_and_quantizes(family, fp8_release, tmp_path):
+    """A block-FP8 release: `prune` keeps FP8 (kept experts' codes and scales byte for byte) and stock transformers
+    loads the output with the reported perplexity; `quantize` decodes it and the output loads through the plugin
+    with the reported perplexity."""
+    from safetensors import safe_open
+
+    source = fp8_release(family)
+    adapter = adapter_for(_config(source))
+    kept = adapter.num_experts // 2
+    pruned = tmp_path / "pruned"
+    report = _run("prune", source, pruned, "--keep", str(kept), "--scope", "layer")
+    assert _config(pruned)["quantization_config"] == _config(source)["quantization_config"]
+    layer = adapter.moe_layers()[-1]
+    ids = report["layers"][str(layer)]["kept"]
+    with (
+        safe_open(source / "model.safetensors", "pt") as before,
+        safe_open(pruned / "model.safetensors", "pt") as after,
+    ):
+        for position, expert in enumerate(ids):
+            for suffix in ("", "_scale_inv"):
+                original = before.get_tensor(adapter._expert_key(layer, expert, 2) + suffix)
+                written = after.get_tensor(adapter._expert_key(layer, position, 2) + suffix)
+                assert written.dtype == original.dtype and torch.equal(
+                    written.view(torch.uint8), original.view(torch.uint8)
+                )
+    assert _plain_perplexity(pruned)[0] == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
+
+    quantized = tmp_path / "quantized"
+    report = _run("quantize", source, quantized, "--scheme", "int4", "--group-size", "32")
+    perplexity, model = _plain_perplexity(quantized)
+    assert type(adapter.experts_of(model, layer)).__name__ == "QuantizedExperts"
+    assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)

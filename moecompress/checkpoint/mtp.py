@@ -71,6 +71,8 @@ def select_experts_stored(
     block = f"{adapter.layer_prefix(layer)}{adapter.moe_disk_prefix}"
     per_expert = re.compile(re.escape(f"{block}experts.") + r"(\d+)\.(.+)$")
     router = f"{block}{adapter.router_key}."
+    # Router tensors some families keep beside the router (MiniMax-M2's, ERNIE's, EXAONE's correction bias).
+    named = {adapter._router_key(layer, name) for name in ("weight", "bias", "e_score_correction_bias")}
     new_index = {old: new for new, old in enumerate(keep)}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
@@ -79,7 +81,9 @@ def select_experts_stored(
             old = int(match.group(1))
             if old in new_index:
                 out[f"{block}experts.{new_index[old]}.{match.group(2)}"] = tensor
-        elif (key.startswith(f"{block}experts.") or key.startswith(router)) and tensor.ndim >= 1:
+        elif key in named and tensor.ndim == 2 and tensor.shape[0] == 1:  # ERNIE's [1, E] correction bias
+            out[key] = _rows(tensor.reshape(-1), keep).reshape(1, -1)
+        elif (key.startswith(f"{block}experts.") or key.startswith(router) or key in named) and tensor.ndim >= 1:
             if tensor.shape[0] != num_experts:
                 raise UserInputError(f"{key}: first dimension {tensor.shape[0]} is not the {num_experts} experts")
             out[key] = _rows(tensor, keep)

@@ -26,6 +26,7 @@ from .qwen3_vl_moe import Qwen3VLMoeAdapter
 from .qwen_moe import FlexOlmoAdapter, OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
 from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapter
 from .routing import RoutingRule
+from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MixtralAdapter,
@@ -53,6 +54,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     FlexOlmoAdapter,
     SolarOpenAdapter,
     ExaoneMoeAdapter,
+    AfmoeAdapter,
+    Lfm2MoeAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

@@ -457,9 +457,11 @@ class FamilyAdapter:
 
     def softmax_attention(self, layer: int) -> bool:
         """Whether layer ``layer`` attends with softmax attention (whose weights say how much attention each token
-        receives), not with a linear-attention mixer (Gated DeltaNet, lightning attention)."""
+        receives), not with a linear-attention mixer (Gated DeltaNet, lightning attention) or a convolution (LFM2)."""
         layer_types = self.text_config.get("layer_types") or []
-        return layer >= len(layer_types) or layer_types[layer] != "linear_attention"
+        if layer >= len(layer_types):
+            return True
+        return "attention" in layer_types[layer] and layer_types[layer] != "linear_attention"
 
     # ---- attention heads --------------------------------------------------------------------------------
     def check_head_pruning(self, source: str = "model") -> None:

@@ -50,6 +50,8 @@ class RoutingRule:
     topk_group: int = 1
     norm_min: float = 0.0
     jitter_eps: float = 0.0
+    norm_eps: float = 1e-20
+    """What ``sigmoid_group_topk`` adds to the sum it divides by (LFM2-MoE: 1e-6)."""
 
     def route(
         self,
@@ -83,7 +85,7 @@ class RoutingRule:
             ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
             if self.normalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         elif self.kind == "softmax_group_topk":
             scores = torch.softmax(logits, dim=-1)
             if self.n_group > 1:
@@ -124,9 +126,8 @@ class RoutingRule:
             scores = logits.sigmoid() if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
             weights = scores.gather(1, ids)
             if self.normalize:
-                weights = weights / (
-                    weights.sum(dim=-1, keepdim=True) + (0.0 if self.kind == "softmax_topk" else 1e-20)
-                )
+                eps = {"softmax_topk": 0.0, "sigmoid_group_topk": self.norm_eps}.get(self.kind, 1e-20)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return weights * self.scaling
 
     def _sparsemixer_weights(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
