@@ -13,6 +13,7 @@ from .deepseek_derived import (
     ExaoneMoeAdapter,
     Glm4MoeAdapter,
     Glm4MoeLiteAdapter,
+    Glm4vMoeAdapter,
     KimiK2Adapter,
     SolarOpenAdapter,
 )
@@ -56,6 +57,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     ExaoneMoeAdapter,
     AfmoeAdapter,
     Lfm2MoeAdapter,
+    Glm4vMoeAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
