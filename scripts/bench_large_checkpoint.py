@@ -11,7 +11,13 @@ command's output is fsynced inside its wall time and deleted after it. Peak RSS 
 the child's process tree, sampled every 20 ms, and the kernel's ``ru_maxrss`` of the child. Prints one JSON
 object; everything is written under ``--dir`` and removed at the end.
 
+With ``--recipe RECIPE`` it runs ``moecompress run RECIPE --model CHECKPOINT`` instead of the quantise and prune
+steps (``--layers N`` sets the layer count directly, for a small first figure) and reports, besides wall time and
+peak RSS, the bytes the run read and wrote (``rchar``/``wchar`` of the process: every read and write call,
+evaluation and journal included), the output's size and the checkpoint's.
+
 Run: python scripts/bench_large_checkpoint.py [--min-gib 12] [--dir /tmp] [--skip-prune] [--lowrank]
+     python scripts/bench_large_checkpoint.py --recipe recipes/default.yaml [--layers 3] [--calib-tokens N]
 """
 
 from __future__ import annotations
@@ -106,6 +112,30 @@ def run_measured(command: list[str], output: Path | None) -> dict:
     }
 
 
+RUN_COUNTING_IO = """
+import atexit, sys
+from pathlib import Path
+record = Path(sys.argv[1])
+atexit.register(lambda: record.write_text(Path("/proc/self/io").read_text()))
+sys.argv = ["moecompress", *sys.argv[2:]]
+from moecompress.cli.main import main
+main()
+"""
+
+
+def recipe_with_tokens(recipe: Path, calib_tokens: int, eval_tokens: int, target: Path) -> Path:
+    """``recipe`` with its calibration and evaluation token counts replaced, written to ``target``."""
+    import yaml
+
+    document = yaml.safe_load(recipe.read_text())
+    document.setdefault("calibration", {})["tokens"] = calib_tokens
+    for step in document["passes"]:
+        if "eval" in step:
+            step["eval"] = {**(step["eval"] or {}), "tokens": eval_tokens}
+    target.write_text(yaml.safe_dump(document))
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-gib", type=float, default=12.0, help="Smallest checkpoint size on disk, GiB.")
@@ -119,9 +149,12 @@ def main() -> None:
         help="Also quantize with --lowrank-budget 0.25 (the default fisher-token sensitivity: streamed Fisher, "
         "two calibration sweeps).",
     )
+    parser.add_argument("--recipe", type=Path, default=None, help="Run this recipe on the checkpoint instead.")
+    parser.add_argument("--layers", type=int, default=None, help="Decoder layers (default: enough for --min-gib).")
+    parser.add_argument("--eval-tokens", type=int, default=2048, help="The recipe's evaluation tokens.")
     args = parser.parse_args()
     per_layer = layer_bytes(**SHAPES)
-    layers = math.ceil(args.min_gib * 2**30 / per_layer)
+    layers = args.layers or math.ceil(args.min_gib * 2**30 / per_layer)
     cli = [sys.executable, "-m", "moecompress.cli.main"]
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -158,6 +191,24 @@ def main() -> None:
             print(name, json.dumps(result[name]), file=sys.stderr, flush=True)
 
         step("copy_1", [sys.executable, "-c", COPY, str(source), str(root / "copy")], root / "copy")
+        if args.recipe is not None:
+            recipe = recipe_with_tokens(args.recipe, args.calib_tokens, args.eval_tokens, root / "recipe.yaml")
+            out, counters = root / "recipe_out", root / "io.txt"
+            command = [sys.executable, "-c", RUN_COUNTING_IO, str(counters), "run", str(recipe)]
+            result["recipe"] = {
+                "path": str(args.recipe),
+                "calib_tokens": args.calib_tokens,
+                "eval_tokens": args.eval_tokens,
+            }
+            step("run_recipe", [*command, "--model", str(source), "--out", str(out), "--quiet"], out)
+            io = dict(line.split(": ") for line in counters.read_text().splitlines())
+            result["run_recipe"]["bytes_read"] = int(io["rchar"])
+            result["run_recipe"]["bytes_written"] = int(io["wchar"])
+            step("copy_2", [sys.executable, "-c", COPY, str(source), str(root / "copy")], root / "copy")
+            copy_seconds = (result["copy_1"]["seconds"] + result["copy_2"]["seconds"]) / 2
+            result["recipe_over_copy"] = round(result["run_recipe"]["seconds"] / copy_seconds, 2)
+            print(json.dumps(result, indent=2))
+            return
         quantized = root / "quantized"
         step(
             "quantize_mxfp4_rtn",
