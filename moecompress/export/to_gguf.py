@@ -135,6 +135,63 @@ def verify_blocks(out: Path, blocks_file: Path, names: list[str]) -> None:
                 raise RuntimeError(f"{out}: tensor {name} does not hold the blocks written for it")
 
 
+def _export_native(
+    source: Path,
+    converter: Path,
+    partial: Path,
+    work: Path,
+    config: dict[str, Any],
+    outtype: str,
+    needs: list[str],
+    progress: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A native-format checkpoint: the dequantised view through the converter with our expert blocks substituted.
+    Returns the converter driver's result and the report's entries."""
+    report: dict[str, Any] = {}
+    collector = _BlockCollector(CheckpointWriter(work / "blocks", max_shard_bytes=1 << 62))
+    view = work / "view"
+    dense = export_bf16(source, view, progress=progress, layer_hook=collector)
+    collector.writer.finish({})
+    blocks_file = work / "blocks" / "model.safetensors"
+    done = run_converter(
+        converter,
+        view,
+        partial,
+        outtype=outtype,
+        blocks=blocks_file if collector.types else None,
+        types=collector.types,
+        file_type=_file_type(collector.types),
+    )
+    missing = sorted(set(collector.types) - set(done["substituted"]))
+    if missing:
+        raise RuntimeError(f"the converter did not write {missing[0]}")
+    if collector.types:
+        verify_blocks(partial, blocks_file, sorted(collector.types))
+    report["experts"] = {
+        "written_as": sorted(set(collector.types.values())),
+        "bounds": {kind: BOUNDS[kind] for kind in sorted(set(collector.types.values()))},
+        "tensors": collector.errors,
+        "all_exact": all(entry["exact"] for entry in collector.errors.values()),
+    }
+    if any(scheme.activation_bits for scheme in native_schemes(config)):
+        report["experts"]["activations"] = (
+            "W4A8: the weights are Q4_0; llama.cpp quantises activations its own way (Q8_0 blocks of 32 on "
+            "CPU), not per token as our W4A8 does"
+        )
+    report["folded"] = {
+        "what": needs,
+        "layers": collector.folded,
+        "how": f"folded matrices are written dense, not as GGML blocks: W_deq + L·R rounded to bf16, stored "
+        f"as the converter's --outtype {outtype}",
+        "max_abs_rounding_error": dense["folded"]["max_abs_rounding_error"],
+    }
+    report["other_tensors"] = (
+        f"written by the converter (--outtype {outtype}) from the dequantised view: quantised non-expert "
+        "weights dequantised to bf16, the rest as stored"
+    )
+    return done, report
+
+
 def export_gguf(
     source: Path,
     out: Path,
@@ -167,47 +224,8 @@ def export_gguf(
         work.mkdir(parents=True)
         report: dict[str, Any] = {"format": "gguf", "source": str(source), "converter": str(converter)}
         if native:
-            collector = _BlockCollector(CheckpointWriter(work / "blocks", max_shard_bytes=1 << 62))
-            view = work / "view"
-            dense = export_bf16(source, view, progress=progress, layer_hook=collector)
-            collector.writer.finish({})
-            blocks_file = work / "blocks" / "model.safetensors"
-            done = run_converter(
-                converter,
-                view,
-                partial,
-                outtype=outtype,
-                blocks=blocks_file if collector.types else None,
-                types=collector.types,
-                file_type=_file_type(collector.types),
-            )
-            missing = sorted(set(collector.types) - set(done["substituted"]))
-            if missing:
-                raise RuntimeError(f"the converter did not write {missing[0]}")
-            if collector.types:
-                verify_blocks(partial, blocks_file, sorted(collector.types))
-            report["experts"] = {
-                "written_as": sorted(set(collector.types.values())),
-                "bounds": {kind: BOUNDS[kind] for kind in sorted(set(collector.types.values()))},
-                "tensors": collector.errors,
-                "all_exact": all(entry["exact"] for entry in collector.errors.values()),
-            }
-            if any(scheme.activation_bits for scheme in native_schemes(config)):
-                report["experts"]["activations"] = (
-                    "W4A8: the weights are Q4_0; llama.cpp quantises activations its own way (Q8_0 blocks of 32 on "
-                    "CPU), not per token as our W4A8 does"
-                )
-            report["folded"] = {
-                "what": needs,
-                "layers": collector.folded,
-                "how": f"folded matrices are written dense, not as GGML blocks: W_deq + L·R rounded to bf16, stored "
-                f"as the converter's --outtype {outtype}",
-                "max_abs_rounding_error": dense["folded"]["max_abs_rounding_error"],
-            }
-            report["other_tensors"] = (
-                f"written by the converter (--outtype {outtype}) from the dequantised view: quantised non-expert "
-                "weights dequantised to bf16, the rest as stored"
-            )
+            done, details = _export_native(source, converter, partial, work, config, outtype, needs, progress)
+            report.update(details)
         else:
             done = run_converter(converter, source, partial, outtype=outtype)
             method = (config.get("quantization_config") or {}).get("quant_method")
