@@ -58,6 +58,23 @@ def _quantized_method(adapter: Any) -> str | None:
     return None
 
 
+def check_router_sizes(model_dir: Path, adapter: Any) -> None:
+    """Each MoE layer's router, as its safetensors header says, has one row per expert config.json promises; the
+    counts below are decided from config.json, so a disagreement is named first (the reader names it again on
+    reading the layer)."""
+    from .checkpoint import CheckpointReader
+
+    with CheckpointReader(model_dir, decode=False) as reader:
+        for layer in adapter.moe_layers():
+            key = adapter._router_key(layer, "weight")
+            info = reader.tensors.get(key)
+            promised = adapter.experts_in_layer(layer)
+            if info is not None and info.shape and info.shape[0] != promised:
+                raise UserInputError(
+                    f"layer {layer} ({key}): config.json says {promised} experts, weights hold {info.shape[0]}"
+                )
+
+
 def check_prune_counts(adapter: Any, config: Any) -> None:
     """The selection of :func:`~moecompress.passes.prune_experts.choose_removals` run on placeholder scores: every
     count it refuses (more kept than there are experts, fewer than top-k, uneven splits, group limits) depends
@@ -71,14 +88,16 @@ def check_prune_counts(adapter: Any, config: Any) -> None:
         if config.keep >= largest:
             raise UserInputError(f"--keep {config.keep}: the model has {largest} experts per layer; keep fewer")
         if config.keep < adapter.top_k:
-            raise UserInputError(f"--keep {config.keep} is fewer than the model's top-k ({adapter.top_k})")
+            raise UserInputError(
+                f"--keep {config.keep} is fewer than the minimum {adapter.top_k} (the model's top-k experts per token)"
+            )
     if config.min_keep is not None and config.min_keep > min(sizes.values()):
         raise UserInputError(
             f"--min-keep {config.min_keep}: the model has only {min(sizes.values())} experts in some layer"
         )
     placeholders = []
     for layer, count in sizes.items():
-        zeros = torch.zeros(count)
+        zeros = torch.zeros(count, device="cpu")
         placeholders.append(LayerScores(layer, list(range(count)), zeros, zeros, zeros, zeros))
     choose_removals(placeholders, config, adapter.top_k, group_limit(adapter))
 
@@ -164,6 +183,7 @@ def _check_pass(
             f"{model_dir}: the checkpoint is already quantised ({quantized}); start from a bf16/fp16 one"
         )
     if name == "prune_experts" and first_expert_pruning:
+        check_router_sizes(model_dir, adapter)
         check_prune_counts(adapter, config)
     elif name == "prune_heads":
         check_prune_heads(adapter, config, model_dir)

@@ -57,10 +57,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-HOLD_S = 1.0
-"""Plain-line mode holds "started" lines at most this long: quick work (and a quick failure, whose one-line error
-should stand alone) prints nothing it does not need, and slow work shows its start lines within this time, not
-only when its first step ends."""
+HOLD_S = LINE_INTERVAL_S
+"""Plain-line mode holds "started" lines at most this long (a timer prints them then): quick work, and a failure
+found early (whose one-line error should stand alone), print nothing they do not need, and slow work shows its
+start lines at the cadence of a running loop's lines, not only when its first step ends."""
 _held: list[str] = []
 _lock = threading.Lock()
 _timer: threading.Timer | None = None

@@ -94,7 +94,7 @@ CASES: tuple[Case, ...] = (
     Case("eval-seq-len-1", ("eval", TINY, "--seq-len", "1"), "--seq-len"),
     # prune
     Case("prune-keep-above-experts", ("prune", TINY, "--out", OUT, "--keep", "9"), "8 experts per layer"),
-    Case("prune-keep-below-top-k", ("prune", TINY, "--out", OUT, "--keep", "1"), "top-k (2)"),
+    Case("prune-keep-below-top-k", ("prune", TINY, "--out", OUT, "--keep", "1"), "fewer than the minimum 2"),
     Case("prune-keep-all", ("prune", TINY, "--out", OUT, "--keep", "8"), "keep fewer"),
     Case(
         "prune-min-keep-above-experts",

@@ -109,6 +109,7 @@ def test_restart_discards_the_partial_work_and_runs(tmp_path):
 
 def test_line_mode_shows_start_lines_while_a_slow_first_step_runs(capsys, monkeypatch):
     monkeypatch.setattr(progress, "MODE", "lines")
+    monkeypatch.setattr(progress, "HOLD_S", 0.5)
     seen = []
 
     def slow():
