@@ -124,3 +124,15 @@ def test_qwen3_vl_moe_hub_orientation_round_trips(tiny_checkpoints, tmp_path):
         expected = _load_stock(source, config)(input_ids=ids).logits
         assert torch.equal(_load_stock(hub, config)(input_ids=ids).logits, expected)
         assert torch.equal(_load_stock(out, config)(input_ids=ids).logits, expected)
+
+
+def test_prune_tags_on_linear_attention_moe_layers_is_one_line_exit_2(tiny_checkpoints, tmp_path):
+    """MAEP's --prune-tags ranks tokens by the attention they receive, which a linear-attention layer does not give."""
+    from helpers import run_cli
+
+    source = tiny_checkpoints["qwen3_next"]
+    args = ("--calib", "builtin:prose,builtin:code", "--prune-tags", "code", "--seq-len", "64", "--no-eval")
+    result = run_cli("prune", str(source), "--out", str(tmp_path / "p"), *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MoE layers [0, 2] of this qwen3_next model use linear attention" in lines[0]
