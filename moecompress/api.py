@@ -99,6 +99,7 @@ def prune(
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    device: str | None = None,
     **options: Any,
 ) -> PruneResult:
     """Remove routed experts from ``model`` (a directory, ``builtin:tiny-moe`` or a hub id) into ``out``.
@@ -113,7 +114,7 @@ def prune(
     if "keep" in options and "ratio" not in options:
         options["ratio"] = None
     recipe, model_dir = _one_pass("prune", "prune_experts", model, options, calibration, evaluation)
-    report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle)
+    report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle, device)
     layers = report.get("layers", {})
     return PruneResult(
         **_common(report, out),
@@ -136,6 +137,7 @@ def quantize(
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    device: str | None = None,
     **options: Any,
 ) -> QuantizeResult:
     """Quantise ``model``'s routed experts (and ``targets``) into ``out``.
@@ -145,7 +147,7 @@ def quantize(
     :func:`prune` (calibration is used by gptq, salient weights and low-rank adapters only).
     """
     recipe, model_dir = _one_pass("quantize", "quantize", model, options, calibration, evaluation)
-    report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle)
+    report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle, device)
     lowrank = report.get("lowrank")
     return QuantizeResult(
         **_common(report, out),
@@ -170,6 +172,7 @@ def run(
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    device: str | None = None,
 ) -> RunResult:
     """Run a recipe (a YAML file's path, the same document as a dict, or a parsed
     :class:`~moecompress.recipes.Recipe`) into ``out``; ``model`` replaces the recipe's model (as ``run --model``).
@@ -190,7 +193,7 @@ def run(
         raise UserInputError("run(): the recipe names no model; pass model=")
     parsed = dataclasses.replace(parsed, model=name)
     model_dir = _resolve(name)
-    report = _run(parsed, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle)
+    report = _run(parsed, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle, device)
     return RunResult(**_common(report, out), passes=tuple(describe(parsed)))
 
 
@@ -204,10 +207,13 @@ def evaluate(
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    device: str | None = None,
 ) -> EvalResult:
     """Perplexity of ``model`` on ``data`` (built-in sources: their held-out part) over windows of ``seq_len``
     tokens, at most ``max_tokens`` of them (None: all); with ``reference``, also KL(reference ‖ model), the
-    reference's perplexity and routing agreement. As ``moecompress eval``, with the same checks before any work."""
+    reference's perplexity and routing agreement. As ``moecompress eval``, with the same checks before any work.
+    ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``; default auto) is where the layers compute."""
+    from .device import parse_device, using_device
     from .errors import UserInputError
     from .evals.perplexity import evaluate as evaluate_dirs
     from .loading import load_adapter
@@ -221,7 +227,8 @@ def evaluate(
         raise UserInputError(f"evaluate(): max_tokens {max_tokens} is less than one window of seq_len {seq_len}")
     if not isinstance(data, str):
         raise UserInputError(f"evaluate(): data must be a source name such as builtin:prose, got {data!r}")
-    with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
+    compute = parse_device(device, "evaluate(): device")
+    with _trust(trust_remote_code, allow_pickle), _quiet(not progress), using_device(compute):
         model_dir = _resolve(model)
         reference_dir = None if reference is None else _resolve(reference)
         check_seq_len(load_adapter(model_dir), seq_len, "seq_len")
@@ -326,12 +333,17 @@ def _run(
     progress: bool,
     trust_remote_code: bool,
     allow_pickle: bool,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """The recipe run as the commands run it (:func:`moecompress.cli.run_options.run_and_summarise`, which also
-    prints): the recipe and the output checked before any work, then :func:`~moecompress.recipes.run_recipe`."""
+    prints): the recipe and the output checked before any work, then :func:`~moecompress.recipes.run_recipe`.
+    ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) overrides the recipe's ``device:``."""
+    from .device import parse_device
     from .preflight import check_output, discard_partial_work
     from .recipes import check_recipe, run_recipe
 
+    if device is not None:
+        recipe = dataclasses.replace(recipe, device=str(parse_device(device, "device")))
     out_dir = Path(out).absolute()
     with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
         check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)

@@ -50,7 +50,7 @@ def mtp_captures(sweep: CalibrationSweep, batches: list[dict[str, torch.Tensor]]
         inputs, keep = [], []
         for batch, states in zip(batches, hidden, strict=True):
             ids = batch["input_ids"]
-            following = torch.zeros(*ids.shape, embed.shape[1], dtype=sweep.dtype)
+            following = torch.zeros(*ids.shape, embed.shape[1], dtype=sweep.dtype, device="cpu")
             following[:, :-depth] = F.embedding(ids[:, depth:], embed).to(sweep.dtype)
             joined = torch.cat(
                 [
@@ -60,7 +60,7 @@ def mtp_captures(sweep: CalibrationSweep, batches: list[dict[str, torch.Tensor]]
                 dim=-1,
             )
             inputs.append(F.linear(joined.to(sweep.dtype), extras[f"{prefix}eh_proj.weight"].to(sweep.dtype)))
-            mask = torch.zeros(ids.shape, dtype=torch.bool)
+            mask = torch.zeros(ids.shape, dtype=torch.bool, device="cpu")
             mask[:, :-depth] = True
             keep.append(mask.reshape(-1))
         captured: list[torch.Tensor] = []
@@ -82,10 +82,10 @@ def mtp_captures(sweep: CalibrationSweep, batches: list[dict[str, torch.Tensor]]
         yield LayerCapture(
             layer=layer,
             moe=moe,
-            moe_input=torch.cat(captured).float()[mask],
+            moe_input=(moe_input := torch.cat(captured).float())[mask.to(moe_input.device)],
             tags=sweep.tags[mask],
             tag_names=sweep.tag_names,
-            attention_received=torch.cat(received)[mask] if received else None,
+            attention_received=torch.cat(received).cpu()[mask] if received else None,
         )
         sweep.release(module)
         hidden = outputs
@@ -105,7 +105,7 @@ def _materialise_mtp(sweep: CalibrationSweep, layer: int, keys: list[str]):
     for attribute in ("attention_type",):
         if hasattr(template, attribute):
             setattr(module, attribute, getattr(template, attribute))
-    return module.eval(), moe
+    return sweep.placed(module).eval(), moe
 
 
 def template_config(sweep: CalibrationSweep):

@@ -33,6 +33,7 @@ import torch
 
 from .checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
 from .checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
+from .device import HOST, moe_on
 from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights
 from .memory import release_freed_memory
@@ -194,19 +195,19 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
 def _replacement(original: MoEWeights, block: Any) -> tuple[MoEWeights, torch.Tensor | None]:
     """What the next layer's calibration should see of a rewritten block, at the original block's size (the stock
     layer module is built for it): removed experts are zeros the router may not choose."""
-    weights = block_weights(block)
+    weights = moe_on(block_weights(block), HOST)
     if weights.num_experts == original.num_experts:
         return weights, None
-    positions = torch.tensor([original.expert_ids.index(expert) for expert in weights.expert_ids])
+    positions = torch.tensor([original.expert_ids.index(expert) for expert in weights.expert_ids], device="cpu")
 
     def padded(tensor: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
-        full = torch.zeros(like.shape, dtype=tensor.dtype)
+        full = torch.zeros(like.shape, dtype=tensor.dtype, device="cpu")
         full[positions] = tensor
         return full
 
-    allowed = torch.zeros(original.num_experts, dtype=torch.bool)
+    allowed = torch.zeros(original.num_experts, dtype=torch.bool, device="cpu")
     allowed[positions] = True
     full = replace(
         original,

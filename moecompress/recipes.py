@@ -83,6 +83,8 @@ class Recipe:
     passes: list[tuple[str, Any]] = field(default_factory=list)
     """``(pass name, config)`` in order; ``lowrank`` is already folded into its quantize pass."""
     evaluation: Evaluation | None = None
+    device: str | None = None
+    """Where the layers compute: auto (the default; CUDA when torch sees one), cpu, cuda or cuda:N."""
 
 
 def _type_name(annotation: Any) -> str:
@@ -149,9 +151,16 @@ def parse_recipe(document: Any, source: str = "recipe") -> Recipe:
     """A validated :class:`Recipe` from a parsed YAML document."""
     if not isinstance(document, dict):
         raise UserInputError(f"{source}: a recipe is a mapping with model, calibration and passes")
-    unknown = sorted(set(document) - {"model", "calibration", "passes"})
+    unknown = sorted(set(document) - {"model", "calibration", "passes", "device"})
     if unknown:
-        raise UserInputError(f"{unknown[0]}: unknown key; a recipe takes model, calibration, passes")
+        raise UserInputError(f"{unknown[0]}: unknown key; a recipe takes model, calibration, passes, device")
+    device = document.get("device")
+    if device is not None:
+        from .device import parse_device
+
+        if not isinstance(device, str):
+            raise UserInputError(f"device: expected auto, cpu, cuda or cuda:N, got {device!r}")
+        parse_device(device, "device")
     model = document.get("model")
     if model is not None and not isinstance(model, str):
         raise UserInputError(f"model: expected a model directory, builtin:NAME or a hub id, got {model!r}")
@@ -161,7 +170,7 @@ def parse_recipe(document: Any, source: str = "recipe") -> Recipe:
     steps = document.get("passes")
     if not isinstance(steps, list) or not steps:
         raise UserInputError("passes: expected a non-empty list of passes")
-    recipe = Recipe(model, calibration)
+    recipe = Recipe(model, calibration, device=device)
     quantized_at: str | None = None
     for index, step in enumerate(steps):
         where = f"passes[{index}]"
@@ -385,12 +394,23 @@ def run_recipe(
     the ranks: rank 0 alone creates the run directory and the output and evaluates, the others take part in the
     measuring sweep, wait for rank 0 and return the same report. The output is that of a single-process run.
     """
-    from .passes.prune_experts import prune_experts
+    from .device import using_device
 
     model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
     check_output_is_not_input(model_dir, out_dir)
     check_recipe(recipe, model_dir)
     distributed.init_from_environment()
+    with using_device(distributed.rank_device(recipe.device)):
+        return _run_recipe(
+            recipe, model_dir, out_dir, overwrite=overwrite, progress=progress, resume=resume, chained=chained
+        )
+
+
+def _run_recipe(
+    recipe: Recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, progress: bool, resume: bool, chained: bool
+) -> dict[str, Any]:
+    from .passes.prune_experts import prune_experts
+
     ranks = distributed.world_size()
     if ranks > 1 and resume:
         raise UserInputError(f"--resume needs a single process, not {ranks} ranks; run it without torchrun")

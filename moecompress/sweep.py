@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointReader, group_keys_by_layer
+from .device import HOST, compute_device, host_buffer, is_accelerated, to_compute
 from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights, adapter_for
 from .memory import release_freed_memory
@@ -159,6 +161,7 @@ class CalibrationSweep:
         self._config = config
         self._auto_class = auto_class
         self._outside_keys = outside_keys
+        self._on_device: dict[int, torch.Tensor] = {}
         skeleton, recorder = self._skeleton()
         self.plans = self._plan(skeleton, recorder, batches)
         del skeleton
@@ -171,7 +174,7 @@ class CalibrationSweep:
         meta_layers = self.adapter.decoder_layers(self._meta_model)
         skeleton_config = copy.deepcopy(config)
         _text_config(skeleton_config).num_hidden_layers = 0
-        with no_init_weights():
+        with no_init_weights(), torch.device(HOST):
             skeleton = auto_class.from_config(skeleton_config, dtype=dtype)
         _text_config(skeleton.config).num_hidden_layers = len(meta_layers)
         recorder = _CallRecorder()
@@ -224,10 +227,15 @@ class CalibrationSweep:
         The skeleton is built again for this and freed after, as it holds the embeddings and output projection."""
         skeleton, recorder = self._skeleton()
         skeleton.requires_grad_(False)
+        device = compute_device()
+        skeleton.to(device)
         last = self.adapter.num_layers - 1
         try:
             for batch, hidden in zip(batches, last_hidden, strict=True):
-                recorder.outputs = {last: hidden}
+                recorder.outputs = {last: to_compute(hidden)}
+                batch = {
+                    key: to_compute(value) if isinstance(value, torch.Tensor) else value for key, value in batch.items()
+                }
                 yield skeleton(**batch, use_cache=False).logits
         finally:
             recorder.outputs = {}
@@ -240,13 +248,20 @@ class CalibrationSweep:
         module, moe, _, _ = self._materialise(layer)
         return module, moe
 
-    def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None, dict[str, torch.Tensor], Any]:
+    def _read_layer(self, layer: int) -> tuple[MoEWeights | None, dict[str, torch.Tensor], Any, dict]:
+        """Layer ``layer``'s tensors read from the checkpoint to the host: the MoE view, the other tensors, the
+        layout and the runtime state of the stock module (what the prefetch thread does ahead of the device)."""
         tensors = self.reader.pending(self.layer_keys.get(layer, []))
         moe, rest, layout = self.adapter.split_layer(layer, tensors, consume=True)
         if moe is not None and self.moe_in_compute_dtype:
             _convert_in_turn(moe, self.dtype)
         state = self.adapter.runtime_layer_state(layer, moe, rest)
         state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
+        return moe, rest, layout, state
+
+    def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None, dict[str, torch.Tensor], Any]:
+        prefetched = self._prefetched.pop(layer, None) if hasattr(self, "_prefetched") else None
+        moe, rest, layout, state = prefetched.result() if prefetched is not None else self._read_layer(layer)
         module = self.adapter.decoder_layers(self._meta_model)[layer]
         try:
             module.load_state_dict(state, strict=True, assign=True)
@@ -255,7 +270,40 @@ class CalibrationSweep:
             raise UserInputError(
                 f"{self.model_dir}: layer {layer} weights do not match config.json ({detail})"
             ) from None
-        return module.eval(), moe, rest, layout
+        return self.placed(module).eval(), moe, rest, layout
+
+    @staticmethod
+    def placed(module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` on the compute device (its host tensors are freed as they move)."""
+        return module.to(compute_device()) if is_accelerated() else module
+
+    def prefetch(self, layer: int) -> None:
+        """Start reading layer ``layer`` on a background thread while the device works on the current one; only
+        on an accelerator (on 2 CPU cores the read competes with the compute and did not pay)."""
+        if not is_accelerated() or layer >= self.adapter.num_layers:
+            return
+        if not hasattr(self, "_prefetched"):
+            self._prefetched: dict[int, Future] = {}
+            self._reading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecompress-prefetch")
+        if layer not in self._prefetched:
+            self._prefetched[layer] = self._reading.submit(self._read_layer, layer)
+
+    def call_arguments(self, layer: int, batch: int) -> tuple[tuple, dict]:
+        """Layer ``layer``'s recorded call arguments for batch ``batch`` (masks, rotary tables), on the compute
+        device; moved once and kept, as consecutive layers share them."""
+        args, kwargs = self.plans[batch].calls[layer]
+        if not is_accelerated():
+            return args, kwargs
+        return tuple(self._moved(a) for a in args), {key: self._moved(value) for key, value in kwargs.items()}
+
+    def _moved(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in self._on_device:
+                self._on_device[id(value)] = to_compute(value)
+            return self._on_device[id(value)]
+        if isinstance(value, tuple):
+            return tuple(self._moved(item) for item in value)
+        return value
 
     def _load_moe(self, module: torch.nn.Module, layer: int, moe: MoEWeights) -> None:
         state = {
@@ -265,6 +313,7 @@ class CalibrationSweep:
         _, unexpected = module.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise RuntimeError(f"layer {layer}: replacement tensors the layer lacks: {unexpected[:5]}")
+        self.placed(module)
 
     @staticmethod
     def release(module: torch.nn.Module) -> None:
@@ -290,6 +339,7 @@ class CalibrationSweep:
                 module, moe, rest, layout = self._materialise(layer)
             else:
                 (module, moe), rest, layout = self.materialise(layer), None, None
+            self.prefetch(layer + 1)
             captured_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
             handles = []
@@ -317,7 +367,7 @@ class CalibrationSweep:
                     moe_input=torch.cat(captured_inputs).float() if captured_inputs else None,
                     tags=self.tags,
                     tag_names=self.tag_names,
-                    attention_received=torch.cat(received) if received else None,
+                    attention_received=torch.cat(received).cpu() if received else None,
                     rest=rest,
                     layout=layout,
                 )
@@ -340,6 +390,9 @@ class CalibrationSweep:
                 state.commit(layer, hidden, result)
         self.last_hidden = hidden
         """The last decoder layer's outputs per batch (what an MTP layer takes), once the sweep has finished."""
+        if hasattr(self, "_reading"):
+            self._reading.shutdown(wait=True)
+            del self._reading, self._prefetched
         self.reader.close()
 
     def _forward_routed(
@@ -353,7 +406,9 @@ class CalibrationSweep:
 
         def reroute(router, inputs, output):
             logits, weights, _ = output
-            ids, new_weights = rule.route(logits, bias, allowed)
+            ids, new_weights = rule.route(
+                logits, None if bias is None else bias.to(logits.device), allowed.to(logits.device)
+            )
             return logits, new_weights.to(weights.dtype), ids
 
         handle = module.get_submodule(self.adapter.router_module).register_forward_hook(reroute)
@@ -365,11 +420,13 @@ class CalibrationSweep:
     def forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         """The layer's outputs for each batch's input hidden states, called as the stock forward calls it."""
         outputs = []
+        accelerated = is_accelerated()
         with torch.inference_mode():
-            for states, plan in zip(hidden, self.plans, strict=True):
-                args, kwargs = plan.calls[layer]
-                out = module(states, *args, **kwargs)
-                outputs.append(out[0] if isinstance(out, tuple) else out)
+            for index, states in enumerate(hidden):
+                args, kwargs = self.call_arguments(layer, index)
+                out = module(to_compute(states), *args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                outputs.append(host_buffer(out) if accelerated else out)
         return outputs
 
 

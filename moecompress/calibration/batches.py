@@ -51,9 +51,11 @@ def tokenize_documents(documents: Sequence[Document], tokenizer) -> TokenStream:
     tag_names = sorted({doc.tag for doc in documents})
     tag_index = {name: i for i, name in enumerate(tag_names)}
     encoded = tokenizer([doc.text + DOCUMENT_SEPARATOR for doc in documents], add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([token for row in encoded for token in row], dtype=torch.long)
+    ids = torch.tensor([token for row in encoded for token in row], dtype=torch.long, device="cpu")
     tags = torch.tensor(
-        [tag_index[doc.tag] for doc, row in zip(documents, encoded, strict=True) for _ in row], dtype=torch.long
+        [tag_index[doc.tag] for doc, row in zip(documents, encoded, strict=True) for _ in row],
+        dtype=torch.long,
+        device="cpu",
     )
     return TokenStream(ids=ids, tags=tags, tag_names=tag_names)
 
@@ -89,7 +91,7 @@ def sampled_windows(stream: TokenStream, seq_len: int, num_tokens: int, seed: in
             f"the calibration data holds {available * seq_len} tokens in whole windows of {seq_len}, fewer than the "
             f"{count * seq_len} asked for; lower --calib-tokens or add data"
         )
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.randperm(available, generator=generator)[:count].sort().values * seq_len
-    offsets = starts[:, None] + torch.arange(seq_len)[None, :]
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    starts = torch.randperm(available, generator=generator, device="cpu")[:count].sort().values * seq_len
+    offsets = starts[:, None] + torch.arange(seq_len, device="cpu")[None, :]
     return TokenWindows(input_ids=stream.ids[offsets], tags=stream.tags[offsets], tag_names=stream.tag_names)

@@ -37,12 +37,18 @@ def active() -> bool:
 
 def init_from_environment() -> bool:
     """Join the job ``torchrun`` or ``accelerate launch`` describes in the environment (``WORLD_SIZE`` above 1)
-    unless a process group exists already; NCCL where CUDA is available, gloo otherwise. True when distributed."""
+    unless a process group exists already; NCCL where CUDA is available, with one device per rank
+    (``cuda:LOCAL_RANK``), gloo otherwise. True when distributed."""
     if active():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
         return False
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        device = local_cuda_device()
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     atexit.register(_leave)
     return True
 
@@ -56,6 +62,22 @@ def _leave() -> None:
     _control = None
     if active():
         dist.destroy_process_group()
+
+
+def local_cuda_device() -> torch.device:
+    """This rank's GPU: ``cuda:LOCAL_RANK`` (modulo the GPUs torch sees)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+
+
+def rank_device(spec: str | None) -> torch.device:
+    """The compute device of this rank for ``--device`` ``spec``: in an NCCL job, ``auto`` and ``cuda`` mean this
+    rank's own GPU (``cuda:LOCAL_RANK``); otherwise :func:`~moecompress.device.parse_device`."""
+    from ..device import parse_device
+
+    device = parse_device(spec)
+    if device.type == "cuda" and active() and dist.get_backend() == "nccl" and (spec or "auto") in ("auto", "cuda"):
+        return local_cuda_device()
+    return device
 
 
 def rank() -> int:
@@ -136,7 +158,11 @@ def _device() -> torch.device:
 
 def sum_over_ranks(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Each tensor summed over ranks, in float64 (one all-reduce for all of them)."""
-    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+    flat = (
+        torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for t in tensors])
+        if tensors
+        else torch.zeros(0, device="cpu")
+    )
     if active() and world_size() > 1:
         flat = flat.to(_device())
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)

@@ -165,7 +165,9 @@ def vision_batches(
         grid = pixels["image_grid_thw"]
         image_tokens = int(grid.prod()) // merge_size**2
         caption = tokenizer(" " + item.caption, add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([[vision_start_id] + [image_token_id] * image_tokens + [vision_end_id] + caption])
+        ids = torch.tensor(
+            [[vision_start_id] + [image_token_id] * image_tokens + [vision_end_id] + caption], device="cpu"
+        )
         is_image = ids == image_token_id
         batches.append(
             {

@@ -164,7 +164,7 @@ def _plan_fp8(qconfig: dict[str, Any], shapes, dtype: torch.dtype) -> InputForma
 # ---- gpt-oss MXFP4 --------------------------------------------------------------------------------------
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """E2M1 codes, two per byte with the even element in the low nibble, as float32, last dim doubled."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
     bytes_ = packed.view(torch.uint8).to(torch.long)
     values = torch.stack([lut[bytes_ & 0xF], lut[bytes_ >> 4]], dim=-1)
     return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
@@ -204,12 +204,12 @@ def unpack_int32_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Ten
     words = packed.to(torch.int64) & 0xFFFFFFFF
     rows = words.shape[:-1]
     nwords = words.shape[-1]
-    bits_per_row = torch.zeros(*rows, nwords * 32, dtype=torch.int64)
-    shifts = torch.arange(32, dtype=torch.int64)
+    bits_per_row = torch.zeros(*rows, nwords * 32, dtype=torch.int64, device=packed.device)
+    shifts = torch.arange(32, dtype=torch.int64, device=packed.device)
     bits_per_row.view(*rows, nwords, 32).copy_((words.unsqueeze(-1) >> shifts) & 1)
     needed = count * bits
     stream = bits_per_row[..., :needed].reshape(*rows, count, bits)
-    codes = (stream << torch.arange(bits, dtype=torch.int64)).sum(-1)
+    codes = (stream << torch.arange(bits, dtype=torch.int64, device=packed.device)).sum(-1)
     return (codes - (1 << (bits - 1))).to(torch.int32)
 
 

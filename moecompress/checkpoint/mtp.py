@@ -96,7 +96,7 @@ def _rows(tensor: torch.Tensor, keep: list[int]) -> torch.Tensor:
     """``tensor[keep]`` through a byte view, so that any stored dtype (float8, E8M0 bytes) is copied exactly."""
     data = tensor.contiguous()
     raw = data.view(torch.uint8) if data.ndim > 1 or data.element_size() == 1 else data.view(-1, 1).view(torch.uint8)
-    picked = raw.index_select(0, torch.tensor(keep, dtype=torch.long)).contiguous()
+    picked = raw.index_select(0, torch.tensor(keep, dtype=torch.long, device=raw.device)).contiguous()
     return picked.view(data.dtype).reshape(len(keep), *data.shape[1:])
 
 

@@ -265,7 +265,7 @@ class CheckpointReader:
 
     def _read_raw(self, key: str, check_finite: bool) -> torch.Tensor:
         info = self.raw_tensors[key]
-        out = torch.empty(info.shape, dtype=self._dtype_of(info, key))
+        out = torch.empty(info.shape, dtype=self._dtype_of(info, key), device="cpu")
         self._read_stored(key, info, out, check_finite)
         return out
 
@@ -324,7 +324,7 @@ class PendingTensor:
         return self.reader.dtype_of(self.key)
 
     def load(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype)
+        out = torch.empty(self.shape, dtype=self.dtype, device="cpu")
         self.reader.read_into(self.key, out, self.check_finite)
         return out
 

@@ -349,7 +349,7 @@ class CheckpointWriter:
         for key in tensors:
             if key in self._keys:
                 raise ValueError(f"tensor {key!r} written twice")
-        items = list(tensors.items())
+        items = [(key, tensor.cpu()) for key, tensor in tensors.items()]  # weights computed on a device
         entries = []
         for key, tensor in items:
             if tensor.dtype not in SAFETENSORS_DTYPES:

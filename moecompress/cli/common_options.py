@@ -97,3 +97,32 @@ def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:
         return click.option("--eval-data", default=DEFAULT_EVAL_DATA, show_default=True, help=data_help)(command)
 
     return apply
+
+
+def _check_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from ..device import parse_device
+
+    if value is not None:
+        value = str(parse_device(value, "--device"))
+    ctx.meta["moecompress.device"] = value
+    return value
+
+
+def device_option(command: Callable) -> Callable:
+    """``--device``: where the layers compute; checked (a bad value, or CUDA where torch sees none) while the
+    options are parsed, before any work. Commands read it with :func:`chosen_device`."""
+    return click.option(
+        "--device",
+        default=None,
+        metavar="auto|cpu|cuda|cuda:N",
+        expose_value=False,
+        callback=_check_device,
+        help="Where each layer's calibration and the passes' math run: auto (the default: CUDA when torch sees "
+        "one, else the CPU), cpu, cuda or cuda:N; a recipe's device: unless given. Weights are read and written "
+        "on the host, one layer at a time on the device.",
+    )(command)
+
+
+def chosen_device() -> str | None:
+    """The command's ``--device`` (resolved, e.g. ``cuda:0``), or None where it was not given."""
+    return click.get_current_context().meta.get("moecompress.device")

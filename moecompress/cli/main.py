@@ -23,6 +23,8 @@ from .common_options import (
     RenamedOption,
     calib_option,
     calib_tokens_option,
+    chosen_device,
+    device_option,
     eval_options,
     seq_len_option,
 )
@@ -134,6 +136,7 @@ def inspect_command(model: str, as_json: bool) -> None:
     default=None,
     help="Also write the results to this JSON file.",
 )
+@device_option
 def eval_command(
     model: str, data: str, seq_len: int, max_tokens: int | None, reference: str | None, json_out: Path | None
 ) -> None:
@@ -143,6 +146,7 @@ def eval_command(
     non-overlapping windows of --seq-len tokens; text is tokenised without special tokens.
     """
     from ..checkpoint import resolve_model
+    from ..device import using_device
     from ..errors import UserInputError
     from ..evals.perplexity import evaluate
     from ..loading import load_adapter
@@ -154,14 +158,15 @@ def eval_command(
     if max_tokens is not None and max_tokens < seq_len:
         raise UserInputError(f"--eval-tokens {max_tokens} is less than one window of --seq-len {seq_len}")
     check_data_spec(data, "--eval-data")
-    result = evaluate(
-        model_dir,
-        data,
-        seq_len=seq_len,
-        max_tokens=max_tokens,
-        reference_dir=reference_dir,
-        progress=sys.stderr.isatty(),
-    )
+    with using_device(chosen_device()):
+        result = evaluate(
+            model_dir,
+            data,
+            seq_len=seq_len,
+            max_tokens=max_tokens,
+            reference_dir=reference_dir,
+            progress=sys.stderr.isatty(),
+        )
     payload = {"model": str(model_dir), "data": data, **result.to_json(with_speed=True)}
     if reference_dir is not None:
         payload["reference"] = str(reference_dir)
@@ -282,6 +287,7 @@ def eval_command(
 )
 @eval_options("Evaluate the pruned model against the input on this source (held-out part for built-ins).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@device_option
 def prune_command(
     model: str,
     out_dir: Path,

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
+from .common_options import (
+    calib_option,
+    calib_tokens_option,
+    chosen_device,
+    device_option,
+    eval_options,
+    seq_len_option,
+)
 from .run_options import check_before_work, run_options, start_over_if_asked
 from .trust_options import trust_options
 
@@ -104,6 +111,7 @@ from .trust_options import trust_options
     "Skip the evaluation.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@device_option
 def prune_heads_command(
     model: str,
     out_dir: Path,
@@ -138,6 +146,7 @@ def prune_heads_command(
     without either it is refused.
     """
     from ..checkpoint import resolve_model
+    from ..device import using_device
     from ..loading import quiet_transformers
     from ..passes.prune_heads import PruneHeadsConfig, prune_heads
     from ..preflight import check_passes
@@ -170,19 +179,20 @@ def prune_heads_command(
     )
     start_over_if_asked(out_dir)
     started = time.monotonic()
-    report = prune_heads(
-        model_dir,
-        out_dir,
-        config,
-        calib=calib,
-        calib_tokens=calib_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        eval_data=None if no_eval else eval_data,
-        eval_tokens=eval_tokens,
-        overwrite=overwrite,
-        progress=True,
-    )
+    with using_device(chosen_device()):
+        report = prune_heads(
+            model_dir,
+            out_dir,
+            config,
+            calib=calib,
+            calib_tokens=calib_tokens,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            eval_data=None if no_eval else eval_data,
+            eval_tokens=eval_tokens,
+            overwrite=overwrite,
+            progress=True,
+        )
     click.echo(
         f"removed {report['units_before'] - report['units_after']} of {report['units_before']} {unit}s ({method})"
     )

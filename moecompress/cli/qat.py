@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
+from .common_options import (
+    calib_option,
+    calib_tokens_option,
+    chosen_device,
+    device_option,
+    eval_options,
+    seq_len_option,
+)
 from .numbers import human_bytes
 from .quantize import GROUP_SIZE_HELP
 from .run_options import check_before_work, run_options, start_over_if_asked
@@ -111,6 +118,7 @@ from .trust_options import trust_options
     "Skip the before/after evaluation.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@device_option
 def qat_command(
     model: str,
     out_dir: Path,
@@ -150,6 +158,7 @@ def qat_command(
     pass keeps no partial state), --restart discards it; without either it is refused.
     """
     from ..checkpoint import resolve_model
+    from ..device import using_device
     from ..errors import UserInputError
     from ..passes.qat import DEFAULT_LOWRANK_BUDGET, QATConfig, qat_checkpoint
     from ..passes.quantize import QuantizeConfig
@@ -193,17 +202,18 @@ def qat_command(
     )
     start_over_if_asked(out_dir)
     started = time.monotonic()
-    report = qat_checkpoint(
-        model_dir,
-        out_dir,
-        config,
-        data=calib,
-        calib_tokens=calib_tokens,
-        eval_data=None if no_eval else eval_data,
-        eval_tokens=eval_tokens,
-        overwrite=overwrite,
-        progress=True,
-    )
+    with using_device(chosen_device()):
+        report = qat_checkpoint(
+            model_dir,
+            out_dir,
+            config,
+            data=calib,
+            calib_tokens=calib_tokens,
+            eval_data=None if no_eval else eval_data,
+            eval_tokens=eval_tokens,
+            overwrite=overwrite,
+            progress=True,
+        )
     qat = report["qat"]
     experts = report["footprint"]["classes"].get("experts", {})
     click.echo(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .common_options import calib_option, calib_tokens_option, eval_options, seq_len_option
+from .common_options import calib_option, calib_tokens_option, device_option, eval_options, seq_len_option
 from .numbers import human_bytes as _human_bytes
 from .run_options import run_and_summarise, run_options
 from .trust_options import trust_options
@@ -158,6 +158,7 @@ GROUP_SIZE_HELP = (
 )
 @eval_options("Evaluate the quantised model against the input on this source (held-out part for built-ins).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@device_option
 def quantize_command(
     model: str,
     out_dir: Path,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from .common_options import device_option
 from .run_options import run_and_summarise, run_options
 from .trust_options import trust_options
 
@@ -24,6 +25,7 @@ from .trust_options import trust_options
 )
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the passes; do no work.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@device_option
 def run_command(
     recipe: Path,
     model: str | None,

@@ -83,10 +83,15 @@ def run_and_summarise(
 ) -> dict[str, Any]:
     """Check the recipe and the output, call ``before_work`` (announcements), run ``recipe``, then print where the
     output is and the summary table (stdout; under ``torchrun`` rank 0 alone prints)."""
+    import dataclasses
+
     from ..calibration import distributed
     from ..recipes import check_recipe, run_recipe
     from ..run_summary import format_table
+    from .common_options import chosen_device
 
+    if chosen_device() is not None:
+        recipe = dataclasses.replace(recipe, device=chosen_device())
     check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
     check_recipe(recipe, model_dir)
     start_over_if_asked(out_dir)

@@ -58,7 +58,7 @@ class BatchSums:
 
 def batch_sums(input_ids: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tensor | None = None) -> BatchSums:
     """The sums of one batch of windows from its logits ``[B, L, V]`` (and the reference's)."""
-    targets = input_ids[:, 1:]
+    targets = input_ids[:, 1:].to(logits.device)
     log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
     sums = BatchSums(nll=-log_probs.gather(-1, targets[..., None]).sum().item(), predicted=targets.numel())
     if ref_logits is not None:
@@ -68,9 +68,21 @@ def batch_sums(input_ids: torch.Tensor, logits: torch.Tensor, ref_logits: torch.
     return sums
 
 
-def _batch_size(seq_len: int, vocab: int) -> int:
-    """Windows per forward so that a batch's fp32 logits stay near 256 MB."""
-    return max(1, min(16, (64 * 2**20) // (seq_len * vocab)))
+def moe_token_bytes(adapter: FamilyAdapter) -> int:
+    """About what a token costs in an MoE layer's grouped expert computation (transformers' ``grouped_mm``): a
+    copy of its hidden state, the projections and the output for each of its top-k experts, in float32."""
+    if not adapter.moe_layers():
+        return 0
+    return adapter.top_k * 5 * int(adapter.text_config["hidden_size"]) * 4
+
+
+def _batch_size(seq_len: int, vocab: int, token_bytes: int = 0) -> int:
+    """Windows per forward so that a batch's fp32 logits stay near 256 MB, and its MoE layers' expert computation
+    (``token_bytes`` a token) too: 16 windows of 256 tokens of a Qwen3-30B-A3B-shaped layer would need 1.1 GB."""
+    limit = (64 * 2**20) // (seq_len * vocab)
+    if token_bytes:
+        limit = min(limit, (256 * 2**20) // (seq_len * token_bytes))
+    return max(1, min(16, limit))
 
 
 def evaluate_windows(
@@ -92,7 +104,8 @@ def evaluate_windows(
     model_seconds = 0.0
     recorder = RouteRecorder(model, adapter) if reference is not None else None
     ref_recorder = RouteRecorder(*reference) if reference is not None else None
-    batch_size = _batch_size(seq_len, vocab)
+    token_bytes = max(moe_token_bytes(adapter), moe_token_bytes(reference[1]) if reference is not None else 0)
+    batch_size = _batch_size(seq_len, vocab, token_bytes)
     total_batches = math.ceil(windows.input_ids.shape[0] / batch_size)
     try:
         with torch.inference_mode():

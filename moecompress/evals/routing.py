@@ -18,7 +18,7 @@ class RouteRecorder:
         self.routes: dict[int, torch.Tensor] = {}
         self._handles = []
         for layer in adapter.moe_layers():
-            id_map = torch.tensor(adapter.original_expert_ids(layer), dtype=torch.long)
+            id_map = torch.tensor(adapter.original_expert_ids(layer), dtype=torch.long, device="cpu")
             router = adapter.router_of(model, layer)
             self._handles.append(router.register_forward_hook(self._hook(layer, id_map)))
 

@@ -38,7 +38,7 @@ from ..quantization.hf_quantizer import (
     replace_quantized_modules,
 )
 from ..sweep import CalibrationSweep
-from .perplexity import EvalResult, _batch_size, batch_sums
+from .perplexity import EvalResult, _batch_size, batch_sums, moe_token_bytes
 from .routing import routing_agreement
 
 
@@ -73,7 +73,7 @@ class _WidenedTensor(PendingTensor):
         return self.wide_dtype
 
     def load(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.wide_dtype)
+        out = torch.empty(self.shape, dtype=self.wide_dtype, device="cpu")
         self.load_into(out)
         return out
 
@@ -81,7 +81,7 @@ class _WidenedTensor(PendingTensor):
         if out.dtype == self.stored_dtype:
             self.reader.read_into(self.key, out, self.check_finite)
             return
-        stored = torch.empty(self.shape, dtype=self.stored_dtype)
+        stored = torch.empty(self.shape, dtype=self.stored_dtype, device="cpu")
         self.reader.read_into(self.key, stored, self.check_finite)
         out.copy_(stored)
 
@@ -106,7 +106,12 @@ class LayerStream(CalibrationSweep):
 
     def __init__(self, model_dir: Path, batches: list[dict[str, torch.Tensor]]):
         super().__init__(
-            model_dir, batches, torch.zeros(0, dtype=torch.long), [], moe_in_compute_dtype=True, progress=False
+            model_dir,
+            batches,
+            torch.zeros(0, dtype=torch.long, device="cpu"),
+            [],
+            moe_in_compute_dtype=True,
+            progress=False,
         )
         section = self.reader.config.get("quantization_config")
         self.quantization = MoecompressConfig(**section) if section else None
@@ -142,7 +147,7 @@ class LayerStream(CalibrationSweep):
         except (RuntimeError, ValueError) as error:
             detail = " ".join(str(error).split())[:300]
             raise UserInputError(f"{self.model_dir}: layer {layer} does not load ({detail})") from None
-        return module.eval()
+        return self.placed(module).eval()
 
     def head_logits(self, batches: list[dict[str, torch.Tensor]], last_hidden: list[torch.Tensor]):
         """Per batch, the logits of the last hidden states, as :meth:`CalibrationSweep.head_logits`, but without
@@ -161,7 +166,9 @@ class LayerStream(CalibrationSweep):
             zero_batches = (
                 {
                     **{key: value for key, value in batch.items() if key != "input_ids"},
-                    "inputs_embeds": torch.zeros(*batch["input_ids"].shape, hidden_size, dtype=self.dtype),
+                    "inputs_embeds": torch.zeros(
+                        *batch["input_ids"].shape, hidden_size, dtype=self.dtype, device="cpu"
+                    ),
                 }
                 for batch in batches
             )
@@ -178,7 +185,7 @@ class LayerStream(CalibrationSweep):
         del moe
         handle = None
         if routes is not None and self.adapter.is_moe_layer(layer):
-            id_map = torch.tensor(self.adapter.original_expert_ids(layer), dtype=torch.long)
+            id_map = torch.tensor(self.adapter.original_expert_ids(layer), dtype=torch.long, device="cpu")
 
             def record(mod, args, output):
                 routes.append(id_map[output[2].reshape(-1, output[2].shape[-1]).cpu()])
@@ -214,11 +221,13 @@ def evaluate_streamed(
     vocab = _vocab(adapter)
     if reference_dir is not None:
         with CheckpointReader(reference_dir) as reader:
-            ref_vocab = _vocab(adapter_for(reader.config, source=str(reference_dir)))
+            ref_adapter = adapter_for(reader.config, source=str(reference_dir))
+        ref_vocab = _vocab(ref_adapter)
         if ref_vocab != vocab:
             raise UserInputError(f"model and reference vocabularies differ ({vocab} vs {ref_vocab})")
     seq_len = windows.input_ids.shape[1]
-    batches = [{"input_ids": ids} for ids, _ in windows.batches(_batch_size(seq_len, vocab))]
+    token_bytes = max(moe_token_bytes(adapter), moe_token_bytes(ref_adapter) if reference_dir is not None else 0)
+    batches = [{"input_ids": ids} for ids, _ in windows.batches(_batch_size(seq_len, vocab, token_bytes))]
     model = LayerStream(model_dir, batches)
     reference = LayerStream(reference_dir, batches) if reference_dir is not None else None
     hidden = [plan.hidden for plan in model.plans]

@@ -58,7 +58,7 @@ class MoEWeights:
 
     def select(self, keep: list[int]) -> MoEWeights:
         """The same block restricted to the experts at positions ``keep`` (in that order)."""
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device="cpu")
 
         def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor.index_select(0, index).contiguous()
@@ -336,13 +336,13 @@ class FamilyAdapter:
         if layout == "fused":
             gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
             down = rest.pop(self._fused_key(layer, "down_proj"))
-            return MoEWeights(router_weight=torch.empty(0), gate_up=gate_up, down=down)
+            return MoEWeights(router_weight=torch.empty(0, device="cpu"), gate_up=gate_up, down=down)
         pattern = re.compile(re.escape(f"{self.layer_prefix(layer)}{self.moe_disk_prefix}experts.") + r"(\d+)\.")
         count = len({int(m.group(1)) for key in rest if (m := pattern.match(key))})
         first_gate, first_down = rest[self._expert_key(layer, 0, 0)], rest[self._expert_key(layer, 0, 2)]
         inter = first_gate.shape[0]
-        gate_up = torch.empty((count, 2 * inter, *first_gate.shape[1:]), dtype=first_gate.dtype)
-        down = torch.empty((count, *first_down.shape), dtype=first_down.dtype)
+        gate_up = torch.empty((count, 2 * inter, *first_gate.shape[1:]), dtype=first_gate.dtype, device="cpu")
+        down = torch.empty((count, *first_down.shape), dtype=first_down.dtype, device="cpu")
         del first_gate, first_down
         # Each expert's tensors leave ``rest`` as they are read (or copied) into place, so a layer is held once,
         # not twice, while it is stacked.
@@ -359,7 +359,7 @@ class FamilyAdapter:
                 else:
                     tensor.load_into(target)
                 del tensor
-        return MoEWeights(router_weight=torch.empty(0), gate_up=gate_up, down=down)
+        return MoEWeights(router_weight=torch.empty(0, device="cpu"), gate_up=gate_up, down=down)
 
     def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
         if layout == "fused":

@@ -46,7 +46,7 @@ class GptOssAdapter(FamilyAdapter):
         canonical_gate_up = torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2)
         canonical_bias = torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1)
         return MoEWeights(
-            router_weight=torch.empty(0),
+            router_weight=torch.empty(0, device="cpu"),
             gate_up=canonical_gate_up.contiguous(),
             down=down.transpose(1, 2).contiguous(),
             gate_up_bias=canonical_bias.contiguous(),
@@ -65,10 +65,10 @@ class GptOssAdapter(FamilyAdapter):
     def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
         inter = moe.intermediate_size
         experts, _, hidden = moe.gate_up.shape
-        gate_up = torch.empty(experts, hidden, 2 * inter, dtype=moe.gate_up.dtype)
+        gate_up = torch.empty(experts, hidden, 2 * inter, dtype=moe.gate_up.dtype, device=moe.gate_up.device)
         gate_up[:, :, 0::2] = moe.gate_up[:, :inter].transpose(1, 2)
         gate_up[:, :, 1::2] = moe.gate_up[:, inter:].transpose(1, 2)
-        bias = torch.empty(experts, 2 * inter, dtype=moe.gate_up_bias.dtype)
+        bias = torch.empty(experts, 2 * inter, dtype=moe.gate_up_bias.dtype, device=moe.gate_up_bias.device)
         bias[:, 0::2] = moe.gate_up_bias[:, :inter]
         bias[:, 1::2] = moe.gate_up_bias[:, inter:]
         return {

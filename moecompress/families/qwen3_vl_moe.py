@@ -63,7 +63,7 @@ class Qwen3VLMoeAdapter(_QwenStyleAdapter):
         gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
         down = rest.pop(self._fused_key(layer, "down_proj"))
         return MoEWeights(
-            router_weight=torch.empty(0),
+            router_weight=torch.empty(0, device="cpu"),
             gate_up=gate_up.transpose(1, 2).contiguous(),
             down=down.transpose(1, 2).contiguous(),
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import moe_on
 from ..families import FamilyAdapter, MoEWeights
 
 
@@ -33,7 +34,7 @@ def _expert_outputs(
     adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, pairs_token: torch.Tensor, pairs_expert: torch.Tensor
 ) -> torch.Tensor:
     """Unweighted outputs f_j(x_t) for the (t, j) pairs given, ``[P, H]``."""
-    out = torch.empty(pairs_token.numel(), hidden.shape[1], dtype=hidden.dtype)
+    out = torch.empty(pairs_token.numel(), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     for expert in pairs_expert.unique().tolist():
         where = (pairs_expert == expert).nonzero().squeeze(1)
         out[where] = adapter.expert_output(moe, expert, hidden[pairs_token[where]])
@@ -53,14 +54,16 @@ def layer_expert_stats(
     change from that reduced block. Removed experts get ΔH 0.
     """
     rule = adapter.routing_rule()
+    device = hidden.device
+    moe = moe_on(moe, device)
     num_experts = moe.num_experts
     tokens = hidden.shape[0]
-    counts = torch.zeros(num_experts)
-    reap_sum = torch.zeros(num_experts, dtype=torch.float64)
-    delta_h = torch.zeros(tokens, num_experts)
-    output_norm = torch.zeros(tokens)
-    eye = torch.eye(num_experts, dtype=torch.bool)
-    present = torch.ones(num_experts, dtype=torch.bool) if removed is None else ~removed
+    counts = torch.zeros(num_experts, device=device)
+    reap_sum = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    delta_h = torch.zeros(tokens, num_experts, device=device)
+    output_norm = torch.zeros(tokens, device=device)
+    eye = torch.eye(num_experts, dtype=torch.bool, device=device)
+    present = torch.ones(num_experts, dtype=torch.bool, device=device) if removed is None else ~removed.to(device)
     base_allowed = None if removed is None else present
     for start in range(0, tokens, chunk_tokens):
         x = hidden[start : start + chunk_tokens].float()
@@ -75,7 +78,7 @@ def layer_expert_stats(
         new_ids = torch.stack([m[0] for m in masked])
         new_weights = torch.stack([m[1] for m in masked])
 
-        needed = torch.zeros(n, num_experts, dtype=torch.bool)
+        needed = torch.zeros(n, num_experts, dtype=torch.bool, device=device)
         needed.scatter_(1, ids, True)
         changed = (new_ids.sort(dim=-1).values != ids.sort(dim=-1).values[None]).any(-1) | ~torch.isclose(
             new_weights.sort(dim=-1).values, weights.sort(dim=-1).values[None], rtol=1e-6, atol=1e-9
@@ -86,10 +89,10 @@ def layer_expert_stats(
                 needed[rows[:, None], new_ids[e, rows]] = True
         pair_token, pair_expert = needed.nonzero(as_tuple=True)
         outputs = _expert_outputs(adapter, moe, x, pair_token, pair_expert)
-        index = torch.full((n, num_experts), -1, dtype=torch.long)
-        index[pair_token, pair_expert] = torch.arange(pair_token.numel())
+        index = torch.full((n, num_experts), -1, dtype=torch.long, device=device)
+        index[pair_token, pair_expert] = torch.arange(pair_token.numel(), device=device)
 
-        token_rows = torch.arange(n)[:, None]
+        token_rows = torch.arange(n, device=device)[:, None]
         routed = outputs[index[token_rows, ids]]  # [n, k, H]
         combined = (weights[..., None] * routed).sum(dim=1)  # H_t
         output_norm[start : start + n] = combined.norm(dim=-1)
@@ -116,7 +119,7 @@ def layer_expert_stats(
 def brute_force_delta_h(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
     """ΔH by re-running the whole block once per removed expert (the definition; for tests)."""
     full = adapter.moe_forward(moe, hidden.float(), allowed=None)
-    eye = torch.eye(moe.num_experts, dtype=torch.bool)
+    eye = torch.eye(moe.num_experts, dtype=torch.bool, device=hidden.device)
     return torch.stack(
         [
             (full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e])).norm(dim=-1)

@@ -114,7 +114,7 @@ class LayerScores:
 
 def _tag_mask(capture: LayerCapture, tags: tuple[str, ...]) -> torch.Tensor:
     wanted = [i for i, name in enumerate(capture.tag_names) if name in tags]
-    return torch.isin(capture.tags, torch.tensor(wanted, dtype=torch.long))
+    return torch.isin(capture.tags, torch.tensor(wanted, dtype=torch.long, device=capture.tags.device))
 
 
 def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpertsConfig) -> LayerScores:
@@ -124,7 +124,7 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
     a count added over ranks, so all ranks get the scores of the whole calibration set."""
     stats = layer_expert_stats(adapter, capture.moe, capture.moe_input)
     tokens, counts, reap_sum, delta_h_sum = distributed.sum_over_ranks(
-        torch.tensor(float(stats.delta_h.shape[0])),
+        torch.tensor(float(stats.delta_h.shape[0]), device="cpu"),
         stats.routed_counts,
         stats.reap_sum,
         stats.delta_h.double().sum(dim=0),
@@ -137,8 +137,8 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
     elif config.method == "reap":
         score = reap
     elif config.method == "random":
-        generator = torch.Generator().manual_seed(config.seed * 100_003 + capture.layer)
-        score = torch.rand(capture.moe.num_experts, generator=generator)
+        generator = torch.Generator(device="cpu").manual_seed(config.seed * 100_003 + capture.layer)
+        score = torch.rand(capture.moe.num_experts, generator=generator, device="cpu")
     else:
         score, extra = _maep_score(stats.delta_h, capture, config)
     scores = LayerScores(
@@ -168,7 +168,7 @@ def _greedy_removal_order(
     num_experts = capture.moe.num_experts
     step = config.greedy_step or max(1, num_experts // 16)
     floor = max(adapter.top_k, config.min_keep or adapter.top_k)
-    removed = torch.zeros(num_experts, dtype=torch.bool)
+    removed = torch.zeros(num_experts, dtype=torch.bool, device="cpu")
     order: list[int] = []
     marginal: list[float] = []
     score = first_scores
@@ -190,11 +190,14 @@ def _aggregate(
     """Per mask and expert, the mean over the masked tokens of all ranks of ‖ΔH‖² (the expected squared output
     error; default) or of ‖ΔH‖, and the masks' global token counts. A mask without any token gives zeros."""
     values = (delta_h.double() ** 2) if config.aggregate == "mean_sq" else delta_h.double()
-    sums = [values[mask].sum(dim=0) for mask in masks]
-    counts = [torch.tensor(float(mask.sum())) for mask in masks]
+    sums = [values[mask.to(values.device)].sum(dim=0) for mask in masks]
+    counts = [torch.tensor(float(mask.sum()), device="cpu") for mask in masks]
     totals = distributed.sum_over_ranks(*sums, *counts)
     sums, counts = totals[: len(masks)], [int(count) for count in totals[len(masks) :]]
-    means = [(total / n).float() if n else torch.zeros(delta_h.shape[1]) for total, n in zip(sums, counts, strict=True)]
+    means = [
+        (total / n).float() if n else torch.zeros(delta_h.shape[1], device="cpu")
+        for total, n in zip(sums, counts, strict=True)
+    ]
     return means, counts
 
 
@@ -206,7 +209,8 @@ def _lowest_attention(capture: LayerCapture, candidates: torch.Tensor, fraction:
         raise RuntimeError("MAEP with prune tags needs the attention each token receives")
     received, sizes = distributed.gather_in_rank_order(capture.attention_received[candidates].float())
     count = max(1, math.ceil(fraction * received.numel())) if received.numel() else 0
-    chosen = torch.zeros(received.numel(), dtype=torch.bool)
+    received = received.cpu()
+    chosen = torch.zeros(received.numel(), dtype=torch.bool, device="cpu")
     chosen[received.argsort(stable=True)[:count]] = True
     start = sum(sizes[: distributed.rank()])
     prune = torch.zeros_like(candidates)
@@ -239,7 +243,7 @@ def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExper
 
 def _normaliser(scores: LayerScores, method: str) -> float:
     magnitude = {"frequency": scores.frequency, "reap": scores.reap, "random": torch.ones_like(scores.score)}.get(
-        method, torch.as_tensor(scores.extra.get("preserve_signal", scores.score))
+        method, torch.as_tensor(scores.extra.get("preserve_signal", scores.score), device="cpu")
     )
     value = float(magnitude.float().mean())
     return value if value > 0 else 1.0

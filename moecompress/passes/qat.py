@@ -24,6 +24,7 @@ from ..calibration.batches import consecutive_windows, sampled_windows, tokenize
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import check_output_is_not_input
+from ..device import compute_device
 from ..errors import UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluate_windows
@@ -157,7 +158,7 @@ def qat_checkpoint(
             overwrite=True,
             progress=progress,
         )
-        on_gpu = torch.cuda.is_available()
+        on_gpu = compute_device().type == "cuda"
         dtype = torch.bfloat16 if on_gpu else torch.float32
         device_map = "auto" if on_gpu else None
         student_adapter = load_adapter(ptq_dir)

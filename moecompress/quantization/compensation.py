@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..device import moe_on
 from ..families import FamilyAdapter, MoEWeights
 from .experts import QuantizedMoE
 from .lowrank import ErrorSpectrum, error_spectrum, whitening_factor
@@ -71,6 +72,9 @@ def layer_errors(
     keeps every matrix's error and inputs, and ``measure`` sums the measured errors as it goes.
     """
     hidden = hidden.float()
+    moe = moe_on(moe, hidden.device)
+    if token_weights is not None:
+        token_weights = token_weights.to(hidden.device)
     ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
     total_slots = float(ids.numel())
     result = LayerErrors({}, {})
@@ -83,7 +87,7 @@ def layer_errors(
         x = hidden[tokens]
         gate_weight = (weights * routed).sum(dim=-1)[tokens].float().unsqueeze(-1)
         original = expert_matrices(moe, expert)
-        approximate = split_expert(*quantized.dequantized_expert(expert), inter)
+        approximate = split_expert(*(t.to(hidden.device) for t in quantized.dequantized_expert(expert)), inter)
         projected = F.linear(x, moe.gate_up[expert].float())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from ..device import moe_on
 from ..families import FamilyAdapter, MoEWeights
 from . import salient
 from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_quantize
@@ -55,13 +56,14 @@ def routed_tokens(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor)
 
 def _hessians(inputs: list[torch.Tensor], width: int, use: list[bool]) -> torch.Tensor:
     """``XᵀX`` per expert in float64 accumulation; the identity for experts that fall back to RTN."""
-    hessians = torch.empty(len(inputs), width, width)
+    device = inputs[0].device if inputs else "cpu"
+    hessians = torch.empty(len(inputs), width, width, device=device)
     for expert, x in enumerate(inputs):
         if use[expert]:
             x = x.double()
             hessians[expert] = (x.T @ x).float()
         else:
-            hessians[expert] = torch.eye(width)
+            hessians[expert] = torch.eye(width, device=device)
     return hessians
 
 
@@ -108,6 +110,7 @@ def quantize_experts_calibrated(
     if method not in ("gptq", "rtn"):
         raise ValueError(f"unknown method {method!r}")
     hidden = hidden.float()
+    moe = moe_on(moe, hidden.device)
     tokens = routed_tokens(adapter, moe, hidden)
     counts = [int(t.numel()) for t in tokens]
     use = [count >= min_tokens for count in counts] if method == "gptq" else None

@@ -31,7 +31,7 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) ->
     dead = diagonal == 0
     diagonal[dead] = 1.0
     mean = diagonal.mean(dim=-1, keepdim=True)
-    eye = torch.eye(hessian.shape[-1], dtype=hessian.dtype)
+    eye = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
     for attempt in range(6):
         damped = hessian + (damp * 10**attempt) * mean.unsqueeze(-1) * eye
         factor, info = torch.linalg.cholesky_ex(damped)
@@ -65,8 +65,8 @@ def gptq_quantize(
     hinv, dead = inverse_hessian_factor(hessian, damp)
     work = weight.float().clone()
     work.masked_fill_(dead.unsqueeze(1), 0.0)
-    codes = torch.zeros(batch, rows, cols, dtype=torch.uint8)
-    kept_values = None if keep is None else torch.zeros(batch, rows, cols)
+    codes = torch.zeros(batch, rows, cols, dtype=torch.uint8, device=weight.device)
+    kept_values = None if keep is None else torch.zeros(batch, rows, cols, device=weight.device)
     grids = []
     for start in range(0, cols, block_size):
         stop = min(start + block_size, cols)

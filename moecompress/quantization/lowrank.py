@@ -53,7 +53,7 @@ def whitening_factor(inputs: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.
     x = inputs.double()
     covariance = x.T @ x / max(1, x.shape[0])
     mean = covariance.diagonal().mean().clamp_min(1e-30)
-    eye = torch.eye(covariance.shape[0], dtype=torch.float64)
+    eye = torch.eye(covariance.shape[0], dtype=torch.float64, device=covariance.device)
     for attempt in range(6):
         factor, info = torch.linalg.cholesky_ex(covariance + damp * 10**attempt * mean * eye)
         if int(info) == 0:
@@ -68,7 +68,7 @@ def error_spectrum(error: torch.Tensor, factor: torch.Tensor | None, keep: int) 
     whitened = e @ factor if factor is not None else e
     if keep == 0:
         rows, cols = whitened.shape
-        empty_left, empty_right = torch.empty(rows, 0), torch.empty(0, cols)
+        empty_left, empty_right = torch.empty(rows, 0, device=e.device), torch.empty(0, cols, device=e.device)
         return ErrorSpectrum(squared_singular_values(whitened).float(), empty_left, empty_right, factor is not None)
     sigma2, left, right = truncated_svd(whitened, keep)
     if factor is not None:

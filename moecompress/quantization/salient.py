@@ -70,7 +70,7 @@ def expert_offsets(positions: torch.Tensor, experts: int, expert_size: int) -> l
 def input_rms(inputs: list[torch.Tensor], width: int) -> torch.Tensor:
     """Per expert, the root-mean-square of each input column over its routed tokens ``[E, width]``; experts that
     received no token get ones, so their choice falls back to magnitude alone."""
-    rms = torch.ones(len(inputs), width)
+    rms = torch.ones(len(inputs), width, device=inputs[0].device if inputs else "cpu")
     for expert, x in enumerate(inputs):
         if x.shape[0]:
             rms[expert] = x.float().pow(2).mean(dim=0).sqrt()
@@ -82,7 +82,7 @@ def choose(weight: torch.Tensor, column_scale: torch.Tensor, fraction: float) ->
     expert of ``weight`` ``[E, rows, cols]`` (``column_scale`` ``[E, cols]``); ties go to the lower position."""
     experts, rows, cols = weight.shape
     count = round(fraction * rows * cols)
-    mask = torch.zeros(experts, rows * cols, dtype=torch.bool)
+    mask = torch.zeros(experts, rows * cols, dtype=torch.bool, device=weight.device)
     if count == 0:
         return mask.reshape(weight.shape)
     for expert in range(experts):
@@ -108,7 +108,11 @@ def encode_positions(positions: torch.Tensor, length: int, code: BitmapCode) -> 
         data = np.packbits(bitmap).tobytes()
     else:
         data = golomb_rice.encode_indices(indices, length, code=code)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.zeros(0, dtype=torch.uint8, device="cpu")
+    )
 
 
 def decode_positions(stored: torch.Tensor, length: int, count: int, code: BitmapCode) -> torch.Tensor:

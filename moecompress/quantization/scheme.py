@@ -200,7 +200,7 @@ class QuantizedTensor:
         if self.scheme.is_binary:
             return self.scales.float().unsqueeze(-1)
         zero = (
-            torch.full(self.scales.shape, 2 ** (self.scheme.bits - 1), dtype=torch.float32)
+            torch.full(self.scales.shape, 2 ** (self.scheme.bits - 1), dtype=torch.float32, device=self.scales.device)
             if self.zeros is None
             else self.zeros.float()
         )

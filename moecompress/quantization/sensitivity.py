@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..device import host_buffer, to_compute
 from ..progress import bar as progress_bar
 from ..sweep import CalibrationSweep
 from ..sweep_state import load_with_metadata, save_atomically
@@ -51,7 +52,8 @@ def block_output_fisher(
     plus one layer's hidden states and gradients; each layer is read twice.
     """
     tokens = sum(batch["input_ids"].numel() for batch in batches)
-    sweep = CalibrationSweep(model_dir, batches, torch.zeros(tokens, dtype=torch.long), ["text"], progress=False)
+    tags = torch.zeros(tokens, dtype=torch.long, device="cpu")
+    sweep = CalibrationSweep(model_dir, batches, tags, ["text"], progress=False)
     adapter = sweep.adapter
     moe_layers = adapter.moe_layers()
     if not moe_layers:
@@ -75,12 +77,13 @@ def block_output_fisher(
                     for out, plan in zip(outputs, sweep.plans, strict=True)
                 ]
                 del outputs
-            leaves = [h.clone().requires_grad_(True) for h in hidden]
+            leaves = [to_compute(h).clone().requires_grad_(True) for h in hidden]
             del hidden
             gradients = []
             for leaf, batch, logits in zip(leaves, batches, sweep.head_logits(batches, leaves), strict=True):
-                (gradient,) = torch.autograd.grad(next_token_loss(logits, batch["input_ids"]), leaf)
-                gradients.append(gradient)
+                loss = next_token_loss(logits, batch["input_ids"].to(logits.device))
+                (gradient,) = torch.autograd.grad(loss, leaf)
+                gradients.append(host_buffer(gradient))
                 del logits
             del leaves
             squares: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe_layers}
@@ -116,19 +119,19 @@ def _backpropagate_layer(
 
         def record(_module, _args, output):
             out = output[0] if isinstance(output, tuple) else output
-            out.register_hook(lambda grad: squares[layer].append(grad.float().pow(2).mean(dim=-1).reshape(-1)))
+            out.register_hook(lambda grad: squares[layer].append(grad.float().pow(2).mean(dim=-1).reshape(-1).cpu()))
 
         handle = module.get_submodule(sweep.adapter.moe_block_name).register_forward_hook(record)
     inputs = load_file(inputs_path)
     input_gradients = []
     try:
-        for index, (plan, gradient) in enumerate(zip(sweep.plans, output_gradients, strict=True)):
-            states = inputs.pop(str(index)).requires_grad_(True)
-            args, kwargs = plan.calls[layer]
+        for index, gradient in enumerate(output_gradients):
+            states = to_compute(inputs.pop(str(index))).requires_grad_(True)
+            args, kwargs = sweep.call_arguments(layer, index)
             out = module(states, *args, **kwargs)
             out = out[0] if isinstance(out, tuple) else out
-            (input_gradient,) = torch.autograd.grad(out, states, grad_outputs=gradient)
-            input_gradients.append(input_gradient)
+            (input_gradient,) = torch.autograd.grad(out, states, grad_outputs=to_compute(gradient))
+            input_gradients.append(host_buffer(input_gradient))
             del out, states
     finally:
         if handle is not None:
