@@ -119,3 +119,26 @@ def test_meta_default_device_changes_nothing(tmp_path: Path) -> None:
     assert on_meta_default["eval"] == normal["eval"]
     for name in ("perplexity", "kl", "reference_perplexity", "routing_agreement"):
         assert getattr(on_meta_default["pruned_eval"], name) == getattr(normal["pruned_eval"], name), name
+
+
+def test_accelerated_sweep_path_on_cpu(tmp_path: Path, monkeypatch) -> None:
+    """The sweep's accelerator path (prefetch thread, call arguments kept per device, outputs kept on the host) run
+    on the CPU: the same bytes as the plain path, and layers after the first were read by the prefetch thread."""
+    import threading
+
+    from moecompress import sweep
+
+    options = dict(method="maep", ratio=0.25, calibration=CALIBRATION, evaluation=None, device="cpu")
+    plain = moecompress.prune("builtin:tiny-moe", tmp_path / "plain", **options)
+    readers: list[str] = []
+    original = sweep.CalibrationSweep._read_layer
+
+    def spy(self, layer):
+        readers.append(threading.current_thread().name)
+        return original(self, layer)
+
+    monkeypatch.setattr(sweep, "is_accelerated", lambda: True)
+    monkeypatch.setattr(sweep.CalibrationSweep, "_read_layer", spy)
+    accelerated = moecompress.prune("builtin:tiny-moe", tmp_path / "accelerated", **options)
+    assert _hashes(accelerated.out) == _hashes(plain.out)
+    assert sum(name.startswith("moecompress-prefetch") for name in readers) >= 3
