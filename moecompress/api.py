@@ -109,7 +109,8 @@ def prune(
     ``calibration`` takes :class:`~moecompress.recipes.Calibration`'s fields (``source``, ``tokens``,
     ``seq_len``, ``seed``, ``image_size``), ``evaluation`` :class:`~moecompress.recipes.Evaluation`'s (``data``,
     ``tokens``), or None to skip it. ``overwrite`` replaces an existing ``out``; an interrupted run's partial work
-    is refused unless ``resume`` (continue it) or ``restart`` (discard it), as on the command line.
+    is refused unless ``resume`` (continue it) or ``restart`` (discard it), as on the command line. ``device``
+    (``auto``, the default: CUDA when torch sees one; ``cpu``, ``cuda``, ``cuda:N``) is where the layers compute.
     """
     if "keep" in options and "ratio" not in options:
         options["ratio"] = None
@@ -144,7 +145,7 @@ def quantize(
 
     ``options`` are :class:`~moecompress.passes.quantize.QuantizeConfig`'s fields (``scheme``, ``method``,
     ``group_size``, ``targets``, ``format``, ``lowrank_budget``, ...); ``calibration`` and ``evaluation`` as in
-    :func:`prune` (calibration is used by gptq, salient weights and low-rank adapters only).
+    :func:`prune` (calibration is used by gptq, salient weights and low-rank adapters only), ``device`` too.
     """
     recipe, model_dir = _one_pass("quantize", "quantize", model, options, calibration, evaluation)
     report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle, device)
@@ -175,7 +176,8 @@ def run(
     device: str | None = None,
 ) -> RunResult:
     """Run a recipe (a YAML file's path, the same document as a dict, or a parsed
-    :class:`~moecompress.recipes.Recipe`) into ``out``; ``model`` replaces the recipe's model (as ``run --model``).
+    :class:`~moecompress.recipes.Recipe`) into ``out``; ``model`` replaces the recipe's model (as ``run --model``),
+    ``device`` the recipe's ``device:`` (as ``run --device``).
     """
     from .errors import UserInputError
     from .recipes import Recipe, describe, load_recipe, parse_recipe
@@ -343,7 +345,8 @@ def _run(
     from .recipes import check_recipe, run_recipe
 
     if device is not None:
-        recipe = dataclasses.replace(recipe, device=str(parse_device(device, "device")))
+        parse_device(device, "device")
+        recipe = dataclasses.replace(recipe, device=str(device))
     out_dir = Path(out).absolute()
     with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
         check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)

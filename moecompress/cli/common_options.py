@@ -103,7 +103,8 @@ def _check_device(ctx: click.Context, param: click.Parameter, value: str | None)
     from ..device import parse_device
 
     if value is not None:
-        value = str(parse_device(value, "--device"))
+        parse_device(value, "--device")
+        value = value.strip().lower()
     ctx.meta["moecompress.device"] = value
     return value
 
@@ -124,5 +125,6 @@ def device_option(command: Callable) -> Callable:
 
 
 def chosen_device() -> str | None:
-    """The command's ``--device`` (resolved, e.g. ``cuda:0``), or None where it was not given."""
+    """The command's ``--device`` (checked; ``cuda`` stays ``cuda``, each torchrun rank's own GPU), or None where it
+    was not given."""
     return click.get_current_context().meta.get("moecompress.device")
