@@ -3,6 +3,7 @@ weights only with the user's consent (:mod:`moecompress.trust`)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -29,7 +30,10 @@ def load_adapter(directory: Path) -> FamilyAdapter:
 
 
 def load_model(
-    directory: Path, adapter: FamilyAdapter, dtype: torch.dtype = torch.float32, device_map: str | None = None
+    directory: Path,
+    adapter: FamilyAdapter,
+    dtype: torch.dtype = torch.float32,
+    device_map: str | dict[str, str] | None = None,
 ) -> torch.nn.Module:
     """The model in eval mode, built by the family's transformers auto class; ``device_map="auto"`` spreads it
     over the GPUs (and CPU) with accelerate."""
@@ -37,15 +41,17 @@ def load_model(
 
     auto_class = getattr(transformers, adapter.auto_class)
     config = adapter.transformers_config()
+    host = torch.device("cpu") if device_map is None else contextlib.nullcontext()  # not a default meta device
     try:
-        model = auto_class.from_pretrained(
-            directory,
-            **({} if config is None else {"config": config}),
-            dtype=dtype,
-            device_map=device_map,
-            trust_remote_code=trust.CURRENT.remote_code,
-            use_safetensors=None if trust.CURRENT.pickle else True,
-        )
+        with host:
+            model = auto_class.from_pretrained(
+                directory,
+                **({} if config is None else {"config": config}),
+                dtype=dtype,
+                device_map=device_map,
+                trust_remote_code=trust.CURRENT.remote_code,
+                use_safetensors=None if trust.CURRENT.pickle else True,
+            )
     except (ValueError, RuntimeError, KeyError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserInputError(f"{directory}: cannot load the model: {reason}") from error

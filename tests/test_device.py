@@ -142,3 +142,21 @@ def test_accelerated_sweep_path_on_cpu(tmp_path: Path, monkeypatch) -> None:
     accelerated = moecompress.prune("builtin:tiny-moe", tmp_path / "accelerated", **options)
     assert _hashes(accelerated.out) == _hashes(plain.out)
     assert sum(name.startswith("moecompress-prefetch") for name in readers) >= 3
+
+
+def test_whole_model_evaluation_under_meta_default() -> None:
+    """The whole-model evaluation (the fallback for exports the streamed one does not build) loads its models on an
+    explicit device: under a meta default device it gives the same figures."""
+    from moecompress.checkpoint import resolve_model
+    from moecompress.evals.perplexity import evaluate
+
+    model = resolve_model("builtin:tiny-moe")
+    options = dict(seq_len=64, max_tokens=256, reference_dir=model, whole_model=True, progress=False)
+    normal = evaluate(model, "builtin:prose", **options)
+    torch.set_default_device("meta")
+    try:
+        with using_device("cpu"):
+            on_meta_default = evaluate(model, "builtin:prose", **options)
+    finally:
+        torch.set_default_device(None)
+    assert (on_meta_default.perplexity, on_meta_default.kl) == (normal.perplexity, normal.kl)

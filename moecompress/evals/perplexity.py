@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..calibration.batches import TokenWindows, consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
+from ..device import compute_device
 from ..errors import UserInputError
 from ..families import FamilyAdapter
 from ..loading import load_adapter, load_model, load_tokenizer
@@ -113,11 +114,12 @@ def evaluate_windows(
                 windows.batches(batch_size), total=total_batches, desc="eval", unit="batch", disable=not progress
             ):
                 start = time.perf_counter()
-                logits = model(input_ids=input_ids, use_cache=False).logits
+                logits = model(input_ids=input_ids.to(model.device), use_cache=False).logits
                 model_seconds += time.perf_counter() - start
                 ref_logits = None
                 if reference is not None:
-                    ref_logits = reference[0](input_ids=input_ids, use_cache=False).logits
+                    ref_logits = reference[0](input_ids=input_ids.to(reference[0].device), use_cache=False).logits
+                    ref_logits = ref_logits.to(logits.device)
                 sums = batch_sums(input_ids, logits, ref_logits)
                 nll_sum += sums.nll
                 predicted += sums.predicted
@@ -176,8 +178,12 @@ def evaluate(
         if not reasons:
             return evaluate_streamed(model_dir, windows, reference_dir, progress=progress)
         event("eval", f"evaluating with the whole models in memory, not layer by layer: {'; '.join(reasons)}")
-    model = load_model(model_dir, adapter)
-    reference = (load_model(reference_dir, ref_adapter), ref_adapter) if reference_dir is not None else None
+    device = compute_device()
+    placement = {"": str(device)} if device.type != "cpu" else None
+    model = load_model(model_dir, adapter, device_map=placement)
+    reference = None
+    if reference_dir is not None:
+        reference = (load_model(reference_dir, ref_adapter, device_map=placement), ref_adapter)
     return evaluate_windows(model, adapter, windows, reference, progress=progress)
 
 
