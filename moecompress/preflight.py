@@ -238,7 +238,11 @@ def check_output(
 
 def check_writable(out_dir: Path) -> None:
     """``out_dir`` can be created: its nearest existing ancestor is a directory in which a (removed at once)
-    hidden probe directory can be made. Permission bits alone do not tell, for root or on read-only mounts."""
+    hidden probe directory can be made. Permission bits alone do not tell, for root or on read-only mounts.
+    Only the writing rank probes: the other ranks of a torchrun job (``RANK`` above 0, read from the launcher's
+    environment since the check runs before the process group starts) create nothing."""
+    if int(os.environ.get("RANK", "0") or 0) > 0:
+        return
     out_dir = Path(out_dir).absolute()
     ancestor = out_dir.parent
     while not ancestor.exists() and ancestor != ancestor.parent:

@@ -398,19 +398,17 @@ def run_recipe(
 
     model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
     check_output_is_not_input(model_dir, out_dir)
-    check_recipe(recipe, model_dir)
     distributed.init_from_environment()
+    _check_ranks(recipe, resume)
+    check_recipe(recipe, model_dir)
     with using_device(distributed.rank_device(recipe.device)):
         return _run_recipe(
             recipe, model_dir, out_dir, overwrite=overwrite, progress=progress, resume=resume, chained=chained
         )
 
 
-def _run_recipe(
-    recipe: Recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, progress: bool, resume: bool, chained: bool
-) -> dict[str, Any]:
-    from .passes.prune_experts import prune_experts
-
+def _check_ranks(recipe: Recipe, resume: bool) -> None:
+    """What a run over several ranks cannot do, refused before the model is read."""
     ranks = distributed.world_size()
     if ranks > 1 and resume:
         raise UserInputError(f"--resume needs a single process, not {ranks} ranks; run it without torchrun")
@@ -419,6 +417,13 @@ def _run_recipe(
             f"with {ranks} ranks a recipe can only be one prune_experts pass (the one whose calibration is shared); "
             "run the others in a single process"
         )
+
+def _run_recipe(
+    recipe: Recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, progress: bool, resume: bool, chained: bool
+) -> dict[str, Any]:
+    from .passes.prune_experts import prune_experts
+
+    ranks = distributed.world_size()
     state = distributed.on_writer(lambda: _start_run(recipe, model_dir, out_dir, overwrite, resume), share=False)
     calib = recipe.calibration
     common = dict(calib=calib.source, calib_tokens=calib.tokens, seq_len=calib.seq_len, eval_data=None)
