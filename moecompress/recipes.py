@@ -418,6 +418,7 @@ def _check_ranks(recipe: Recipe, resume: bool) -> None:
             "run the others in a single process"
         )
 
+
 def _run_recipe(
     recipe: Recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, progress: bool, resume: bool, chained: bool
 ) -> dict[str, Any]:
