@@ -18,7 +18,7 @@ kept expert's spectrum on the pruned, sequentially calibrated block and keeps th
 
 A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result. A stage of
 one layer pass is run by that pass's own driver (``prune_experts``, ``quantize_checkpoint``: the same sweeps, and
-what the pipeline does not cover yet: torchrun, MTP layers, a quantised release streamed as stored); the pipeline
+what the pipeline does not cover yet: torchrun, a quantised release's experts copied as stored); the pipeline
 writes the same tensors for it (tests/test_pipeline.py).
 :func:`plan_stages` groups a recipe; :func:`describe_plan` is what ``moecompress run --dry-run`` prints.
 """
