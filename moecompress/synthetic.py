@@ -27,6 +27,47 @@ _COMMON: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+_MLA = dict(
+    num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
+)
+_DEEPSEEK_MOE = dict(
+    num_hidden_layers=3,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+_MROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+_VISION: dict[str, Any] = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+
+
+def _vision_language(model_type: str, text: dict[str, Any], vision: dict[str, Any], **tokens: Any) -> dict[str, Any]:
+    """The config of a vision-language release: tiny vision tower, image/video tokens at the top of the vocabulary."""
+    return dict(
+        model_type=model_type,
+        text_config=text,
+        vision_config=dict(_VISION, **vision),
+        image_token_id=380,
+        video_token_id=381,
+        **tokens,
+        tie_word_embeddings=False,
+    )
+
+
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": dict(_COMMON, model_type="mixtral", num_hidden_layers=2, intermediate_size=32, num_local_experts=4),
     "qwen2_moe": dict(
@@ -74,26 +115,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         topk_group=2,
         routed_scaling_factor=1.5,
     ),
-    "deepseek_v3": dict(
-        _COMMON,
-        model_type="deepseek_v3",
-        num_hidden_layers=3,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-    ),
+    "deepseek_v3": dict(_COMMON, **_DEEPSEEK_MOE, **_MLA, model_type="deepseek_v3"),
     "gpt_oss": dict(
         _COMMON,
         model_type="gpt_oss",
@@ -104,9 +126,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention"],
     ),
-    "qwen3_vl_moe": dict(
-        model_type="qwen3_vl_moe",
-        text_config=dict(
+    "qwen3_vl_moe": _vision_language(
+        "qwen3_vl_moe",
+        dict(
             hidden_size=64,
             num_attention_heads=4,
             num_key_value_heads=2,
@@ -118,48 +140,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             moe_intermediate_size=96,
             num_experts=4,
             num_experts_per_tok=2,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 1, 1],
-                "mrope_interleaved": True,
-            },
+            rope_parameters=dict(_MROPE, mrope_interleaved=True),
         ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
-        ),
-        image_token_id=380,
-        video_token_id=381,
+        dict(num_position_embeddings=16, deepstack_visual_indexes=[0]),
         vision_start_token_id=382,
         vision_end_token_id=383,
-        tie_word_embeddings=False,
     ),
 }
 
-_MLA = dict(
-    num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
-)
-_DEEPSEEK_MOE = dict(
-    num_hidden_layers=3,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    n_group=2,
-    topk_group=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-)
 _QWEN_HYBRID = dict(
     num_hidden_layers=3,
     head_dim=16,
@@ -271,36 +259,18 @@ TINY_CONFIGS.update(
             layer_types=["conv", "full_attention", "conv"],
             routed_scaling_factor=1.5,
         ),
-        "glm4v_moe": dict(
-            model_type="glm4v_moe",
-            text_config=dict(
+        "glm4v_moe": _vision_language(
+            "glm4v_moe",
+            dict(
                 {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
                 **{k: v for k, v in _DEEPSEEK_MOE.items() if k != "num_hidden_layers"},
                 num_hidden_layers=2,
                 head_dim=16,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 10000.0,
-                    "mrope_section": [2, 1, 1],
-                    "partial_rotary_factor": 0.5,
-                },
+                rope_parameters=dict(_MROPE, partial_rotary_factor=0.5),
             ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=32,
-                intermediate_size=32,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                image_size=32,
-            ),
-            image_token_id=380,
-            video_token_id=381,
+            dict(image_size=32),
             image_start_token_id=382,
             image_end_token_id=383,
-            tie_word_embeddings=False,
         ),
         "hunyuan_v1_moe": dict(
             _COMMON,
@@ -324,35 +294,16 @@ TINY_CONFIGS.update(
             attention_multiplier=0.125,
         ),
         "qwen3_5_moe_text": dict(_COMMON, **_QWEN_HYBRID, model_type="qwen3_5_moe_text"),
-        "qwen3_5_moe": dict(
-            model_type="qwen3_5_moe",
-            text_config=dict(
+        "qwen3_5_moe": _vision_language(
+            "qwen3_5_moe",
+            dict(
                 {k: v for k, v in _COMMON.items() if k not in ("tie_word_embeddings",)},
                 **_QWEN_HYBRID,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 10000.0,
-                    "mrope_section": [2, 1, 1],
-                    "mrope_interleaved": True,
-                    "partial_rotary_factor": 0.5,
-                },
+                rope_parameters=dict(_MROPE, mrope_interleaved=True, partial_rotary_factor=0.5),
             ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=32,
-                intermediate_size=32,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                num_position_embeddings=16,
-            ),
-            image_token_id=380,
-            video_token_id=381,
+            dict(num_position_embeddings=16),
             vision_start_token_id=382,
             vision_end_token_id=383,
-            tie_word_embeddings=False,
         ),
     }
 )
