@@ -15,7 +15,7 @@ from .common_options import (
     eval_options,
     seq_len_option,
 )
-from .run_options import check_before_work, run_options, start_over_if_asked
+from .run_options import check_one_pass_before_work, run_options
 from .trust_options import trust_options
 
 
@@ -149,7 +149,6 @@ def prune_heads_command(
     from ..device import using_device
     from ..loading import quiet_transformers
     from ..passes.prune_heads import PruneHeadsConfig, prune_heads
-    from ..preflight import check_passes
 
     quiet_transformers()
     config = PruneHeadsConfig(
@@ -167,17 +166,19 @@ def prune_heads_command(
     )
     config.validate()
     model_dir = resolve_model(model)
-    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
-    check_passes(
+    check_one_pass_before_work(
         model_dir,
-        [("prune_heads", config)],
-        calib_source=calib,
+        out_dir,
+        "prune_heads",
+        config,
+        overwrite=overwrite,
+        resume=resume,
+        calib=calib,
         calib_tokens=calib_tokens,
         seq_len=seq_len,
         eval_data=None if no_eval else eval_data,
         eval_tokens=None if no_eval else eval_tokens,
     )
-    start_over_if_asked(out_dir)
     started = time.monotonic()
     with using_device(chosen_device()):
         report = prune_heads(

@@ -17,7 +17,7 @@ from .common_options import (
 )
 from .numbers import human_bytes
 from .quantize import GROUP_SIZE_HELP
-from .run_options import check_before_work, run_options, start_over_if_asked
+from .run_options import check_one_pass_before_work, run_options
 from .trust_options import trust_options
 
 
@@ -162,7 +162,6 @@ def qat_command(
     from ..errors import UserInputError
     from ..passes.qat import DEFAULT_LOWRANK_BUDGET, QATConfig, qat_checkpoint
     from ..passes.quantize import QuantizeConfig
-    from ..preflight import check_passes
 
     if adapter_rank is not None and lowrank_budget is not None:
         raise UserInputError("give --adapter-rank or --lowrank-budget, not both")
@@ -190,17 +189,19 @@ def qat_command(
     )
     config.validate()
     model_dir = resolve_model(model)
-    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
-    check_passes(
+    check_one_pass_before_work(
         model_dir,
-        [("qat", config)],
-        calib_source=calib,
+        out_dir,
+        "qat",
+        config,
+        overwrite=overwrite,
+        resume=resume,
+        calib=calib,
         calib_tokens=calib_tokens,
         seq_len=seq_len,
         eval_data=None if no_eval else eval_data,
         eval_tokens=None if no_eval else eval_tokens,
     )
-    start_over_if_asked(out_dir)
     started = time.monotonic()
     with using_device(chosen_device()):
         report = qat_checkpoint(

@@ -72,6 +72,38 @@ def start_over_if_asked(out_dir: Path) -> None:
         discard_partial_work(out_dir)
 
 
+def check_one_pass_before_work(
+    model_dir: Path,
+    out_dir: Path,
+    pass_name: str,
+    config: Any,
+    *,
+    overwrite: bool,
+    resume: bool,
+    calib: str,
+    calib_tokens: int,
+    seq_len: int,
+    eval_data: str | None,
+    eval_tokens: int | None,
+) -> None:
+    """Every check a one-pass command that runs its pass directly (not as a recipe) makes before any work: the
+    output, then the pass against the input's config.json (``eval_data`` None: no evaluation), then --restart's
+    discard."""
+    from ..preflight import check_passes
+
+    check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
+    check_passes(
+        model_dir,
+        [(pass_name, config)],
+        calib_source=calib,
+        calib_tokens=calib_tokens,
+        seq_len=seq_len,
+        eval_data=eval_data,
+        eval_tokens=eval_tokens,
+    )
+    start_over_if_asked(out_dir)
+
+
 def run_and_summarise(
     recipe,
     model_dir: Path,
