@@ -33,7 +33,7 @@ from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, QuantScheme
 from ..quantization.sensitivity import SENSITIVITIES, stored_layer_sensitivity
 from ..sweep import CalibrationSweep
-from ..sweep_state import SweepState
+from ..sweep_state import LayerResult, SweepState
 from .prune_experts import calibration_batches, update_report
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
@@ -229,6 +229,19 @@ def _components_for_budget(budget_bits: float, moe_shapes: list[tuple[int, int, 
     return int(budget_bits * weights / ADAPTER_BITS) // costs.pop()
 
 
+def measure_layer(quantizer: _ExpertQuantizer, capture) -> LayerResult:
+    """One layer of the measuring sweep: its expert matrices' error spectra (σ² only) and loads."""
+    moe = capture.moe
+    quantized = quantizer.quantize(capture.layer, moe, capture)
+    errors = quantizer.errors(moe, quantized, capture, keep=0, measure=False)
+    tensors = {f"{expert}.{which}": spectrum.sigma2 for (expert, which), spectrum in errors.spectra.items()}
+    meta = {
+        "loads": [[expert, which, errors.loads[(expert, which)]] for expert, which in errors.spectra],
+        "shape": [moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size],
+    }
+    return tensors, meta
+
+
 def _measure_lowrank(
     model_dir: Path, quantizer: _ExpertQuantizer, calibration_inputs, progress: bool, state: SweepState
 ) -> tuple[dict, dict, list]:
@@ -246,17 +259,8 @@ def _measure_lowrank(
         absorb(layer, result)
     sweep = CalibrationSweep(model_dir, *calibration_inputs, progress=progress)
     for capture in sweep.run(state, label="measuring quantisation error"):
-        moe = capture.moe
-        quantized = quantizer.quantize(capture.layer, moe, capture)
-        errors = quantizer.errors(moe, quantized, capture, keep=0, measure=False)
-        tensors = {f"{expert}.{which}": spectrum.sigma2 for (expert, which), spectrum in errors.spectra.items()}
-        meta = {
-            "loads": [[expert, which, errors.loads[(expert, which)]] for expert, which in errors.spectra],
-            "shape": [moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size],
-        }
-        capture.result = (tensors, meta)
+        capture.result = measure_layer(quantizer, capture)
         absorb(capture.layer, capture.result)
-        del moe, quantized, errors
     return gains, loads, shapes
 
 

@@ -24,20 +24,8 @@ from .quantize import (
     _format_module,
     _refuse_quantized_input,
     _TensorQuantizer,
+    measure_layer,
 )
-
-
-def measure_layer(quantizer: _ExpertQuantizer, capture) -> LayerResult:
-    """One layer of the measuring sweep: its expert matrices' error spectra (σ² only) and loads."""
-    moe = capture.moe
-    quantized = quantizer.quantize(capture.layer, moe, capture)
-    errors = quantizer.errors(moe, quantized, capture, keep=0, measure=False)
-    tensors = {f"{expert}.{which}": spectrum.sigma2 for (expert, which), spectrum in errors.spectra.items()}
-    meta = {
-        "loads": [[expert, which, errors.loads[(expert, which)]] for expert, which in errors.spectra],
-        "shape": [moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size],
-    }
-    return tensors, meta
 
 
 class QuantizePass(LayerPass):
