@@ -18,6 +18,7 @@ from typing import Any
 
 from .base import FamilyAdapter
 from .deepseek import DeepseekV3Adapter
+from .vision_language import TextTowerBesideVision
 
 
 class Glm4MoeAdapter(DeepseekV3Adapter):
@@ -93,21 +94,9 @@ class ExaoneMoeAdapter(DeepseekV3Adapter):
         return "router" if key.endswith("mlp.e_score_correction_bias") else super().classify_key(key)
 
 
-class Glm4vMoeAdapter(Glm4MoeAdapter):
+class Glm4vMoeAdapter(TextTowerBesideVision, Glm4MoeAdapter):
     """GLM-4.5V/4.6V: GLM-4.5's text tower under ``model.language_model`` beside the vision tower ``model.visual``
     (passed through untouched); calibrated on text."""
 
     family = "glm4v_moe"
     model_types = ("glm4v_moe",)
-    auto_class = "AutoModelForImageTextToText"
-    layers_prefix = "model.language_model.layers."
-
-    @property
-    def text_config(self) -> dict[str, Any]:
-        return self.config["text_config"]
-
-    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
-        return config["text_config"]
-
-    def is_vision_key(self, key: str) -> bool:
-        return key.startswith("model.visual.")

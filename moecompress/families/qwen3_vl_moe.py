@@ -8,19 +8,16 @@ and written back as found. The vision tower (``model.visual``) is passed through
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .base import FamilyAdapter, Layout, MoEWeights
 from .qwen_moe import _QwenStyleAdapter
+from .vision_language import TextTowerBesideVision
 
 
-class Qwen3VLMoeAdapter(_QwenStyleAdapter):
+class Qwen3VLMoeAdapter(TextTowerBesideVision, _QwenStyleAdapter):
     family = "qwen3_vl_moe"
     model_types = ("qwen3_vl_moe",)
-    auto_class = "AutoModelForImageTextToText"
-    layers_prefix = "model.language_model.layers."
     accepts_images = True
 
     def vision_token_ids(self) -> dict[str, int]:
@@ -31,16 +28,6 @@ class Qwen3VLMoeAdapter(_QwenStyleAdapter):
             "vision_end_id": int(self.config["vision_end_token_id"]),
             "merge_size": int(self.config.get("vision_config", {}).get("spatial_merge_size", 2)),
         }
-
-    @property
-    def text_config(self) -> dict[str, Any]:
-        return self.config["text_config"]
-
-    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
-        return config["text_config"]
-
-    def is_vision_key(self, key: str) -> bool:
-        return key.startswith("model.visual.")
 
     def detect_layout(self, layer: int, keys) -> Layout:
         if self._fused_key(layer, "gate_up_proj") not in keys:
