@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
-from .checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
+from .checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
 from .device import HOST, moe_on
 from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights
@@ -264,11 +264,7 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
         state = None
         if sweeps.calibrated:
             state = SweepState(context.state_dir / "rewrite")
-            start = state.start_layer
-            if any(layer_unit(layer) not in writer.units for layer in range(start)):
-                state.clear()
-                start = 0
-            writer.keep_units({OUTSIDE_UNIT, *(layer_unit(layer) for layer in range(start))})
+            align_resumed_sweep(state, writer)
         write.restore_all()
         if OUTSIDE_UNIT not in writer.units:
             dropped_keys = context.extra.get("drop_keys", frozenset())

@@ -52,6 +52,17 @@ def layer_unit(layer: int) -> str:
 OUTSIDE_UNIT = "outside"
 
 
+def align_resumed_sweep(state: Any, writer: CheckpointWriter) -> None:
+    """Line a rewriting sweep's resumable state (a :class:`~moecompress.sweep_state.SweepState`) up with the
+    writer: the sweep starts again at layer 0 when the writer lost the unit of a layer the sweep committed, and the
+    writer keeps only the units of the layers before where the sweep resumes (and the outside unit)."""
+    start = state.start_layer
+    if any(layer_unit(layer) not in writer.units for layer in range(start)):
+        state.clear()
+        start = 0
+    writer.keep_units({OUTSIDE_UNIT, *(layer_unit(layer) for layer in range(start))})
+
+
 def rewrite_checkpoint(
     source: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],

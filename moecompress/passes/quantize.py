@@ -18,7 +18,7 @@ from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
 from ..checkpoint.mtp import check_mode as check_mtp_mode
 from ..checkpoint.mtp import quantize_mtp_plan
-from ..checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
+from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
 from ..errors import UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluation_report
@@ -322,11 +322,7 @@ def quantize_checkpoint(
         captures = None
         if needs_calibration:
             rewrite_state = SweepState(writer.state_dir / "quantize-rewrite")
-            resume_at = rewrite_state.start_layer
-            if any(layer_unit(layer) not in writer.units for layer in range(resume_at)):
-                rewrite_state.clear()
-                resume_at = 0
-            writer.keep_units({OUTSIDE_UNIT, *(layer_unit(layer) for layer in range(resume_at))})
+            align_resumed_sweep(rewrite_state, writer)
             captures = CalibrationSweep(model_dir, *calibration_inputs, progress=progress).run(
                 rewrite_state, label="calibrating"
             )
