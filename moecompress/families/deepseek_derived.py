@@ -21,12 +21,16 @@ from .deepseek import DeepseekV3Adapter
 from .vision_language import TextTowerBesideVision
 
 
-class Glm4MoeAdapter(DeepseekV3Adapter):
-    family = "glm4_moe"
-    model_types = ("glm4_moe",)
+class _GroupedQueryAttentionAdapter(DeepseekV3Adapter):
+    """DeepSeek-V3's routing with ordinary (grouped-query) attention instead of MLA."""
 
     def head_counts(self) -> tuple[int, int, int]:
         return FamilyAdapter.head_counts(self)
+
+
+class Glm4MoeAdapter(_GroupedQueryAttentionAdapter):
+    family = "glm4_moe"
+    model_types = ("glm4_moe",)
 
 
 class Glm4MoeLiteAdapter(DeepseekV3Adapter):
@@ -41,12 +45,9 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
     first_dense_default = 3
 
 
-class Dots1Adapter(DeepseekV3Adapter):
+class Dots1Adapter(_GroupedQueryAttentionAdapter):
     family = "dots1"
     model_types = ("dots1",)
-
-    def head_counts(self) -> tuple[int, int, int]:
-        return FamilyAdapter.head_counts(self)
 
 
 class KimiK2Adapter(DeepseekV3Adapter):
@@ -60,7 +61,7 @@ class KimiK2Adapter(DeepseekV3Adapter):
         return DeepseekV3Config.from_dict(fields)
 
 
-class SolarOpenAdapter(DeepseekV3Adapter):
+class SolarOpenAdapter(_GroupedQueryAttentionAdapter):
     """Solar Open: every decoder layer is MoE (transformers ignores ``first_k_dense_replace``)."""
 
     family = "solar_open"
@@ -69,11 +70,8 @@ class SolarOpenAdapter(DeepseekV3Adapter):
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0
 
-    def head_counts(self) -> tuple[int, int, int]:
-        return FamilyAdapter.head_counts(self)
 
-
-class ExaoneMoeAdapter(DeepseekV3Adapter):
+class ExaoneMoeAdapter(_GroupedQueryAttentionAdapter):
     """EXAONE MoE: the correction bias is stored on the MoE block (``mlp.e_score_correction_bias``); transformers
     moves it under the router at load."""
 
@@ -81,9 +79,6 @@ class ExaoneMoeAdapter(DeepseekV3Adapter):
     model_types = ("exaone_moe",)
     num_experts_keys = ("num_experts", "n_routed_experts")
     first_dense_default = 1
-
-    def head_counts(self) -> tuple[int, int, int]:
-        return FamilyAdapter.head_counts(self)
 
     def _router_key(self, layer: int, name: str) -> str:
         if name == "e_score_correction_bias":
