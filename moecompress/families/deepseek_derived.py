@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import FamilyAdapter
+from .block_bias import CorrectionBiasOffRouter
 from .deepseek import DeepseekV3Adapter
 from .vision_language import TextTowerBesideVision
 
@@ -71,22 +72,15 @@ class SolarOpenAdapter(_GroupedQueryAttentionAdapter):
         return self.num_experts > 0
 
 
-class ExaoneMoeAdapter(_GroupedQueryAttentionAdapter):
+class ExaoneMoeAdapter(CorrectionBiasOffRouter, _GroupedQueryAttentionAdapter):
     """EXAONE MoE: the correction bias is stored on the MoE block (``mlp.e_score_correction_bias``); transformers
     moves it under the router at load."""
 
     family = "exaone_moe"
     model_types = ("exaone_moe",)
+    correction_bias_key = "mlp.e_score_correction_bias"
     num_experts_keys = ("num_experts", "n_routed_experts")
     first_dense_default = 1
-
-    def _router_key(self, layer: int, name: str) -> str:
-        if name == "e_score_correction_bias":
-            return f"{self.layer_prefix(layer)}mlp.e_score_correction_bias"
-        return super()._router_key(layer, name)
-
-    def classify_key(self, key: str):
-        return "router" if key.endswith("mlp.e_score_correction_bias") else super().classify_key(key)
 
 
 class Glm4vMoeAdapter(TextTowerBesideVision, Glm4MoeAdapter):

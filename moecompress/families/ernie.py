@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch
 
 from .base import FamilyAdapter, Layout, MoEWeights
+from .block_bias import CorrectionBiasOffRouter
 from .routing import RoutingRule
 
 
-class Ernie45MoeAdapter(FamilyAdapter):
+class Ernie45MoeAdapter(CorrectionBiasOffRouter, FamilyAdapter):
     family = "ernie4_5_moe"
     model_types = ("ernie4_5_moe",)
+    correction_bias_key = "mlp.moe_statics.e_score_correction_bias"
     num_experts_keys = ("moe_num_experts", "num_experts")
     shared_expert_markers = ("shared_experts",)
     has_correction_bias = True
@@ -38,14 +40,6 @@ class Ernie45MoeAdapter(FamilyAdapter):
         return RoutingRule(
             "softmax_bias_topk", top_k=self.top_k, norm_min=float(self.text_config.get("moe_norm_min", 1e-12))
         )
-
-    def _router_key(self, layer: int, name: str) -> str:
-        if name == "e_score_correction_bias":
-            return f"{self.layer_prefix(layer)}mlp.moe_statics.e_score_correction_bias"
-        return super()._router_key(layer, name)
-
-    def classify_key(self, key: str):
-        return "router" if key.endswith("mlp.moe_statics.e_score_correction_bias") else super().classify_key(key)
 
     def split_layer(self, layer: int, tensors: dict, *, consume: bool = False):
         moe, rest, layout = super().split_layer(layer, tensors, consume=consume)

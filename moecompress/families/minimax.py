@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import MoEWeights
+from .block_bias import CorrectionBiasOffRouter
 from .mixtral import MixtralAdapter
 from .routing import RoutingRule
 
@@ -22,22 +23,15 @@ class MiniMaxAdapter(MixtralAdapter):
     head_pruning = False
 
 
-class MiniMaxM2Adapter(MixtralAdapter):
+class MiniMaxM2Adapter(CorrectionBiasOffRouter, MixtralAdapter):
     family = "minimax_m2"
     model_types = ("minimax_m2",)
+    correction_bias_key = "block_sparse_moe.e_score_correction_bias"
     head_pruning = False
     has_correction_bias = True
 
     def routing_rule(self) -> RoutingRule:
         return RoutingRule("sigmoid_group_topk", top_k=self.top_k, normalize=True)
-
-    def _router_key(self, layer: int, name: str) -> str:
-        if name == "e_score_correction_bias":
-            return f"{self.layer_prefix(layer)}block_sparse_moe.e_score_correction_bias"
-        return super()._router_key(layer, name)
-
-    def classify_key(self, key: str):
-        return "router" if key.endswith("block_sparse_moe.e_score_correction_bias") else super().classify_key(key)
 
     def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
         state = super().runtime_router_state(moe)
