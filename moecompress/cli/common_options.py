@@ -84,8 +84,7 @@ def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:
         command = click.option(
             "--no-eval",
             is_flag=True,
-            help=no_eval_help
-            or "Skip the evaluation (a forward of the output and of the input, one layer at a time).",
+            help=no_eval_help or "Skip the evaluation (a forward of the output and of the input, one layer at a time).",
         )(command)
         command = click.option(
             "--eval-tokens",

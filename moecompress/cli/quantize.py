@@ -96,8 +96,7 @@ GROUP_SIZE_HELP = (
     "(stock transformers); compressed-tensors: what vLLM serves.",
 )
 @calib_option(
-    "Calibration source(s), comma-separated, for gptq, --salient-fraction and --lowrank-budget (plain rtn "
-    "needs none)."
+    "Calibration source(s), comma-separated, for gptq, --salient-fraction and --lowrank-budget (plain rtn needs none)."
 )
 @calib_tokens_option()
 @seq_len_option()
