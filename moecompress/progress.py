@@ -77,8 +77,13 @@ def _flush_held() -> None:
 def _hold(line: str) -> None:
     global _timer
     with _lock:
+        first = not _held
         _held.append(line)
-        if _timer is None or not _timer.is_alive():
+        if first or _timer is None or not _timer.is_alive():
+            # The hold counts from the oldest line held: a timer left from lines already printed or dropped would
+            # print this one late.
+            if _timer is not None:
+                _timer.cancel()
             _timer = threading.Timer(HOLD_S, _flush_held)
             _timer.daemon = True
             _timer.start()
