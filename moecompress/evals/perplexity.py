@@ -69,6 +69,44 @@ def batch_sums(input_ids: torch.Tensor, logits: torch.Tensor, ref_logits: torch.
     return sums
 
 
+@dataclass
+class EvalTotals:
+    """What an evaluation sums over its batches (and, for routing agreement, its MoE layers), and the
+    :class:`EvalResult` those sums make; both the whole-model and the streamed evaluation fill one."""
+
+    nll: float = 0.0
+    predicted: int = 0
+    kl: float = 0.0
+    ref_nll: float = 0.0
+    agreement: float = 0.0
+    agreement_count: int = 0
+    model_seconds: float = 0.0
+
+    def add(self, sums: BatchSums) -> None:
+        self.nll += sums.nll
+        self.predicted += sums.predicted
+        self.kl += sums.kl
+        self.ref_nll += sums.ref_nll
+
+    def add_agreement(self, total: float, count: int) -> None:
+        self.agreement += total
+        self.agreement_count += count
+
+    def result(self, windows: TokenWindows, with_reference: bool) -> EvalResult:
+        return EvalResult(
+            perplexity=math.exp(self.nll / self.predicted),
+            tokens=self.predicted,
+            tokens_per_second=windows.num_tokens / self.model_seconds if self.model_seconds > 0 else float("nan"),
+            seq_len=windows.input_ids.shape[1],
+            windows=windows.input_ids.shape[0],
+            kl=self.kl / self.predicted if with_reference else None,
+            routing_agreement=(self.agreement / self.agreement_count if self.agreement_count else None)
+            if with_reference
+            else None,
+            reference_perplexity=math.exp(self.ref_nll / self.predicted) if with_reference else None,
+        )
+
+
 def moe_token_bytes(adapter: FamilyAdapter) -> int:
     """About what a token costs in an MoE layer's grouped expert computation (transformers' ``grouped_mm``): a
     copy of its hidden state, the projections and the output for each of its top-k experts, in float32."""
@@ -100,9 +138,7 @@ def evaluate_windows(
         ref_vocab = reference[0].get_output_embeddings().weight.shape[0]
         if ref_vocab != vocab:
             raise UserInputError(f"model and reference vocabularies differ ({vocab} vs {ref_vocab})")
-    nll_sum, predicted, kl_sum, ref_nll_sum = 0.0, 0, 0.0, 0.0
-    agreement_sum, agreement_count = 0.0, 0
-    model_seconds = 0.0
+    totals = EvalTotals()
     recorder = RouteRecorder(model, adapter) if reference is not None else None
     ref_recorder = RouteRecorder(*reference) if reference is not None else None
     token_bytes = max(moe_token_bytes(adapter), moe_token_bytes(reference[1]) if reference is not None else 0)
@@ -115,36 +151,19 @@ def evaluate_windows(
             ):
                 start = time.perf_counter()
                 logits = model(input_ids=input_ids.to(model.device), use_cache=False).logits
-                model_seconds += time.perf_counter() - start
+                totals.model_seconds += time.perf_counter() - start
                 ref_logits = None
                 if reference is not None:
                     ref_logits = reference[0](input_ids=input_ids.to(reference[0].device), use_cache=False).logits
                     ref_logits = ref_logits.to(logits.device)
-                sums = batch_sums(input_ids, logits, ref_logits)
-                nll_sum += sums.nll
-                predicted += sums.predicted
-                kl_sum += sums.kl
-                ref_nll_sum += sums.ref_nll
+                totals.add(batch_sums(input_ids, logits, ref_logits))
                 if reference is not None:
-                    total, count = routing_agreement(ref_recorder.routes, recorder.routes)
-                    agreement_sum += total
-                    agreement_count += count
+                    totals.add_agreement(*routing_agreement(ref_recorder.routes, recorder.routes))
     finally:
         for rec in (recorder, ref_recorder):
             if rec is not None:
                 rec.remove()
-    return EvalResult(
-        perplexity=math.exp(nll_sum / predicted),
-        tokens=predicted,
-        tokens_per_second=windows.num_tokens / model_seconds if model_seconds > 0 else float("nan"),
-        seq_len=seq_len,
-        windows=windows.input_ids.shape[0],
-        kl=kl_sum / predicted if reference is not None else None,
-        routing_agreement=(agreement_sum / agreement_count if agreement_count else None)
-        if reference is not None
-        else None,
-        reference_perplexity=math.exp(ref_nll_sum / predicted) if reference is not None else None,
-    )
+    return totals.result(windows, with_reference=reference is not None)
 
 
 def evaluate(

@@ -19,7 +19,6 @@ of :func:`.perplexity.evaluate_windows` on the same windows and batches.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from ..quantization.hf_quantizer import (
     replace_quantized_modules,
 )
 from ..sweep import CalibrationSweep
-from .perplexity import EvalResult, _batch_size, batch_sums, moe_token_bytes
+from .perplexity import EvalResult, EvalTotals, _batch_size, batch_sums, moe_token_bytes
 from .routing import routing_agreement
 
 
@@ -232,7 +231,7 @@ def evaluate_streamed(
     reference = LayerStream(reference_dir, batches) if reference_dir is not None else None
     hidden = [plan.hidden for plan in model.plans]
     ref_hidden = [plan.hidden for plan in reference.plans] if reference is not None else None
-    model_seconds, agreement_sum, agreement_count = 0.0, 0.0, 0
+    totals = EvalTotals()
     layers = max(model.adapter.num_layers, reference.adapter.num_layers if reference is not None else 0)
     for layer in progress_bar(range(layers), desc="eval", unit="layer", disable=not progress):
         compare = (
@@ -248,37 +247,19 @@ def evaluate_streamed(
             ref_hidden, _ = reference.advance(layer, ref_hidden, ref_routes if compare else None)
         if layer < model.adapter.num_layers:
             hidden, seconds = model.advance(layer, hidden, routes if compare else None)
-            model_seconds += seconds
+            totals.model_seconds += seconds
         for ref_ids, ids in zip(ref_routes, routes, strict=compare):
-            total, count = routing_agreement({layer: ref_ids}, {layer: ids})
-            agreement_sum += total
-            agreement_count += count
-    nll_sum, predicted, kl_sum, ref_nll_sum = 0.0, 0, 0.0, 0.0
+            totals.add_agreement(*routing_agreement({layer: ref_ids}, {layer: ids}))
     heads = model.head_logits(batches, hidden)
     ref_heads = reference.head_logits(batches, ref_hidden) if reference is not None else None
     with torch.inference_mode():
         for batch in batches:
             start = time.perf_counter()
             logits = next(heads)
-            model_seconds += time.perf_counter() - start
-            sums = batch_sums(batch["input_ids"], logits, next(ref_heads) if ref_heads is not None else None)
-            nll_sum += sums.nll
-            predicted += sums.predicted
-            kl_sum += sums.kl
-            ref_nll_sum += sums.ref_nll
+            totals.model_seconds += time.perf_counter() - start
+            totals.add(batch_sums(batch["input_ids"], logits, next(ref_heads) if ref_heads is not None else None))
             del logits
     for generator in (heads, ref_heads):
         if generator is not None:
             generator.close()
-    return EvalResult(
-        perplexity=math.exp(nll_sum / predicted),
-        tokens=predicted,
-        tokens_per_second=windows.num_tokens / model_seconds if model_seconds > 0 else float("nan"),
-        seq_len=seq_len,
-        windows=windows.input_ids.shape[0],
-        kl=kl_sum / predicted if reference is not None else None,
-        routing_agreement=(agreement_sum / agreement_count if agreement_count else None)
-        if reference is not None
-        else None,
-        reference_perplexity=math.exp(ref_nll_sum / predicted) if reference is not None else None,
-    )
+    return totals.result(windows, with_reference=reference is not None)
