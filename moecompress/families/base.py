@@ -381,12 +381,29 @@ class FamilyAdapter:
         return model.get_submodule(self.layers_prefix.rstrip("."))
 
     def router_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
-        """Layer ``layer``'s router module; its forward returns ``(logits, weights, top-k ids)``."""
+        """Layer ``layer``'s router module; :meth:`route_of` reads its forward's output."""
         return self.decoder_layers(model)[layer].get_submodule(self.router_module)
+
+    def route_of(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits, weights [T, k], top-k ids [T, k])`` from the stock router module's forward output (what a
+        forward hook on :meth:`router_of` receives)."""
+        return output
+
+    def with_route(self, output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+        """The stock router's forward output ``output`` with its choice replaced by ``ids`` and ``weights``
+        (what a forward hook returns to reroute)."""
+        return output[0], weights.to(output[1].dtype), ids
 
     def stock_route(self, model: torch.nn.Module, layer: int, hidden: torch.Tensor):
         """``(logits, weights, top-k ids)`` of layer ``layer``'s stock router for tokens ``hidden`` ``[T, H]``."""
-        return self.router_of(model, layer)(hidden)
+        return self.route_of(self.router_of(model, layer)(hidden))
+
+    def stock_experts(
+        self, model: torch.nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``layer``'s stock routed-experts module run on tokens ``hidden`` routed to ``ids`` with
+        ``weights``: their combined output."""
+        return self.experts_of(model, layer)(hidden, ids, weights)
 
     @property
     def moe_block_name(self) -> str:
@@ -447,12 +464,14 @@ class FamilyAdapter:
 
     def moe_forward(self, moe: MoEWeights, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' combined output for ``hidden`` ``[T, H]`` (shared experts excluded)."""
-        ids, weights = self.routing_rule().route(self.router_logits(moe, hidden), moe.correction_bias, allowed)
+        rule = self.routing_rule()
+        ids, weights = rule.route(self.router_logits(moe, hidden), moe.correction_bias, allowed)
         out = torch.zeros_like(hidden)
         for expert in ids.unique().tolist():
             token_pos, slot = torch.where(ids == expert)
-            contribution = self.expert_output(moe, expert, hidden[token_pos])
-            out.index_add_(0, token_pos, contribution * weights[token_pos, slot, None].to(hidden.dtype))
+            weight = weights[token_pos, slot, None].to(hidden.dtype)
+            contribution = self.expert_output(moe, expert, rule.expert_input(hidden[token_pos], weight))
+            out.index_add_(0, token_pos, contribution * rule.output_weight(weight))
         return out
 
     def softmax_attention(self, layer: int) -> bool:

@@ -15,10 +15,16 @@ from typing import Literal
 import torch
 
 RuleKind = Literal[
-    "softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk", "sparsemixer"
+    "softmax_topk",
+    "topk_softmax",
+    "topk_sigmoid",
+    "sigmoid_group_topk",
+    "softmax_group_topk",
+    "softmax_bias_topk",
+    "sparsemixer",
 ]
 
-_MASK_LOGITS = ("softmax_topk", "softmax_group_topk", "softmax_bias_topk", "sparsemixer")
+_MASK_LOGITS = ("softmax_topk", "topk_sigmoid", "softmax_group_topk", "softmax_bias_topk", "sparsemixer")
 """Rules whose removed experts are masked out of the logits (equal to deleting their router rows)."""
 
 
@@ -29,6 +35,7 @@ class RoutingRule:
     - ``softmax_topk``: softmax over all experts, top-k, renormalise the k weights if ``normalize``
       (Mixtral, Qwen2/3-MoE, OLMoE, Qwen3-VL-MoE).
     - ``topk_softmax``: top-k of the logits, softmax over those k (GPT-OSS).
+    - ``topk_sigmoid``: top-k of the logits, each weighted by the sigmoid of its own logit (Llama 4).
     - ``sigmoid_group_topk``: sigmoid scores, choice on scores plus a correction bias restricted to the best
       ``topk_group`` of ``n_group`` groups (a group's score is the sum of its two best), weights are the
       uncorrected scores, renormalised if ``normalize`` (DeepSeek-V3).
@@ -40,6 +47,12 @@ class RoutingRule:
       a relative distance ``2 * jitter_eps`` of its own; then the best of the others, weighted the same way among
       the others.
     Every rule multiplies the weights by ``scaling``.
+
+    With ``scales_input`` the weights multiply each chosen expert's *input* token, not its output (Llama 4's block
+    runs ``expert(w * x)``); for a nonlinear expert that is another function. Consumers read what an expert sees
+    and what its output is multiplied by from :meth:`expert_input` and :meth:`output_weight`. Only rules whose
+    weight of an expert depends on the token and that expert alone (``topk_sigmoid``) may scale inputs, so an
+    expert's contribution to a token stays the same whichever other experts are chosen with it.
     """
 
     kind: RuleKind
@@ -52,6 +65,20 @@ class RoutingRule:
     jitter_eps: float = 0.0
     norm_eps: float = 1e-20
     """What ``sigmoid_group_topk`` adds to the sum it divides by (LFM2-MoE: 1e-6)."""
+    scales_input: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scales_input and self.kind != "topk_sigmoid":
+            raise ValueError(f"routing rule {self.kind!r} weighs an expert by more than its own logit; it cannot scale inputs")
+
+    def expert_input(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """What an expert computes on for tokens ``hidden`` ``[T, H]`` routed to it with weights ``weight``
+        ``[T, 1]``."""
+        return hidden * weight.to(hidden.dtype) if self.scales_input else hidden
+
+    def output_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """What multiplies an expert's output for tokens routed to it with weights ``weight``."""
+        return torch.ones_like(weight) if self.scales_input else weight
 
     def route(
         self,
@@ -76,6 +103,9 @@ class RoutingRule:
                 logits = logits.masked_fill(~allowed, float("-inf"))
             top_logits, ids = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(top_logits, dim=-1)
+        elif self.kind == "topk_sigmoid":
+            top_logits, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = top_logits.sigmoid()
         elif self.kind == "sigmoid_group_topk":
             scores = logits.sigmoid()
             choice = scores if correction_bias is None else scores + correction_bias.float()
@@ -117,6 +147,8 @@ class RoutingRule:
         logits = logits.float()
         if self.kind == "topk_softmax":
             weights = torch.softmax(logits.gather(1, ids), dim=-1)
+        elif self.kind == "topk_sigmoid":
+            weights = logits.gather(1, ids).sigmoid()
         elif self.kind == "sparsemixer":
             weights = self._sparsemixer_weights(logits, ids)
         elif self.kind == "softmax_bias_topk":
