@@ -63,16 +63,18 @@ class LayerCapture:
 class _LayerProxy(torch.nn.Module):
     """Stands in for decoder layer ``index`` in the skeleton: records its call, returns its input."""
 
-    def __init__(self, index: int, recorder: _CallRecorder, attributes: dict[str, Any]):
+    def __init__(self, index: int, recorder: _CallRecorder, attributes: dict[str, Any], returns_tuple: bool = False):
         super().__init__()
         self.index = index
         self.recorder = recorder
+        self.returns_tuple = returns_tuple
         for name, value in attributes.items():
             setattr(self, name, value)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.recorder.record(self.index, hidden_states, args, kwargs)
-        return self.recorder.outputs.get(self.index, hidden_states)
+        out = self.recorder.outputs.get(self.index, hidden_states)
+        return (out, None) if self.returns_tuple else out
 
 
 class _CallRecorder:
@@ -99,6 +101,12 @@ class _BatchPlan:
 
 def _text_config(config):
     return getattr(config, "text_config", None) or config
+
+
+def _layer_returns_tuple(adapter: Any) -> bool:
+    """Whether the family's stock decoder layer returns ``(hidden, extra)`` that the decoder unpacks (GLM-5 hands
+    its sparse-attention top-k to the next layer)."""
+    return bool(getattr(adapter, "layer_returns_tuple", False))
 
 
 def _layer_attributes(layer: torch.nn.Module) -> dict[str, Any]:
@@ -185,7 +193,8 @@ class CalibrationSweep:
             parent,
             attr,
             torch.nn.ModuleList(
-                _LayerProxy(i, recorder, _layer_attributes(layer)) for i, layer in enumerate(meta_layers)
+                _LayerProxy(i, recorder, _layer_attributes(layer), _layer_returns_tuple(self.adapter))
+                for i, layer in enumerate(meta_layers)
             ),
         )
         ignored = [re.compile(p) for p in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
@@ -401,15 +410,16 @@ class CalibrationSweep:
         """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set."""
         if capture.allowed is None:
             return self.forward_layer(module, layer, hidden)
-        rule, allowed = self.adapter.routing_rule(), capture.allowed
+        adapter, allowed = self.adapter, capture.allowed
+        rule = adapter.routing_rule()
         bias = capture.replacement.correction_bias
 
         def reroute(router, inputs, output):
-            logits, weights, _ = output
-            ids, new_weights = rule.route(
+            logits = adapter.route_of(output)[0]
+            ids, weights = rule.route(
                 logits, None if bias is None else bias.to(logits.device), allowed.to(logits.device)
             )
-            return logits, new_weights.to(weights.dtype), ids
+            return adapter.with_route(output, weights, ids)
 
         handle = module.get_submodule(self.adapter.router_module).register_forward_hook(reroute)
         try:

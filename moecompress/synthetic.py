@@ -308,6 +308,21 @@ TINY_CONFIGS.update(
     }
 )
 
+TINY_CONFIGS.update(
+    {
+        "glm_moe_dsa": dict(
+            _COMMON,
+            **_DEEPSEEK_MOE,
+            **_MLA,
+            model_type="glm_moe_dsa",
+            index_topk=32,
+            index_head_dim=16,
+            index_n_heads=2,
+        ),
+        "minicpm5_moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="minicpm5_moe", head_dim=16),
+    }
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {

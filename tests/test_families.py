@@ -84,6 +84,10 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
     [
         ({"model_type": "llama", "num_hidden_layers": 2}, "has no MoE layers"),
         ({"model_type": "jamba", "num_experts": 16}, "unsupported MoE family 'jamba'"),
+        (
+            {"model_type": "glm_moe_dsa", "n_routed_experts": 8, "num_hidden_layers": 4, "index_topk_freq": 2},
+            r"layers \[2\] reuse an earlier layer's sparse-attention top-k",
+        ),
         ({"model_type": "llama4", "text_config": {"num_local_experts": 16}}, "llama4 is not supported: Llama 4's"),
         (
             {"model_type": "qwen2_moe", "num_experts": 0, "num_hidden_layers": 2, "num_experts_per_tok": 2},

@@ -14,7 +14,9 @@ from .deepseek_derived import (
     Glm4MoeAdapter,
     Glm4MoeLiteAdapter,
     Glm4vMoeAdapter,
+    GlmMoeDsaAdapter,
     KimiK2Adapter,
+    MiniCPM5MoeAdapter,
     SolarOpenAdapter,
 )
 from .ernie import Ernie45MoeAdapter
@@ -55,6 +57,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     FlexOlmoAdapter,
     SolarOpenAdapter,
     ExaoneMoeAdapter,
+    GlmMoeDsaAdapter,
+    MiniCPM5MoeAdapter,
     AfmoeAdapter,
     Lfm2MoeAdapter,
     Glm4vMoeAdapter,

@@ -10,6 +10,10 @@ On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_
 - Kimi-K2 (``kimi_k2``): DeepSeek-V3 itself; its ``config.json`` names a model type transformers does not know and an
   ``auto_map`` into the release's own Python. That code is never run: the config is read as DeepSeek-V3's and the
   model built from that config (``DeepseekV3ForCausalLM``, which the release's ``architectures`` names).
+- GLM-5 (``glm_moe_dsa``): MLA with DeepSeek-V3.2's sparse-attention indexer; each decoder layer hands its indexer's
+  top-k to the next (a ``"shared"`` layer reuses it), so the layer returns ``(hidden, top-k)``.
+- MiniCPM-5 MoE (``minicpm5_moe``): grouped-query attention whose query projection also holds a per-head output gate
+  (on disk ``self_attn.q_proj``, ``self_attn.q_gate_proj`` at runtime); ``mlp_layer_types``.
 """
 
 from __future__ import annotations
@@ -60,6 +64,45 @@ class KimiK2Adapter(DeepseekV3Adapter):
 
         fields = {key: value for key, value in self.config.items() if key not in ("model_type", "auto_map")}
         return DeepseekV3Config.from_dict(fields)
+
+
+class GlmMoeDsaAdapter(DeepseekV3Adapter):
+    family = "glm_moe_dsa"
+    model_types = ("glm_moe_dsa",)
+    first_dense_default = 3
+    layer_returns_tuple = True
+
+    def __init__(self, config: dict[str, Any]):
+        super().__init__(config)
+        shared = [i for i, kind in enumerate(self._indexer_types()) if kind != "full"]
+        if shared:
+            from ..errors import UserInputError
+
+            raise UserInputError(
+                f"glm_moe_dsa: layers {shared} reuse an earlier layer's sparse-attention top-k (indexer_types "
+                "'shared'), which the layer-by-layer sweep does not carry between layers; only configs whose every "
+                "layer runs its own indexer are supported"
+            )
+
+    def _indexer_types(self) -> list[str]:
+        """Each layer's indexer mode, as ``GlmMoeDsaConfig`` derives it when ``config.json`` does not list them."""
+        cfg = self.text_config
+        if cfg.get("indexer_types"):
+            return list(cfg["indexer_types"])
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        freq, offset = max(int(cfg.get("index_topk_freq") or 1), 1), int(cfg.get("index_skip_topk_offset", 2))
+        return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_layers)]
+
+
+class MiniCPM5MoeAdapter(_GroupedQueryAttentionAdapter):
+    family = "minicpm5_moe"
+    model_types = ("minicpm5_moe",)
+    first_dense_default = 1
+
+    def runtime_local_name(self, local_key: str) -> str:
+        return local_key.replace("self_attn.q_proj.", "self_attn.q_gate_proj.", 1)
 
 
 class SolarOpenAdapter(_GroupedQueryAttentionAdapter):
