@@ -429,9 +429,10 @@ def test_pipeline_prune_and_quantize_of_an_fp8_release_with_mtp(releases, tmp_pa
 
 
 def test_mtp_calibration_sees_the_mtp_modules_moe_inputs(releases):
-    """The MTP layer's captured MoE inputs equal a direct computation from the stock model: the last decoder
-    layer's output h_i and token i+1's embedding through enorm/hnorm/eh_proj, then the MTP layer's attention
-    (built from its stored weights), at every position but the last."""
+    """The MTP layer's captured MoE inputs equal a direct computation from the stock model: the main model's
+    output h_i (after its final norm, what vLLM's and SGLang's drafters receive) and token i+1's embedding through
+    enorm/hnorm/eh_proj, then the MTP layer's attention (built from its stored weights), at every position but
+    the last."""
     import copy
 
     import torch.nn.functional as F
@@ -451,7 +452,7 @@ def test_mtp_calibration_sees_the_mtp_modules_moe_inputs(releases):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     last = {}
-    model.model.layers[-1].register_forward_hook(lambda m, a, o: last.update(h=o[0] if isinstance(o, tuple) else o))
+    model.model.norm.register_forward_hook(lambda m, a, o: last.update(h=o))
     stored = CheckpointReader(source)
     mtp = {k[len("model.layers.3.") :]: v.float() for k, v in stored.read(stored.keys()).items() if ".3." in k[:16]}
     layer = copy.deepcopy(model.model.layers[2])

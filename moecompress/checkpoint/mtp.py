@@ -130,8 +130,6 @@ def plan_stored_prune(
             plan.config = without_mtp(config)
             plan.drop_layers, plan.drop_keys = frozenset(layers), outside
             plan.report = {"mtp_layers": layers, "mode": "drop", "mtp_tensors_dropped": len(outside)}
-        elif outside:
-            plan.report = {"mode": "keep", "not_pruned": "the top-level mtp.* module is kept whole"}
         elif layers:
             kept_ids, per_layer = {}, {}
             main = adapter.moe_layers()
@@ -163,6 +161,8 @@ def plan_stored_prune(
             }
             if kept_ids:
                 plan.report["uncalibrated_rule"] = "highest e_score_correction_bias removed first"
+        elif outside:
+            plan.report = {"mode": "keep", "not_pruned": "the top-level mtp.* module has no decoder layers"}
     if stored_format:
 
         def raw_layer_fn(layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,174 @@
+"""Multi-token-prediction layers: Qwen3-Next's and Qwen3.5's top-level ``mtp.*`` module calibrated from what feeds it
+(checked against a direct computation from the stock formulas), pruned like the main layers in the one-pass command
+and in the pipeline, and MTP layers quantised like the others, with the output loading through the plugin."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moecompress.checkpoint import CheckpointReader
+from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+
+QWEN_MTP = ("qwen3_next", "qwen3_5_moe")
+MTP = "mtp.layers.0."
+
+
+@pytest.fixture(scope="module")
+def qwen_sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen_mtp")
+    sources = {}
+    for family in QWEN_MTP:
+        sources[family] = save_tiny_model(family, root / family, seed=2)
+        tiny_tokenizer().save_pretrained(sources[family])
+    return sources
+
+
+def _text_model(model):
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+def _stock(source):
+    import transformers
+
+    from moecompress.loading import load_adapter
+
+    auto = getattr(transformers, load_adapter(source).auto_class)
+    return auto.from_pretrained(source, dtype=torch.float32).eval()
+
+
+def _mtp_layer(model, source):
+    """The MTP decoder layer as the stock module: a copy of the full-attention main layer 1 with the stored
+    ``mtp.layers.0.*`` weights (per-expert weights fused as transformers fuses them)."""
+    text = _text_model(model)
+    assert model.config.get_text_config().layer_types[1] == "full_attention"
+    layer = copy.deepcopy(text.layers[1])
+    reader = CheckpointReader(source)
+    stored = {k[len(MTP) :]: v.float() for k, v in reader.read([k for k in reader.keys() if k.startswith(MTP)]).items()}
+    experts = int(model.config.get_text_config().num_experts)
+    if "mlp.experts.0.gate_proj.weight" in stored:
+        stored["mlp.experts.gate_up_proj"] = torch.stack(
+            [
+                torch.cat(
+                    [stored.pop(f"mlp.experts.{e}.gate_proj.weight"), stored.pop(f"mlp.experts.{e}.up_proj.weight")]
+                )
+                for e in range(experts)
+            ]
+        )
+        stored["mlp.experts.down_proj"] = torch.stack(
+            [stored.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(experts)]
+        )
+    layer.load_state_dict(stored, strict=True)
+    return layer, reader
+
+
+def _reference_moe_inputs(model, source, ids):
+    """The MTP layer's MoE inputs at every position with a next token, from the stock formulas (vLLM's
+    ``qwen3_next_mtp`` / ``qwen3_5_mtp``): h = the main model's output after its final norm;
+    x_i = fc([pre_fc_norm_embedding(embed(t_{i+1})); pre_fc_norm_hidden(h_i)]) with Qwen's RMSNorm
+    ``(1 + w) * x / rms(x)``; then the MTP decoder layer, called as the main model calls its full-attention layer
+    on the window without its last token (causal: the same h and attention as on the full window)."""
+    text = _text_model(model)
+    layer, reader = _mtp_layer(model, source)
+    eps = model.config.get_text_config().rms_norm_eps
+    seen, recorded = {}, {}
+    hooks = [
+        text.norm.register_forward_hook(lambda m, a, o: seen.update(h=o)),
+        text.layers[1].register_forward_pre_hook(lambda m, a, k: recorded.update(k), with_kwargs=True),
+    ]
+
+    def rms(x, weight):
+        return (1.0 + weight.float()) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    captured = []
+    hooks.append(layer.mlp.register_forward_hook(lambda m, a, o: captured.append(a[0].reshape(-1, a[0].shape[-1]))))
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], use_cache=False)
+        embedded = F.embedding(ids[:, 1:], text.embed_tokens.weight)
+        x = F.linear(
+            torch.cat(
+                [
+                    rms(embedded, reader.tensor("mtp.pre_fc_norm_embedding.weight")),
+                    rms(seen["h"], reader.tensor("mtp.pre_fc_norm_hidden.weight")),
+                ],
+                -1,
+            ),
+            reader.tensor("mtp.fc.weight").float(),
+        )
+        layer(x, **{k: v for k, v in recorded.items() if k not in ("hidden_states", "cache", "use_cache")})
+    for hook in hooks:
+        hook.remove()
+    return captured[0]
+
+
+@pytest.mark.parametrize("family", QWEN_MTP)
+def test_qwen_mtp_capture_equals_the_stock_formulas(qwen_sources, family):
+    from moecompress.mtp_sweep import mtp_captures
+    from moecompress.sweep import CalibrationSweep
+
+    source = qwen_sources[family]
+    ids = torch.randint(3, 384, (2, 16), generator=torch.Generator().manual_seed(7))
+    batches = [{"input_ids": ids}]
+    sweep = CalibrationSweep(source, batches, torch.zeros(ids.numel(), dtype=torch.long), ["all"], progress=False)
+    for _ in sweep.run():
+        pass
+    (capture,) = list(mtp_captures(sweep, batches))
+    assert capture.layer == 3 and capture.moe_input.shape == (2 * 15, 64)
+    reference = _reference_moe_inputs(_stock(source), source, ids)
+    torch.testing.assert_close(capture.moe_input, reference, rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("family", QWEN_MTP)
+def test_qwen_mtp_layer_is_pruned_from_its_calibration(qwen_sources, tmp_path, family):
+    """prune --mtp keep: the MTP layer keeps as many experts as the main layers (what config.json says), its
+    router rows and experts are the kept ones, and its choice is the top experts by routing frequency on the MoE
+    inputs computed directly from the stock formulas on the same calibration windows."""
+    from moecompress.loading import load_adapter
+    from moecompress.passes.prune_experts import PruneExpertsConfig, calibration_batches, prune_experts
+
+    source = qwen_sources[family]
+    config = PruneExpertsConfig(ratio=0.5, method="frequency")
+    out = tmp_path / "pruned"
+    report = prune_experts(source, out, config, calib_tokens=256, seq_len=64, progress=False)
+    assert report["mtp"]["calibrated"] == [3]
+    written = json.loads((out / "config.json").read_text())
+    text = written.get("text_config", written)
+    assert text["num_experts"] == 4 and text["mtp_num_hidden_layers"] == 1
+    kept = text["moecompress"]["kept_experts"]
+    assert all(len(kept[str(layer)]) == 4 for layer in range(4))
+    assert report["layers"]["3"]["kept"] == kept["3"]
+
+    batches, _, _ = calibration_batches(load_adapter(source), source, "builtin:prose", 256, 64, 8, config.seed, 224)
+    model = _stock(source)
+    before = CheckpointReader(source)
+    router = before.tensor(f"{MTP}mlp.gate.weight").float()
+    counts = torch.zeros(8)
+    tokens = 0
+    for batch in batches:
+        inputs = _reference_moe_inputs(model, source, batch["input_ids"])
+        chosen = torch.topk(torch.softmax(inputs @ router.T, -1), 2, dim=-1).indices
+        counts += torch.bincount(chosen.reshape(-1), minlength=8)
+        tokens += inputs.shape[0]
+    frequency = counts / tokens
+    torch.testing.assert_close(torch.tensor(report["layers"]["3"]["frequency"]), frequency, rtol=0, atol=1e-6)
+    ranked = sorted(range(8), key=lambda e: (-float(frequency[e]), e))
+    assert sorted(kept["3"]) == sorted(ranked[:4])
+    assert float(frequency[ranked[3]]) > float(frequency[ranked[4]])
+
+    after = CheckpointReader(out)
+    assert torch.equal(after.tensor(f"{MTP}mlp.gate.weight"), before.tensor(f"{MTP}mlp.gate.weight")[kept["3"]])
+    keys = [k for k in after.keys() if k.startswith(f"{MTP}mlp.experts.")]
+    if family == "qwen3_5_moe":
+        fused = before.tensor(f"{MTP}mlp.experts.gate_up_proj")
+        assert torch.equal(after.tensor(f"{MTP}mlp.experts.gate_up_proj"), fused[kept["3"]])
+    else:
+        assert len(keys) == 4 * 3
+        for new, old in enumerate(kept["3"]):
+            assert torch.equal(
+                after.tensor(f"{MTP}mlp.experts.{new}.down_proj.weight"),
+                before.tensor(f"{MTP}mlp.experts.{old}.down_proj.weight"),
+            )
+    assert after.tensor("mtp.fc.weight").equal(before.tensor("mtp.fc.weight"))
