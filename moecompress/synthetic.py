@@ -308,6 +308,16 @@ TINY_CONFIGS.update(
     }
 )
 
+_GRANITE = dict(
+    _COMMON,
+    num_hidden_layers=2,
+    intermediate_size=32,
+    num_local_experts=4,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    logits_scaling=4.0,
+    attention_multiplier=0.125,
+)
 TINY_CONFIGS.update(
     {
         "glm_moe_dsa": dict(
@@ -320,6 +330,19 @@ TINY_CONFIGS.update(
             index_n_heads=2,
         ),
         "minicpm5_moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="minicpm5_moe", head_dim=16),
+        "granitemoeshared": dict(_GRANITE, model_type="granitemoeshared", shared_intermediate_size=48),
+        "granitemoehybrid": dict(
+            _GRANITE,
+            model_type="granitemoehybrid",
+            shared_intermediate_size=48,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+        ),
+        "granitemoe_swa": dict(_GRANITE, model_type="granitemoe_swa", shared_intermediate_size=48, sliding_window=8),
     }
 )
 

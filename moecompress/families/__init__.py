@@ -21,7 +21,7 @@ from .deepseek_derived import (
 )
 from .ernie import Ernie45MoeAdapter
 from .gpt_oss import GptOssAdapter
-from .granite import GraniteMoeAdapter
+from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
@@ -59,6 +59,9 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     ExaoneMoeAdapter,
     GlmMoeDsaAdapter,
     MiniCPM5MoeAdapter,
+    GraniteMoeSharedAdapter,
+    GraniteMoeHybridAdapter,
+    GraniteMoeSWAAdapter,
     AfmoeAdapter,
     Lfm2MoeAdapter,
     Glm4vMoeAdapter,

@@ -37,3 +37,35 @@ class GraniteMoeAdapter(FamilyAdapter):
         if key.endswith(("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")):
             return "experts"
         return super().classify_key(key)
+
+
+class GraniteMoeSharedAdapter(GraniteMoeAdapter):
+    """GraniteMoE with a dense shared MLP beside the MoE block (``shared_mlp.input_linear``/``output_linear``)."""
+
+    family = "granitemoeshared"
+    model_types = ("granitemoeshared",)
+    shared_expert_markers = ("shared_mlp",)
+
+
+class GraniteMoeHybridAdapter(GraniteMoeSharedAdapter):
+    """Granite 4.0 (``granitemoehybrid``): GraniteMoE-shared layers whose token mixer is a Mamba-2 layer or attention,
+    as ``layer_types`` says; a config with no experts is a dense model."""
+
+    family = "granitemoehybrid"
+    model_types = ("granitemoehybrid",)
+
+
+class GraniteMoeSWAAdapter(GraniteMoeSharedAdapter):
+    """GraniteMoE-SWA (``granitemoe_swa``): sliding-window and full attention layers (with attention sinks);
+    transformers has no conversion rule for it, so its checkpoints hold the runtime names:
+    ``block_sparse_moe.experts.gate_up_proj`` ``[E, 2I, H]``, ``block_sparse_moe.experts.down_proj`` ``[E, H, I]``,
+    ``block_sparse_moe.router.weight``."""
+
+    family = "granitemoe_swa"
+    model_types = ("granitemoe_swa",)
+
+    def _router_key(self, layer: int, name: str) -> str:
+        return FamilyAdapter._router_key(self, layer, name)
+
+    def _fused_key(self, layer: int, name: str) -> str:
+        return FamilyAdapter._fused_key(self, layer, name)
