@@ -23,6 +23,8 @@ import sys
 _INSTALLED = False
 _EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts")
 _MODELING_MODULE = "transformers.modeling_utils"
+_MOE_BLOCK_NAMES = ("mlp", "feed_forward")
+"""What a decoder layer calls its MoE block (``feed_forward``: Llama 4)."""
 
 
 def _resize_moe_blocks(model) -> None:
@@ -38,12 +40,13 @@ def _resize_moe_blocks(model) -> None:
         if int(key) >= len(layers):
             continue  # a model built with fewer layers (the layer sweeps' skeleton has none)
         layer = layers[int(key)]
-        block = getattr(layer, "mlp", None)
+        name = next((name for name in _MOE_BLOCK_NAMES if hasattr(layer, name)), None)
+        block = None if name is None else getattr(layer, name)
         if block is None or not _block_needs(block, count):
             continue
         layer_config = copy.copy(config)
         setattr(layer_config, attribute, int(count))
-        layer.mlp = type(block)(layer_config)
+        setattr(layer, name, type(block)(layer_config))
 
 
 class _LayerConfig:

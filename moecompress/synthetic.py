@@ -305,6 +305,36 @@ TINY_CONFIGS.update(
             vision_start_token_id=382,
             vision_end_token_id=383,
         ),
+        "llama4": dict(
+            model_type="llama4",
+            text_config=dict(
+                {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+                num_hidden_layers=4,
+                head_dim=16,
+                intermediate_size=96,
+                intermediate_size_mlp=128,
+                num_local_experts=8,
+                interleave_moe_layer_step=2,
+                no_rope_layer_interval=2,
+                attention_chunk_size=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=32,
+                vision_output_dim=32,
+                image_size=32,
+                patch_size=8,
+                projector_input_dim=32,
+                projector_output_dim=64,
+            ),
+            image_token_index=380,
+            boi_token_index=381,
+            eoi_token_index=382,
+            tie_word_embeddings=False,
+        ),
     }
 )
 

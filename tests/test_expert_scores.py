@@ -17,7 +17,9 @@ def _layer_view(checkpoint):
     return adapter, moe
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss", "llama4"]
+)
 def test_single_pass_delta_h_matches_brute_force(family, tiny_checkpoints):
     adapter, moe = _layer_view(tiny_checkpoints[family])
     hidden = torch.randn(300, moe.router_weight.shape[1], generator=torch.Generator().manual_seed(0))
@@ -29,12 +31,12 @@ def test_single_pass_delta_h_matches_brute_force(family, tiny_checkpoints):
     assert stats.frequency.sum().item() == pytest.approx(k)
     ids, _ = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
     # Unnormalised softmax (qwen2_moe here) rescales every token; group-limited rules can switch groups.
-    if family in ("qwen3_moe", "mixtral", "gpt_oss"):
+    if family in ("qwen3_moe", "mixtral", "gpt_oss", "llama4"):
         routed = torch.zeros(300, moe.num_experts, dtype=torch.bool).scatter_(1, ids, True)
         assert torch.all(stats.delta_h[~routed] == 0), "only tokens that chose e change when e is removed"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss", "llama4"])
 def test_masked_route_equals_route_without_the_expert(family, tiny_checkpoints):
     adapter, moe = _layer_view(tiny_checkpoints[family])
     hidden = torch.randn(200, moe.router_weight.shape[1], generator=torch.Generator().manual_seed(1))
@@ -51,7 +53,7 @@ def test_masked_route_equals_route_without_the_expert(family, tiny_checkpoints):
     torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), pruned_weights.gather(1, mapped.argsort(-1)))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "llama4"])
 def test_delta_h_with_experts_already_removed_matches_brute_force(family, tiny_checkpoints):
     """The greedy order re-scores survivors against the reduced block; check that ΔH too."""
     adapter, moe = _layer_view(tiny_checkpoints[family])

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import load_stock, run_cli
 from transformers import AutoModelForCausalLM
 
 from moecompress.checkpoint import CheckpointReader
@@ -21,7 +21,7 @@ from moecompress.quantization.scheme import QuantScheme
 
 
 def _load(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_stock(path)
 
 
 def _ids(seed=0, vocab=380, length=24):
@@ -60,6 +60,7 @@ def _reference(source, scheme: QuantScheme, targets=("experts",)):
         ("deepseek_v3", QuantScheme("mxfp4", scale_rule="ceil"), ("experts", "shared_experts", "attention")),
         ("gpt_oss", QuantScheme("mxfp4"), ("experts",)),
         ("olmoe", QuantScheme("int4", 32), ("experts",)),
+        ("llama4", QuantScheme("int4", 32), ("experts", "shared_experts")),
     ],
 )
 def test_native_checkpoint_computes_what_its_dequantised_weights_compute(

@@ -10,7 +10,7 @@ from ..families import FamilyAdapter
 class RouteRecorder:
     """Forward hooks on every router; after a forward, ``routes[layer]`` is ``[T, k]`` original expert ids.
 
-    Routers of every supported family return ``(logits, weights, top-k ids)``; ids are positions in the
+    The adapter reads each router's output as ``(logits, weights, top-k ids)``; ids are positions in the
     (possibly pruned) layer and are mapped back through the checkpoint's kept-expert table.
     """
 
@@ -20,11 +20,12 @@ class RouteRecorder:
         for layer in adapter.moe_layers():
             id_map = torch.tensor(adapter.original_expert_ids(layer), dtype=torch.long, device="cpu")
             router = adapter.router_of(model, layer)
-            self._handles.append(router.register_forward_hook(self._hook(layer, id_map)))
+            self._handles.append(router.register_forward_hook(self._hook(adapter, layer, id_map)))
 
-    def _hook(self, layer: int, id_map: torch.Tensor):
+    def _hook(self, adapter: FamilyAdapter, layer: int, id_map: torch.Tensor):
         def record(module, inputs, output):
-            self.routes[layer] = id_map[output[2].reshape(-1, output[2].shape[-1]).cpu()]
+            ids = adapter.route_of(output)[2]
+            self.routes[layer] = id_map[ids.reshape(-1, ids.shape[-1]).cpu()]
 
         return record
 

@@ -187,7 +187,8 @@ class LayerStream(CalibrationSweep):
             id_map = torch.tensor(self.adapter.original_expert_ids(layer), dtype=torch.long, device="cpu")
 
             def record(mod, args, output):
-                routes.append(id_map[output[2].reshape(-1, output[2].shape[-1]).cpu()])
+                ids = self.adapter.route_of(output)[2]
+                routes.append(id_map[ids.reshape(-1, ids.shape[-1]).cpu()])
 
             handle = module.get_submodule(self.adapter.router_module).register_forward_hook(record)
         start = time.perf_counter()

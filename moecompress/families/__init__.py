@@ -23,6 +23,7 @@ from .ernie import Ernie45MoeAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter
+from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
@@ -65,16 +66,12 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     AfmoeAdapter,
     Lfm2MoeAdapter,
     Glm4vMoeAdapter,
+    Llama4Adapter,
+    Llama4TextAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
-REFUSED_FAMILIES: dict[str, str] = {
-    "llama4": (
-        "Llama 4's MoE block scales each token by its sigmoid routing score before the experts and runs every expert "
-        "on every token, and its router returns dense scores, which the expert passes, the routing hooks and the "
-        "quantised-expert plugin do not model yet"
-    ),
-}
+REFUSED_FAMILIES: dict[str, str] = {}
 """MoE families transformers has that moecompress refuses on purpose, with the reason it gives."""
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 

@@ -69,9 +69,9 @@ class RoutingRule:
 
     def __post_init__(self) -> None:
         if self.scales_input and self.kind != "topk_sigmoid":
-            raise ValueError(f"routing rule {self.kind!r} weighs an expert by more than its own logit; it cannot scale inputs")
+            raise ValueError(f"rule {self.kind!r} weighs an expert by more than its own logit: it cannot scale inputs")
 
-    def expert_input(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def expert_input(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """What an expert computes on for tokens ``hidden`` ``[T, H]`` routed to it with weights ``weight``
         ``[T, 1]``."""
         return hidden * weight.to(hidden.dtype) if self.scales_input else hidden

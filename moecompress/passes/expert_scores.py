@@ -6,6 +6,9 @@ H'_t(e) the output once e is removed *and t is re-routed* among the remaining ex
 over the layer's tokens: the router is re-evaluated with each expert masked (cheap: logits only), and the only
 new expert outputs computed are those of experts that enter a token's top-k when another leaves it — for
 softmax top-k rules exactly the (k+1)-th choice.
+
+Where the family's rule scales the expert's input rather than its output (Llama 4), f_e(x) is the expert's output on
+the scaled token and its output weight is 1: REAP is then the mean of ‖f_e(w·x)‖ over the routed tokens.
 """
 
 from __future__ import annotations
@@ -31,13 +34,21 @@ class TokenExpertStats:
 
 
 def _expert_outputs(
-    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, pairs_token: torch.Tensor, pairs_expert: torch.Tensor
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    hidden: torch.Tensor,
+    pairs_token: torch.Tensor,
+    pairs_expert: torch.Tensor,
+    pairs_weight: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Unweighted outputs f_j(x_t) for the (t, j) pairs given, ``[P, H]``."""
+    """Outputs f_j(x_t) for the (t, j) pairs given, ``[P, H]``, not multiplied by the routing weight; where the
+    family's rule scales expert inputs, x_t is the token scaled by its pair's weight ``pairs_weight`` ``[P, 1]``."""
+    rule = adapter.routing_rule()
     out = torch.empty(pairs_token.numel(), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     for expert in pairs_expert.unique().tolist():
         where = (pairs_expert == expert).nonzero().squeeze(1)
-        out[where] = adapter.expert_output(moe, expert, hidden[pairs_token[where]])
+        weight = None if pairs_weight is None else pairs_weight[where]
+        out[where] = adapter.expert_output(moe, expert, rule.expert_input(hidden[pairs_token[where]], weight))
     return out
 
 
@@ -88,15 +99,18 @@ def layer_expert_stats(
             if rows.numel():
                 needed[rows[:, None], new_ids[e, rows]] = True
         pair_token, pair_expert = needed.nonzero(as_tuple=True)
-        outputs = _expert_outputs(adapter, moe, x, pair_token, pair_expert)
+        # A rule that scales inputs weighs an expert by its own logit alone, so one weight per pair serves every
+        # routing; other rules never read it.
+        pair_weight = rule.weights_for(logits[pair_token], pair_expert[:, None]) if rule.scales_input else None
+        outputs = _expert_outputs(adapter, moe, x, pair_token, pair_expert, pair_weight)
         index = torch.full((n, num_experts), -1, dtype=torch.long, device=device)
         index[pair_token, pair_expert] = torch.arange(pair_token.numel(), device=device)
 
         token_rows = torch.arange(n, device=device)[:, None]
         routed = outputs[index[token_rows, ids]]  # [n, k, H]
-        combined = (weights[..., None] * routed).sum(dim=1)  # H_t
+        combined = (rule.output_weight(weights)[..., None] * routed).sum(dim=1)  # H_t
         output_norm[start : start + n] = combined.norm(dim=-1)
-        gate_norm = weights * routed.norm(dim=-1)  # [n, k]
+        gate_norm = rule.output_weight(weights) * routed.norm(dim=-1)  # [n, k]
         counts += torch.bincount(ids.reshape(-1), minlength=num_experts).float()
         reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1).double(), minlength=num_experts)
         for e in range(num_experts):
@@ -104,7 +118,7 @@ def layer_expert_stats(
             if rows.numel() == 0:
                 continue
             rerouted = outputs[index[rows[:, None], new_ids[e, rows]]]  # [r, k, H]
-            new_combined = (new_weights[e, rows][..., None] * rerouted).sum(dim=1)
+            new_combined = (rule.output_weight(new_weights[e, rows])[..., None] * rerouted).sum(dim=1)
             delta_h[start + rows, e] = (combined[rows] - new_combined).norm(dim=-1)
     return TokenExpertStats(
         frequency=counts / tokens,

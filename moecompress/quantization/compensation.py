@@ -60,7 +60,8 @@ def layer_errors(
 
     ``weighting="tokens"``: an expert's load is its share of routed tokens and every routed token counts alike;
     ``"gate"``: each token also counts with its squared routing weight (the block adds the expert's output
-    scaled by that weight, so this is the block-output error).
+    scaled by that weight, so this is the block-output error). Where the family's rule scales the expert's input
+    instead (Llama 4), ``x`` is the scaled token and the output weight is 1.
 
     The down projection's inputs are the *original* block's activations on the routed tokens, i.e. what the
     compensated expert should reproduce.
@@ -75,7 +76,8 @@ def layer_errors(
     moe = moe_on(moe, hidden.device)
     if token_weights is not None:
         token_weights = token_weights.to(hidden.device)
-    ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
+    rule = adapter.routing_rule()
+    ids, weights = rule.route(adapter.router_logits(moe, hidden), moe.correction_bias)
     total_slots = float(ids.numel())
     result = LayerErrors({}, {})
     without_adapters = with_adapters = 0.0
@@ -84,8 +86,9 @@ def layer_errors(
         routed = ids == expert
         tokens = torch.where(routed.any(dim=-1))[0]
         load = float(routed.sum()) / total_slots
-        x = hidden[tokens]
         gate_weight = (weights * routed).sum(dim=-1)[tokens].float().unsqueeze(-1)
+        x = rule.expert_input(hidden[tokens], gate_weight)
+        gate_weight = rule.output_weight(gate_weight)
         original = expert_matrices(moe, expert)
         approximate = split_expert(*(t.to(hidden.device) for t in quantized.dequantized_expert(expert)), inter)
         projected = F.linear(x, moe.gate_up[expert].float())

@@ -54,6 +54,18 @@ def routed_tokens(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor)
     return [torch.where((ids == expert).any(dim=-1))[0] for expert in range(moe.num_experts)]
 
 
+def routed_inputs(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """For each expert (position in ``moe``), what it computes on: the tokens of ``hidden`` routed to it, scaled by
+    their routing weight where the family's rule scales expert inputs (Llama 4)."""
+    rule = adapter.routing_rule()
+    ids, weights = rule.route(adapter.router_logits(moe, hidden), moe.correction_bias)
+    inputs = []
+    for expert in range(moe.num_experts):
+        token, slot = torch.where(ids == expert)
+        inputs.append(rule.expert_input(hidden[token], weights[token, slot, None]))
+    return inputs
+
+
 def _hessians(inputs: list[torch.Tensor], width: int, use: list[bool]) -> torch.Tensor:
     """``XᵀX`` per expert in float64 accumulation; the identity for experts that fall back to RTN."""
     device = inputs[0].device if inputs else "cpu"
@@ -111,10 +123,9 @@ def quantize_experts_calibrated(
         raise ValueError(f"unknown method {method!r}")
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
-    tokens = routed_tokens(adapter, moe, hidden)
-    counts = [int(t.numel()) for t in tokens]
+    inputs = routed_inputs(adapter, moe, hidden)
+    counts = [int(x.shape[0]) for x in inputs]
     use = [count >= min_tokens for count in counts] if method == "gptq" else None
-    inputs = [hidden[t] for t in tokens]
     gate_up = _quantize_matrix(moe.gate_up, inputs, scheme, use, damp, block_size)
     gate_up_values = gate_up.dequantize()
     inter = moe.intermediate_size

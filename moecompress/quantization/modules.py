@@ -130,8 +130,9 @@ class QuantizedLinear(_QuantizedWeights):
 
 class QuantizedExperts(_QuantizedWeights):
     """A drop-in for a transformers 5 fused experts module, called as ``experts(hidden [T, H], ids [T, k],
-    weights [T, k])``. Weights are stored in the canonical orientation (``gate_up`` ``[E, 2I, H]`` gate rows
-    first, ``down`` ``[E, H, I]``); biases, where the family has them, likewise."""
+    weights [T, k])``, or as Llama 4's ``experts(scaled tokens [E * T, H])``. Weights are stored in the canonical
+    orientation (``gate_up`` ``[E, 2I, H]`` gate rows first, ``down`` ``[E, H, I]``); biases, where the family has
+    them, likewise."""
 
     def __init__(
         self,
@@ -174,32 +175,57 @@ class QuantizedExperts(_QuantizedWeights):
         down = self.quantized("down_proj", (self.hidden_size, self.intermediate_size), expert)
         return gate_up.dequantize(dtype), down.dequantize(dtype)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+    ):
+        if top_k_index is None:
+            return self._forward_every_expert(hidden_states)
         fused = dispatch.experts(self, hidden_states, top_k_index, top_k_weights)
         if fused is not None:
             return fused
         out = torch.zeros_like(hidden_states)
-        inter = self.intermediate_size
         for expert in top_k_index.unique().tolist():
             if not 0 <= expert < self.num_experts:
                 continue
             token, slot = torch.where(top_k_index == expert)
-            gate_up_weight, down_weight = self.expert_weights(expert, hidden_states.dtype)
-            x = hidden_states[token]
-            gate_up = F.linear(self._inputs(x), gate_up_weight)
-            if self.gate_up_proj_bias is not None:
-                gate_up = gate_up + self.gate_up_proj_bias[expert].to(gate_up.dtype)
-            gate, up = (
-                self.lowrank.apply(expert, "gate", x, gate_up[:, :inter]),
-                self.lowrank.apply(expert, "up", x, gate_up[:, inter:]),
-            )
-            hidden = self.activation(gate, up)
-            expert_out = self.lowrank.apply(expert, "down", hidden, F.linear(self._inputs(hidden), down_weight))
-            if self.down_proj_bias is not None:
-                expert_out = expert_out + self.down_proj_bias[expert].to(expert_out.dtype)
+            expert_out = self._expert_forward(expert, hidden_states[token])
             weight = top_k_weights[token, slot, None].to(expert_out.dtype)
             out.index_add_(0, token, (expert_out * weight).to(out.dtype))
         return out
+
+    def _forward_every_expert(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Llama 4's call: ``hidden_states`` ``[E * T, H]`` holds every token once per expert, already scaled by
+        its routing weight (zero where the expert is not chosen); the output has the same layout. Rows that are
+        all zero give zero (the experts have no biases), so only the chosen tokens are computed."""
+        per_expert = hidden_states.reshape(self.num_experts, -1, hidden_states.shape[-1])
+        out = torch.zeros_like(per_expert)
+        for expert in range(self.num_experts):
+            rows = torch.arange(per_expert.shape[1], device=per_expert.device)
+            if self.gate_up_proj_bias is None:
+                rows = per_expert[expert].any(dim=-1).nonzero().squeeze(1)
+            if rows.numel():
+                out[expert, rows] = self._expert_forward(expert, per_expert[expert, rows]).to(out.dtype)
+        return out.reshape(hidden_states.shape)
+
+    def _expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s output for tokens ``x`` ``[T, H]``, unweighted."""
+        gate_up_weight, down_weight = self.expert_weights(expert, x.dtype)
+        inter = self.intermediate_size
+        gate_up = F.linear(self._inputs(x), gate_up_weight)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[expert].to(gate_up.dtype)
+        gate, up = (
+            self.lowrank.apply(expert, "gate", x, gate_up[:, :inter]),
+            self.lowrank.apply(expert, "up", x, gate_up[:, inter:]),
+        )
+        hidden = self.activation(gate, up)
+        expert_out = self.lowrank.apply(expert, "down", hidden, F.linear(self._inputs(hidden), down_weight))
+        if self.down_proj_bias is not None:
+            expert_out = expert_out + self.down_proj_bias[expert].to(expert_out.dtype)
+        return expert_out
 
 
 _ADAPTER_SHAPES = {"gate": ("inter", "hidden"), "up": ("inter", "hidden"), "down": ("hidden", "inter")}

@@ -71,13 +71,15 @@ class RouteCapture:
 
     def __init__(self, model: torch.nn.Module, adapter: FamilyAdapter):
         self.routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._adapter = adapter
         self._handles = [
             adapter.router_of(model, layer).register_forward_hook(self._hook(layer)) for layer in adapter.moe_layers()
         ]
 
     def _hook(self, layer: int):
         def record(module, inputs, output):
-            self.routes[layer] = (output[2].detach(), output[1].detach())
+            _, weights, ids = self._adapter.route_of(output)
+            self.routes[layer] = (ids.detach(), weights.detach())
 
         return record
 
@@ -99,6 +101,7 @@ class RouteReplay:
         if weights not in REPLAY_WEIGHTS:
             raise UserInputError(f"--replay-weights {weights!r}: choose from {', '.join(REPLAY_WEIGHTS)}")
         self.weights = weights
+        self.adapter = adapter
         self.rule = adapter.routing_rule()
         self.routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.active: set[int] = set()
@@ -110,7 +113,7 @@ class RouteReplay:
 
     def _hook(self, layer: int):
         def replace(module, inputs, output):
-            logits, own_weights, own_ids = output
+            logits, _, own_ids = self.adapter.route_of(output)
             self.own_ids[layer] = own_ids.detach()
             if layer not in self.active:
                 return None
@@ -118,7 +121,7 @@ class RouteReplay:
             if ids.shape != own_ids.shape:
                 raise RuntimeError(f"layer {layer}: recorded routes {tuple(ids.shape)} vs {tuple(own_ids.shape)}")
             weights = recorded if self.weights == "recorded" else self.rule.weights_for(logits, ids)
-            return logits, weights.to(own_weights.dtype), ids
+            return self.adapter.with_route(output, weights, ids)
 
         return replace
 
