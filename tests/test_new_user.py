@@ -66,8 +66,8 @@ def test_one_vocabulary_and_old_spellings_still_parse():
 
 
 def test_group_size_help_matches_each_scheme():
-    from moecompress.cli.quantize import GROUP_SIZE_HELP
     from moecompress.kernels import binary, intq
+    from moecompress.passes.quantize import GROUP_SIZE_HELP
 
     assert intq.GROUP_SIZES == (32, 64, 128) and "int4, int2 and w4a8 take 32, 64 or 128" in GROUP_SIZE_HELP
     assert binary.GROUP_SIZES == (32, 64, 128, 256) and "binary 32, 64, 128 or 256" in GROUP_SIZE_HELP

@@ -16,9 +16,13 @@ from .common_options import (
     seq_len_option,
 )
 from .numbers import human_bytes
-from .quantize import GROUP_SIZE_HELP
 from .run_options import check_one_pass_before_work, run_options
 from .trust_options import trust_options
+
+GROUP_SIZE_HELP = (
+    "Weights per scale: int4, int2 and w4a8 take 32, 64 or 128 (default 32); binary 32, 64, 128 or 256 (default "
+    "128); mxfp4 blocks are always 32 wide, so mxfp4 refuses any other value."
+)
 
 
 @click.command("qat")

@@ -8,7 +8,7 @@ projection), ``lm_head``. Routers, norms, embeddings and biases always stay in t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,8 +16,8 @@ import torch
 
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
+from ..checkpoint.mtp import MTP_MODES, quantize_mtp_plan
 from ..checkpoint.mtp import check_mode as check_mtp_mode
-from ..checkpoint.mtp import quantize_mtp_plan
 from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
 from ..errors import UserInputError
 from ..evals.footprint import checkpoint_footprint
@@ -34,6 +34,7 @@ from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, 
 from ..quantization.sensitivity import SENSITIVITIES, stored_layer_sensitivity
 from ..sweep import CalibrationSweep
 from ..sweep_state import LayerResult, SweepState
+from .options import option, recipe_only
 from .prune_experts import calibration_batches, update_report
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
@@ -41,30 +42,147 @@ FORMATS: tuple[str, ...] = ("native", "gpt-oss", "compressed-tensors")
 Method = Literal["rtn", "gptq"]
 
 
+GROUP_SIZE_HELP = (
+    "Weights per scale: int4, int2 and w4a8 take 32, 64 or 128 (default 32); binary 32, 64, 128 or 256 (default "
+    "128); mxfp4 blocks are always 32 wide, so mxfp4 refuses any other value."
+)
+
+
 @dataclass(frozen=True)
 class QuantizeConfig:
-    scheme: str = "mxfp4"
-    method: Method = "rtn"
-    group_size: int | None = None
-    symmetric: bool | None = None
-    scale_rule: ScaleRule = "floor"
-    salient_fraction: float = 0.0
-    bitmap: str = "rice"
-    targets: tuple[str, ...] = ("experts",)
-    format: str = "native"
-    gptq_min_tokens: int = 64
-    gptq_damp: float = 0.01
-    gptq_block: int = 128
-    lowrank_budget: float = 0.0
-    lowrank_rank: int = 0
-    """The same adapter rank for every expert matrix, instead of a budget (used by QAT's ``--adapter-rank``)."""
-    rank_alloc: str = "load"
-    load_weighting: str = "gate"
-    sensitivity: str = "fisher-token"
+    scheme: str = field(
+        default="mxfp4",
+        metadata=option(
+            "mxfp4: OCP MXFP4 (E2M1, 32-wide E8M0 blocks); int4/int2: group-wise integers; w4a8: int4 weights with "
+            "int8 per-token activations at inference; binary: sign bits with a bf16 scale per group (use with "
+            "--salient-fraction).",
+            choices=SCHEMES,
+        ),
+    )
+    method: Method = field(
+        default="rtn",
+        metadata=option(
+            "rtn: round to nearest, no calibration (streams at disk speed); gptq: per-expert GPTQ on the "
+            "calibration tokens routed to each expert."
+        ),
+    )
+    group_size: int | None = field(default=None, metadata=option(GROUP_SIZE_HELP, choices=(32, 64, 128, 256)))
+    symmetric: bool | None = field(
+        default=None,
+        metadata=option(
+            "Integer grid centred on zero, or with a per-group zero point (default: symmetric, asymmetric for int2).",
+            flag="--symmetric/--asymmetric",
+        ),
+    )
+    scale_rule: ScaleRule = field(
+        default="floor",
+        metadata=option(
+            "MXFP4 block exponent: floor(log2 amax) - 2 (OCP) or ceil(log2(amax/6)) (gpt-oss, never saturates)."
+        ),
+    )
+    salient_fraction: float = field(
+        default=0.0,
+        metadata=option(
+            "Share of each routed expert matrix's weights kept exactly in bf16, the largest |w| x input RMS over "
+            "the calibration tokens routed to the expert (needs calibration; native format only). 0.01 suits "
+            "binary.",
+            min=0,
+            max=0.5,
+        ),
+    )
+    bitmap: str = field(
+        default="rice",
+        metadata=option(
+            "How the salient weights' positions are stored: a Rice- or Golomb-coded bitmap (within 1% of H(p) "
+            "bits per position; Rice decodes faster) or raw (one bit per position, for comparison).",
+            choices=BITMAP_CODES,
+        ),
+    )
+    targets: tuple[str, ...] = field(
+        default=("experts",),
+        metadata=option(
+            "Comma-separated: experts (routed), shared_experts, attention, lm_head. Routers and norms are never "
+            "quantised."
+        ),
+    )
+    format: str = field(
+        default="native",
+        metadata=option(
+            "native: loads in transformers after `import moecompress`; gpt-oss: GPT-OSS's own MXFP4 layout "
+            "(stock transformers); compressed-tensors: what vLLM serves.",
+            choices=FORMATS,
+        ),
+    )
+    gptq_min_tokens: int = field(
+        default=64,
+        metadata=option("Experts routed fewer calibration tokens fall back to rtn (listed in the report).", min=1),
+    )
+    gptq_damp: float = field(
+        default=0.01,
+        metadata=option(
+            "GPTQ: added to the Hessian's diagonal as this fraction of its mean, for a stable inverse.",
+            min=0,
+            min_open=True,
+        ),
+    )
+    gptq_block: int = field(default=128, metadata=recipe_only("GPTQ: columns quantised per block."))
+    lowrank_budget: float = field(
+        default=0.0,
+        metadata=option(
+            "Low-rank error adapters after quantisation, in bits per routed expert weight (e.g. 0.25); bf16 "
+            "adapters whose rank is spent where calibration tokens go. 0 disables.",
+            min=0,
+        ),
+    )
+    lowrank_rank: int = field(
+        default=0,
+        metadata=option(
+            "The same adapter rank for every routed expert matrix (instead of --lowrank-budget).",
+            flag="--adapter-rank",
+            min=1,
+            cli_default=None,
+        ),
+    )
+    rank_alloc: str = field(
+        default="load",
+        metadata=option(
+            "load: one budget over every expert matrix, largest load × σ² first; uniform: the same rank everywhere.",
+            choices=ALLOCATIONS,
+        ),
+    )
+    load_weighting: str = field(
+        default="gate",
+        metadata=option(
+            "gate: each routed token counts with its squared routing weight (the block-output error); tokens: "
+            "every routed token counts alike (an expert's load is its share of routed tokens).",
+            choices=LOAD_WEIGHTINGS,
+        ),
+    )
+    sensitivity: str = field(
+        default="fisher-token",
+        metadata=option(
+            "Downstream weight of each token's adapter error, from one gradient pass over the calibration data "
+            "(streamed layer by layer, each layer read twice): fisher-token: ‖∂loss/∂block output‖² per token; "
+            "fisher: its mean per layer; none: 1 (skips the pass).",
+            choices=SENSITIVITIES,
+        ),
+    )
     """Downstream factor on the low-rank objective (see :mod:`..quantization.sensitivity`)."""
-    lowrank_min_tokens: int = 64
-    seed: int = 0
-    mtp: str = "keep"
+    lowrank_min_tokens: int = field(
+        default=64,
+        metadata=recipe_only(
+            "Experts routed fewer calibration tokens get adapters from a plain SVD of their error (not whitened)."
+        ),
+    )
+    seed: int = field(default=0, metadata=option("Seed for calibration windows."))
+    mtp: str = field(
+        default="keep",
+        metadata=option(
+            "Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5): keep (written unquantised in the "
+            "decoded dtype, outside quantization_config) or drop (not written, num_nextn_predict_layers 0).",
+            choices=MTP_MODES,
+        ),
+    )
 
     def quant_scheme(self) -> QuantScheme:
         """``symmetric`` defaults to True, except for INT2 where a zero-centred grid wastes a level; the group
@@ -261,6 +379,11 @@ def _measure_lowrank(
     for capture in sweep.run(state, label="measuring quantisation error"):
         capture.result = measure_layer(quantizer, capture)
         absorb(capture.layer, capture.result)
+    if quantizer.config.mtp == "keep":
+        from ..mtp_sweep import mtp_captures
+
+        for capture in mtp_captures(sweep, calibration_inputs[0]):
+            absorb(capture.layer, measure_layer(quantizer, capture))
     return gains, loads, shapes
 
 
@@ -297,6 +420,7 @@ def quantize_checkpoint(
     quantizer = _ExpertQuantizer(adapter, scheme, config)
     lowrank = config.lowrank_budget > 0 or config.lowrank_rank > 0
     needs_calibration = quantizer.calibrated or lowrank
+    quantize_mtp_plan(model_dir, adapter, config.mtp, needs_calibration)
     calibration: dict[str, Any] | None = None
     if needs_calibration:
         batches, tags, tag_names = calibration_batches(
@@ -323,8 +447,11 @@ def quantize_checkpoint(
         if needs_calibration:
             rewrite_state = SweepState(writer.state_dir / "quantize-rewrite")
             align_resumed_sweep(rewrite_state, writer)
-            captures = CalibrationSweep(model_dir, *calibration_inputs, progress=progress).run(
-                rewrite_state, label="calibrating"
+            from ..mtp_sweep import with_mtp_captures
+
+            sweep = CalibrationSweep(model_dir, *calibration_inputs, progress=progress)
+            captures = with_mtp_captures(
+                sweep, sweep.run(rewrite_state, label="calibrating"), calibration_inputs[0], config.mtp
             )
         report = {
             "pass": "quantize",
@@ -512,7 +639,7 @@ def _write_quantized(
             quantized = layers.quantize_moe(layer, moe, capture)
         return layers.join_layer(layer, quantized, rest)
 
-    mtp = quantize_mtp_plan(model_dir, quantizer.adapter, quantizer.config.mtp)
+    mtp = quantize_mtp_plan(model_dir, quantizer.adapter, quantizer.config.mtp, captures is not None)
     report["mtp"] = mtp.report or None
     rewrite_checkpoint(
         model_dir,

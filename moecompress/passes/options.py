@@ -1,0 +1,128 @@
+"""Each pass option is declared once, on its config dataclass's field: the field's name is the recipe key, its type
+and default are the recipe's, and :func:`option` in the field's metadata gives the command line its flag, help,
+choices and range. :mod:`moecompress.cli.pass_options` turns a config class into click options from this, and
+``scripts/recipe_keys_table.py`` writes docs/recipe_keys.md from it.
+
+```python
+gptq_damp: float = field(default=0.01, metadata=option("GPTQ: ...", min=0, min_open=True))
+gptq_block: int = field(default=128, metadata=recipe_only("GPTQ's column block width."))
+```
+
+This module does not import click, so the passes (and ``import moecompress``) stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+OPTION_KEY = "moecompress.option"
+
+
+class _FieldDefault:
+    def __repr__(self) -> str:
+        return "the field's default"
+
+
+FIELD_DEFAULT: Any = _FieldDefault()
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a config field appears on the command line (``cli=False``: a recipe key only)."""
+
+    help: str
+    flag: str | None = None
+    """``--name`` (underscores as dashes) unless given; ``--yes/--no`` makes a boolean an on/off pair."""
+    choices: tuple[Any, ...] | None = None
+    """The values the flag takes (else a ``Literal`` field's values); ints are typed as their digits."""
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False
+    cli_default: Any = FIELD_DEFAULT
+    """The flag's default where it differs from the field's (None: "not given", resolved by the command)."""
+    required: bool = False
+    old: tuple[str, ...] = ()
+    """Old spellings, still accepted and hidden from ``--help``."""
+    shared: bool = False
+    """Set from the command's own option of the same flag (``--seq-len``), which is not generated here."""
+    cli: bool = True
+
+    def with_changes(self, **changes: Any) -> Option:
+        return dataclasses.replace(self, **changes)
+
+
+def option(help: str, **attrs: Any) -> dict[str, Option]:
+    """A field's metadata: it is a command-line option (see :class:`Option` for ``attrs``)."""
+    return {OPTION_KEY: Option(help, **attrs)}
+
+
+def recipe_only(help: str) -> dict[str, Option]:
+    """A field's metadata: a recipe key with no command-line flag (a tuning knob the commands leave at its default)."""
+    return {OPTION_KEY: Option(help, cli=False)}
+
+
+def option_of(field: dataclasses.Field) -> Option | None:
+    return field.metadata.get(OPTION_KEY)
+
+
+def declared_fields(cls: type) -> list[tuple[dataclasses.Field, Option | None]]:
+    """Every field of ``cls`` with its declaration (None where it has none: a mistake the tests catch)."""
+    return [(f, option_of(f)) for f in dataclasses.fields(cls)]
+
+
+def flag_of(field: dataclasses.Field, declared: Option) -> str:
+    return declared.flag or "--" + field.name.replace("_", "-")
+
+
+def flag(cls: type, name: str) -> str:
+    """The command-line flag of ``cls``'s field ``name`` (for messages that name it)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    declared = option_of(field)
+    if declared is None:
+        raise KeyError(f"{cls.__name__}.{name} declares no option")
+    return flag_of(field, declared).split("/")[0]
+
+
+def field_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def value_type(cls: type, field: dataclasses.Field) -> tuple[Any, bool]:
+    """The field's type without ``None`` and whether None is allowed."""
+    annotation = typing.get_type_hints(cls)[field.name]
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union or type(annotation).__name__ == "UnionType":
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else annotation), type(None) in args
+    return annotation, False
+
+
+def choices_of(cls: type, field: dataclasses.Field, declared: Option) -> tuple[Any, ...] | None:
+    if declared.choices is not None:
+        return declared.choices
+    base, _ = value_type(cls, field)
+    if typing.get_origin(base) is typing.Literal:
+        return typing.get_args(base)
+    return None
+
+
+def type_name(cls: type, field: dataclasses.Field) -> str:
+    """The field's type as a recipe writer reads it."""
+    base, optional = value_type(cls, field)
+    origin = typing.get_origin(base)
+    if origin is typing.Literal:
+        name = "one of " + ", ".join(map(str, typing.get_args(base)))
+    elif origin is tuple:
+        name = f"list of {typing.get_args(base)[0].__name__}"
+    elif dataclasses.is_dataclass(base):
+        name = "mapping"
+    else:
+        name = getattr(base, "__name__", str(base))
+    return f"{name} or null" if optional else name
