@@ -373,6 +373,20 @@ TINY_CONFIGS.update(
             mamba_chunk_size=16,
         ),
         "granitemoe_swa": dict(_GRANITE, model_type="granitemoe_swa", shared_intermediate_size=48, sliding_window=8),
+        "cohere2_moe": dict(
+            _COMMON,
+            model_type="cohere2_moe",
+            num_hidden_layers=3,
+            head_dim=16,
+            intermediate_size=32,
+            num_experts=8,
+            num_shared_experts=1,
+            first_k_dense_replace=1,
+            prefix_dense_intermediate_size=64,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            expert_selection_fn="sigmoid",
+        ),
     }
 )
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..errors import UserInputError
 from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
+from .cohere import Cohere2MoeAdapter
 from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
 from .deepseek_derived import (
     DeepseekV32Adapter,
@@ -63,6 +64,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     GraniteMoeSharedAdapter,
     GraniteMoeHybridAdapter,
     GraniteMoeSWAAdapter,
+    Cohere2MoeAdapter,
     AfmoeAdapter,
     Lfm2MoeAdapter,
     Glm4vMoeAdapter,
