@@ -1,0 +1,132 @@
+"""Llama 4 scales each token by its routing weight before the expert: what the experts compute on (GPTQ's inputs),
+rerouting around removed experts in the sweep, and per-layer expert counts in the plugin all follow stock
+transformers' Llama4TextMoe."""
+
+import copy
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from helpers import load_stock
+
+from moecompress.calibration.builtin_corpus import builtin_documents
+from moecompress.checkpoint import CheckpointReader
+from moecompress.cli.main import app
+from moecompress.families import adapter_for
+from moecompress.quantization.experts import routed_inputs
+from moecompress.sweep import CalibrationSweep
+from moecompress.synthetic import tiny_tokenizer
+
+KEEP = [0, 2, 3, 5, 6, 7]
+
+
+def _view(source, layer):
+    with CheckpointReader(source) as reader:
+        adapter = adapter_for(reader.config)
+        prefix = adapter.layer_prefix(layer)
+        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
+    return adapter, moe
+
+
+def test_routed_inputs_are_the_scaled_tokens_the_stock_experts_receive(tiny_checkpoints):
+    source = tiny_checkpoints["llama4"]
+    model = load_stock(source)
+    layer = adapter_for(CheckpointReader(source).config).moe_layers()[-1]
+    adapter, moe = _view(source, layer)
+    hidden = torch.randn(50, moe.router_weight.shape[1], generator=torch.Generator().manual_seed(0))
+    received = []
+    handle = adapter.experts_of(model, layer).register_forward_hook(lambda m, args, out: received.append(args[0]))
+    with torch.no_grad():
+        adapter.moe_block_of(model, layer)(hidden)
+    handle.remove()
+    per_expert = received[0].reshape(moe.num_experts, 50, -1)
+    inputs = routed_inputs(adapter, moe, hidden)
+    for expert, x in enumerate(inputs):
+        rows = per_expert[expert].any(dim=-1)
+        torch.testing.assert_close(x, per_expert[expert][rows])
+        assert not torch.allclose(x, hidden[rows]), "the expert's input is the scaled token"
+    assert sum(x.shape[0] for x in inputs) == 50 * adapter.top_k
+
+
+def _without_experts(adapter, model, layer, keep):
+    """Replace layer ``layer``'s stock MoE block by a stock block holding only the experts ``keep``."""
+    block = adapter.moe_block_of(model, layer)
+    config = copy.copy(model.config.text_config)
+    config.num_local_experts = len(keep)
+    small = type(block)(config)
+    state = block.state_dict()
+    for name in ("router.weight", "experts.gate_up_proj", "experts.down_proj"):
+        state[name] = state[name][keep]
+    small.load_state_dict(state)
+    setattr(adapter.decoder_layers(model)[layer], adapter.moe_block_name, small.eval())
+
+
+def _moe_inputs(adapter, model, layer, batch):
+    seen = []
+    handle = adapter.moe_block_of(model, layer).register_forward_hook(
+        lambda m, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1]))
+    )
+    with torch.no_grad():
+        model(**batch, use_cache=False)
+    handle.remove()
+    return seen[0]
+
+
+def test_the_sweep_reroutes_around_removed_experts_as_the_stock_model_without_them(tiny_checkpoints):
+    source = tiny_checkpoints["llama4"]
+    adapter = adapter_for(CheckpointReader(source).config)
+    first, second = adapter.moe_layers()[:2]
+    batch = {"input_ids": torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))}
+    model = load_stock(source)
+    unpruned = _moe_inputs(adapter, model, second, batch)
+    _without_experts(adapter, model, first, KEEP)
+    expected = _moe_inputs(adapter, model, second, batch)
+    assert not torch.allclose(expected, unpruned, atol=1e-3), "removing the experts must change the next layer"
+
+    allowed = torch.zeros(adapter.num_experts, dtype=torch.bool)
+    allowed[KEEP] = True
+    sweep = CalibrationSweep(source, [batch], torch.zeros(48, dtype=torch.long), ["text"], progress=False)
+    for capture in sweep.run():
+        if capture.layer == first:
+            capture.replacement, capture.allowed = capture.moe, allowed
+        elif capture.layer == second:
+            torch.testing.assert_close(capture.moe_input, expected, rtol=1e-5, atol=1e-5)
+
+
+def _perplexity(directory, seq_len=64, tokens=512):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = load_stock(directory)
+    ids = []
+    for doc in builtin_documents("prose", "heldout"):
+        ids.extend(tokenizer(doc.text + "\n\n", add_special_tokens=False)["input_ids"])
+    losses = []
+    with torch.no_grad():
+        for i in range(min(len(ids), tokens) // seq_len):
+            window = torch.tensor([ids[i * seq_len : (i + 1) * seq_len]])
+            losses.append(model(input_ids=window, labels=window).loss.item())
+    return math.exp(sum(losses) / len(losses)), model
+
+
+def test_global_prune_with_per_layer_counts_loads_through_the_plugin(tiny_checkpoints, tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoints["llama4"], source)
+    tiny_tokenizer().save_pretrained(source)
+    out = tmp_path / "pruned"
+    options = ["--calib-tokens", "512", "--seq-len", "64", "--eval-tokens", "512"]
+    result = CliRunner().invoke(
+        app, ["prune", str(source), "--out", str(out), *options, "--ratio", "0.375", "--scope", "global"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "moecompress_report.json").read_text())
+    adapter = adapter_for(json.loads((out / "config.json").read_text()))
+    counts = {layer: adapter.experts_in_layer(layer) for layer in adapter.moe_layers()}
+    assert len(set(counts.values())) > 1, f"the seeded run keeps different counts per layer, not {counts}"
+    perplexity, model = _perplexity(out)
+    for layer, count in counts.items():
+        assert adapter.experts_of(model, layer).gate_up_proj.shape[0] == count
+        assert adapter.router_of(model, layer).weight.shape[0] == count
+    assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
