@@ -10,6 +10,7 @@ import errno
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -31,6 +32,7 @@ from .common_options import (
 from .export import export_command
 from .numbers import human_bytes as _human_bytes
 from .numbers import human_int as _human_int
+from .pass_options import PassCommand, config_from_options, config_options
 from .prune_heads import prune_heads_command
 from .push import push_command
 from .qat import qat_command
@@ -183,7 +185,7 @@ def eval_command(
     click.echo(f"speed               {result.tokens_per_second:.0f} tokens/s")
 
 
-@app.command("prune")
+@app.command("prune", cls=PassCommand)
 @trust_options
 @run_options
 @click.argument("model")
@@ -194,34 +196,7 @@ def eval_command(
     type=click.Path(file_okay=False, path_type=Path),
     help="Output directory (written atomically; must not exist unless --overwrite).",
 )
-@click.option(
-    "--method",
-    type=click.Choice(["maep", "reap", "frequency", "random"]),
-    default="maep",
-    show_default=True,
-    help="How experts are scored: MAEP Delta-H (redistribution-aware output change), "
-    "REAP (gate × output norm), routing frequency, or random.",
-)
-@click.option(
-    "--ratio", type=float, default=None, help="Fraction of routed experts removed over the whole model (default 0.25)."
-)
-@click.option(
-    "--keep",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Experts kept per MoE layer (on average with --scope global).",
-)
-@click.option(
-    "--scope",
-    type=click.Choice(["layer", "global"]),
-    default="layer",
-    show_default=True,
-    help="layer: the same count removed from every layer (loads in every stock tool); global: experts "
-    "ranked across layers, counts differ (loads in transformers after `import moecompress`).",
-)
-@click.option(
-    "--min-keep", type=click.IntRange(min=1), default=None, help="Fewest experts any layer keeps (default: top-k)."
-)
+@config_options("prune_experts")
 @calib_option(
     "Calibration source(s), comma-separated; built-in sources use their calibration part. "
     "Vision-language models also take image+caption sources: builtin:shapes[:N], "
@@ -236,78 +211,16 @@ def eval_command(
     help="Side in pixels that calibration images are drawn or resized to.",
 )
 @seq_len_option()
-@click.option(
-    "--preserve-tags",
-    default="",
-    help="MAEP: comma-separated token tags whose outputs must be preserved (default: every tag not in --prune-tags).",
-)
-@click.option(
-    "--prune-tags",
-    default="",
-    help="MAEP: comma-separated tags whose low-attention tokens are a pruning signal "
-    "(e.g. vision, or prose when preserving code).",
-)
-@click.option(
-    "--low-attention-fraction",
-    type=float,
-    default=0.5,
-    show_default=True,
-    help="MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal.",
-)
-@click.option(
-    "--prune-weight",
-    type=float,
-    default=0.5,
-    show_default=True,
-    help="MAEP: weight of the pruning signal against the preservation signal.",
-)
-@click.option(
-    "--aggregate",
-    type=click.Choice(["mean_sq", "mean"]),
-    default="mean_sq",
-    show_default=True,
-    help="MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens.",
-)
-@click.option(
-    "--greedy",
-    is_flag=True,
-    help="MAEP: remove experts step by step, re-scoring the survivors with the removed ones gone (slower).",
-)
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed for calibration windows and --method random."
-)
-@click.option(
-    "--mtp",
-    type=click.Choice(["keep", "drop"]),
-    default="keep",
-    show_default=True,
-    help="Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers): keep "
-    "(calibrated on the inputs the MTP module computes and pruned like the main layers) or drop (not written, "
-    "num_nextn_predict_layers 0).",
-)
 @eval_options("Evaluate the pruned model against the input on this source (held-out part for built-ins).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @device_option
 def prune_command(
     model: str,
     out_dir: Path,
-    method: str,
-    ratio: float | None,
-    keep: int | None,
-    scope: str,
-    min_keep: int | None,
     calib: str,
     calib_tokens: int,
-    seq_len: int,
-    preserve_tags: str,
-    prune_tags: str,
-    low_attention_fraction: float,
-    prune_weight: float,
-    aggregate: str,
-    greedy: bool,
-    seed: int,
-    mtp: str,
     image_size: int,
+    seq_len: int,
     eval_data: str,
     eval_tokens: int | None,
     no_eval: bool,
@@ -315,6 +228,7 @@ def prune_command(
     resume: bool,
     quiet: bool,
     log_json: bool,
+    **options: Any,
 ) -> None:
     """Remove routed experts from MODEL and write the smaller checkpoint to --out.
 
@@ -327,27 +241,15 @@ def prune_command(
     from ..passes.prune_experts import PruneExpertsConfig
     from ..recipes import Calibration, Evaluation, Recipe
 
-    if ratio is None and keep is None:
-        ratio = 0.25
-    config = PruneExpertsConfig(
-        method=method,
-        ratio=ratio,
-        keep=keep,
-        scope=scope,
-        min_keep=min_keep,
-        preserve_tags=_tags(preserve_tags),
-        prune_tags=_tags(prune_tags),
-        low_attention_fraction=low_attention_fraction,
-        prune_weight=prune_weight,
-        aggregate=aggregate,
-        greedy=greedy,
-        seed=seed,
-        mtp=mtp,
-    )
+    if options["ratio"] is None and options["keep"] is None:
+        options["ratio"] = 0.25
+    config = config_from_options(PruneExpertsConfig, options)
     config.validate()
     recipe = Recipe(
         model=model,
-        calibration=Calibration(source=calib, tokens=calib_tokens, seq_len=seq_len, seed=seed, image_size=image_size),
+        calibration=Calibration(
+            source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed, image_size=image_size
+        ),
         passes=[("prune_experts", config)],
         evaluation=None if no_eval else Evaluation(data=eval_data, tokens=eval_tokens),
     )
@@ -357,13 +259,9 @@ def prune_command(
     counts = [len(layer["kept"]) for layer in report["layers"].values()]
     click.echo(
         f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "
-        f"experts ({method}, scope {scope}); kept per layer: {', '.join(map(str, counts))}"
+        f"experts ({config.method}, scope {config.scope}); kept per layer: {', '.join(map(str, counts))}"
         + ("" if report["uniform"] else "  (per-layer counts differ: load after `import moecompress`)")
     )
-
-
-def _tags(value: str) -> tuple[str, ...]:
-    return tuple(tag.strip() for tag in value.split(",") if tag.strip())
 
 
 app.add_command(quantize_command)

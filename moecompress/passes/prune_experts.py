@@ -32,8 +32,8 @@ from ..calibration.sources import load_documents
 from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
+from ..checkpoint.mtp import MTP_MODES, plan_stored_prune
 from ..checkpoint.mtp import check_mode as check_mtp_mode
-from ..checkpoint.mtp import plan_stored_prune
 from ..checkpoint.stream import check_output_is_not_input
 from ..errors import UserInputError
 from ..evals.perplexity import evaluation_report
@@ -42,6 +42,7 @@ from ..loading import load_adapter, load_tokenizer
 from ..sweep import CalibrationSweep, LayerCapture
 from ..sweep_state import LayerResult, SweepState
 from .expert_scores import layer_expert_stats
+from .options import option, recipe_only
 
 Method = Literal["maep", "reap", "frequency", "random"]
 METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random")
@@ -49,20 +50,76 @@ METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random")
 
 @dataclass(frozen=True)
 class PruneExpertsConfig:
-    method: Method = "maep"
-    ratio: float | None = 0.25
-    keep: int | None = None
-    scope: Literal["layer", "global"] = "layer"
-    min_keep: int | None = None
-    preserve_tags: tuple[str, ...] = ()
-    prune_tags: tuple[str, ...] = ()
-    low_attention_fraction: float = 0.5
-    prune_weight: float = 0.5
-    aggregate: Literal["mean_sq", "mean"] = "mean_sq"
-    greedy: bool = False
-    greedy_step: int | None = None
-    seed: int = 0
-    mtp: str = "keep"
+    method: Method = field(
+        default="maep",
+        metadata=option(
+            "How experts are scored: MAEP Delta-H (redistribution-aware output change), REAP (gate × output norm), "
+            "routing frequency, or random."
+        ),
+    )
+    ratio: float | None = field(
+        default=0.25,
+        metadata=option("Fraction of routed experts removed over the whole model (default 0.25).", cli_default=None),
+    )
+    keep: int | None = field(
+        default=None, metadata=option("Experts kept per MoE layer (on average with --scope global).", min=1)
+    )
+    scope: Literal["layer", "global"] = field(
+        default="layer",
+        metadata=option(
+            "layer: the same count removed from every layer (loads in every stock tool); global: experts ranked "
+            "across layers, counts differ (loads in transformers after `import moecompress`)."
+        ),
+    )
+    min_keep: int | None = field(
+        default=None, metadata=option("Fewest experts any layer keeps (default: top-k).", min=1)
+    )
+    preserve_tags: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "MAEP: comma-separated token tags whose outputs must be preserved (default: every tag not in --prune-tags)."
+        ),
+    )
+    prune_tags: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "MAEP: comma-separated tags whose low-attention tokens are a pruning signal (e.g. vision, or prose "
+            "when preserving code)."
+        ),
+    )
+    low_attention_fraction: float = field(
+        default=0.5,
+        metadata=option(
+            "MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal."
+        ),
+    )
+    prune_weight: float = field(
+        default=0.5, metadata=option("MAEP: weight of the pruning signal against the preservation signal.")
+    )
+    aggregate: Literal["mean_sq", "mean"] = field(
+        default="mean_sq",
+        metadata=option("MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens."),
+    )
+    greedy: bool = field(
+        default=False,
+        metadata=option(
+            "MAEP: remove experts step by step, re-scoring the survivors with the removed ones gone (slower)."
+        ),
+    )
+    greedy_step: int | None = field(
+        default=None,
+        metadata=recipe_only("Greedy MAEP: experts removed per re-scoring step (default: a sixteenth of the layer's)."),
+    )
+    seed: int = field(default=0, metadata=option("Seed for calibration windows and --method random."))
+    mtp: str = field(
+        default="keep",
+        metadata=option(
+            "Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers): keep "
+            "(calibrated on the inputs the MTP module computes and pruned like the main layers) or drop (not "
+            "written, num_nextn_predict_layers 0).",
+            choices=MTP_MODES,
+        ),
+    )
 
     def validate(self) -> None:
         check_mtp_mode(self.mtp)
