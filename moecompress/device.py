@@ -81,6 +81,12 @@ def _deterministic(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
+def device_map_for(device: torch.device) -> dict[str, str] | None:
+    """``load_model``'s placement of a whole model on ``device``: ``None`` (built on the host explicitly) for the
+    CPU, else every module on that one device (never accelerate's ``"auto"``, which ignores the index)."""
+    return None if device.type == "cpu" else {"": str(device)}
+
+
 def is_accelerated() -> bool:
     return _current.type != "cpu"
 

@@ -160,3 +160,140 @@ def test_whole_model_evaluation_under_meta_default() -> None:
     finally:
         torch.set_default_device(None)
     assert (on_meta_default.perplexity, on_meta_default.kl) == (normal.perplexity, normal.kl)
+
+
+HEADS_FAST = dict(calib_tokens=256, seq_len=32, batch_size=4, eval_data="builtin:prose", eval_tokens=256)
+QAT_FAST = dict(data="builtin:prose", calib_tokens=1024, eval_data="builtin:prose", eval_tokens=512)
+PINNED_VERSIONS = ("2.13", "5.25")
+"""torch and transformers (major.minor) that wrote the pinned hashes: the bytes depend on their CPU kernels."""
+PINNED = {
+    "prune_heads": {
+        "config.json": "2b04fe12212447908eee869807dbb062081619d1f3cfdc1f13da07a99a80b96e",
+        "model.safetensors": "049045cf96bd48c034b9d0f145a0db0171a9e287205089645e959652ef13a7a5",
+    },
+    "qat": {
+        "config.json": "9f92ef463e6e6e609797f0d29c2ae83ddfbd0be02336fde83878bc1aa8d38930",
+        "model.safetensors": "50591c89672d9311af71d97e38376aa886fa7aa798508e7689fc0f624ded6c13",
+    },
+}
+"""The outputs of ``moecompress prune-heads builtin:tiny-moe --ratio 0.25 --steps 4 --distill-steps 2 --calib-tokens
+256 --seq-len 32 --batch-size 4 --eval-tokens 256`` and ``moecompress qat builtin:tiny-moe --scheme int2 --steps 4
+--batch-size 2 --seq-len 32 --train-tokens 512 --calib-tokens 1024 --eval-tokens 512 --replay first:0.5 --lr 1e-2``
+as the code wrote them before they took ``--device`` (eec1086), and with ``--device cpu`` after; one CPU thread
+(``OMP_NUM_THREADS=1``)."""
+
+
+def _prune_heads_config():
+    from moecompress.passes.prune_heads import PruneHeadsConfig
+
+    return PruneHeadsConfig(ratio=0.25, steps=4, distill_steps=2, seed=0)
+
+
+def _qat_config():
+    from moecompress.passes.qat import QATConfig
+    from moecompress.passes.quantize import QuantizeConfig
+
+    quantize = QuantizeConfig(scheme="int2", lowrank_budget=0.375, seed=0)
+    return QATConfig(quantize, replay="first:0.5", steps=4, lr=1e-2, batch_size=2, seq_len=32, train_tokens=512)
+
+
+def _prune_heads_on_cpu(out: Path) -> dict[str, str]:
+    from moecompress.checkpoint import resolve_model
+    from moecompress.passes.prune_heads import prune_heads
+
+    with using_device("cpu"):
+        prune_heads(resolve_model("builtin:tiny-moe"), out, _prune_heads_config(), progress=False, **HEADS_FAST)
+    return _hashes(out)
+
+
+def _qat_on_cpu(out: Path) -> dict[str, str]:
+    from moecompress.checkpoint import resolve_model
+    from moecompress.passes.qat import qat_checkpoint
+
+    with using_device("cpu"):
+        qat_checkpoint(resolve_model("builtin:tiny-moe"), out, _qat_config(), progress=False, **QAT_FAST)
+    return _hashes(out)
+
+
+@pytest.mark.parametrize("command", ["prune_heads", "qat"])
+def test_prune_heads_and_qat_under_meta_default_device(command: str, tmp_path: Path) -> None:
+    """Training, distillation and evaluation of prune-heads and qat create every tensor on an explicit device: under
+    a meta default device the same bytes as a normal run, and (with the torch and transformers that pinned them) the
+    bytes the code wrote before these commands took --device."""
+    run = {"prune_heads": _prune_heads_on_cpu, "qat": _qat_on_cpu}[command]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as pinned: CPU reductions, hence the bytes, depend on the thread count
+    try:
+        normal = run(tmp_path / "normal")
+        torch.set_default_device("meta")
+        try:
+            on_meta_default = run(tmp_path / "meta")
+        finally:
+            torch.set_default_device(None)
+    finally:
+        torch.set_num_threads(threads)
+    assert on_meta_default == normal
+    import transformers
+
+    versions = tuple(".".join(v.split(".")[:2]) for v in (torch.__version__, transformers.__version__))
+    if versions == PINNED_VERSIONS:
+        assert normal == PINNED[command]
+
+
+def _spy_load_model(module, monkeypatch) -> list[tuple]:
+    """``module.load_model`` recording its device map and dtype, and loading on the host (no CUDA here)."""
+    asked: list[tuple] = []
+    real = module.load_model
+
+    def load(directory, adapter, dtype=torch.float32, device_map=None):
+        asked.append((device_map, dtype))
+        return real(directory, adapter, dtype)
+
+    monkeypatch.setattr(module, "load_model", load)
+    monkeypatch.setattr(module, "compute_device", lambda: torch.device("cuda", 1))
+    return asked
+
+
+def test_prune_heads_loads_the_model_on_the_resolved_device(tmp_path: Path, monkeypatch) -> None:
+    """With the run's device cuda:1, the teacher is loaded onto cuda:1 whole (the student is built where the teacher
+    is, and the loops follow the model); the model is really on the host here, so the run completes there."""
+    from moecompress.checkpoint import resolve_model
+    from moecompress.passes import prune_heads as module
+
+    asked = _spy_load_model(module, monkeypatch)
+    config = _prune_heads_config()
+    options = {**HEADS_FAST, "eval_data": None}
+    module.prune_heads(resolve_model("builtin:tiny-moe"), tmp_path / "out", config, progress=False, **options)
+    assert asked == [({"": "cuda:1"}, torch.float32)]
+
+
+def test_qat_loads_both_models_on_the_resolved_device(tmp_path: Path, monkeypatch) -> None:
+    """``--device cuda:1`` puts teacher and student on cuda:1 (not accelerate's "auto", which ignores the index), in
+    bf16, and the report names the device."""
+    import json
+
+    from moecompress.checkpoint import resolve_model
+    from moecompress.passes import qat as module
+
+    asked = _spy_load_model(module, monkeypatch)
+    options = {**QAT_FAST, "eval_data": None}
+    module.qat_checkpoint(resolve_model("builtin:tiny-moe"), tmp_path / "out", _qat_config(), progress=False, **options)
+    assert asked == [({"": "cuda:1"}, torch.bfloat16)] * 2
+    report = json.loads((tmp_path / "out" / "moecompress_report.json").read_text())
+    assert report["qat"]["device"] == "cuda:1"
+
+
+def test_device_map_for_prune_heads_and_qat(monkeypatch) -> None:
+    """The placement prune-heads and qat load with: the host for cpu, the one GPU named otherwise, and auto is
+    cuda:0 (torch's current device) where CUDA is present."""
+    from moecompress.device import device_map_for
+
+    with using_device("cpu") as device:
+        assert device_map_for(device) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    for spec, expected in (("auto", "cuda:0"), ("cuda", "cuda:0"), ("cuda:1", "cuda:1")):
+        with using_device(spec) as device:
+            assert device_map_for(device) == {"": expected}, spec

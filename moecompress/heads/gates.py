@@ -16,12 +16,13 @@ from torch import nn
 
 
 class HeadGates(nn.Module):
-    """One logit per unit per layer (layers may hold different numbers of units)."""
+    """One logit per unit per layer (layers may hold different numbers of units), on the host: a few scalars per
+    layer, sampled from a host generator; only the samples move to the model's device."""
 
     def __init__(self, units_per_layer: list[int], init_log_alpha: float = 2.0, temperature: float = 2 / 3):
         super().__init__()
         self.log_alpha = nn.ParameterList(
-            nn.Parameter(torch.full((n,), float(init_log_alpha))) for n in units_per_layer
+            nn.Parameter(torch.full((n,), float(init_log_alpha), device="cpu")) for n in units_per_layer
         )
         self.temperature = temperature
 
@@ -29,7 +30,8 @@ class HeadGates(nn.Module):
         """Per layer, ``[batch, units]`` gates: binary values, straight-through gradients."""
         out = []
         for log_alpha in self.log_alpha:
-            u = torch.rand(batch, log_alpha.numel(), generator=generator).clamp(1e-6, 1 - 1e-6)
+            u = torch.rand(batch, log_alpha.numel(), generator=generator, device=generator.device)
+            u = u.clamp(1e-6, 1 - 1e-6)
             logits = torch.log(u) - torch.log1p(-u) - noise_bias + log_alpha
             soft = torch.sigmoid(logits / self.temperature)
             hard = (logits > 0).to(soft.dtype)
@@ -50,8 +52,8 @@ class SparsityLagrangian(nn.Module):
 
     def __init__(self, constraints: int):
         super().__init__()
-        self.lambda1 = nn.Parameter(torch.zeros(constraints))
-        self.lambda2 = nn.Parameter(torch.zeros(constraints))
+        self.lambda1 = nn.Parameter(torch.zeros(constraints, device="cpu"))
+        self.lambda2 = nn.Parameter(torch.zeros(constraints, device="cpu"))
 
     def forward(self, expected: torch.Tensor, target: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
         gap = (expected - target) / units

@@ -53,8 +53,7 @@ class HeadLayout:
         """The KV group a unit belongs to."""
         return unit if self.unit == "kv-group" else unit // self.group_size
 
-    def rows(self, heads: list[int]) -> torch.Tensor:
-        """Projection rows (or o_proj columns) of ``heads``."""
-        return (torch.tensor(heads, dtype=torch.long)[:, None] * self.head_dim + torch.arange(self.head_dim)).reshape(
-            -1
-        )
+    def rows(self, heads: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """Projection rows (or o_proj columns) of ``heads``, on ``device``."""
+        first = torch.tensor(heads, dtype=torch.long, device=device)[:, None] * self.head_dim
+        return (first + torch.arange(self.head_dim, device=device)).reshape(-1)

@@ -24,7 +24,7 @@ def magnitude_scores(tensors: dict[str, torch.Tensor], layout: HeadLayout) -> to
 
 
 def random_scores(layout: HeadLayout, seed: int, layer: int) -> torch.Tensor:
-    return torch.rand(layout.units, generator=torch.Generator().manual_seed(seed * 100_003 + layer))
+    return torch.rand(layout.units, generator=torch.Generator().manual_seed(seed * 100_003 + layer), device="cpu")
 
 
 def removal_counts(layouts: list[HeadLayout], ratio: float) -> list[int]:

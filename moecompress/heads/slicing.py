@@ -18,7 +18,8 @@ def slice_attention(
 ) -> dict[str, torch.Tensor]:
     """The tensors of the attention module with only the heads of ``keep_units`` left."""
     queries, kv_heads = layout.kept_heads(keep_units)
-    query_rows, kv_rows = layout.rows(queries), layout.rows(kv_heads)
+    device = next(iter(tensors.values())).device
+    query_rows, kv_rows = layout.rows(queries, device), layout.rows(kv_heads, device)
     out = {}
     for name, tensor in tensors.items():
         if name in _QUERY_ROWS:

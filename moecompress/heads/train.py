@@ -3,7 +3,12 @@
 Gates minimise the language-modelling loss (as in Sheared-LLaMA; ``objective="kl"`` uses the KL to the original
 instead); distillation minimises the KL divergence from the original model's next-token distributions (the
 teacher) to the student's, on the calibration windows. The teacher's log-probabilities are computed once and kept
-in bf16 when they fit in ``TEACHER_CACHE_BYTES``; otherwise they are recomputed every step.
+in bf16 (where the teacher computed them: on its device) when they fit in ``TEACHER_CACHE_BYTES``; otherwise they
+are recomputed every step.
+
+Both loops compute on the model's device: the calibration batches stay on the host and move per step. The gates and
+the Lagrangian stay on the host (a few scalars per layer; ``index_add`` on CUDA is not deterministic), and each
+step's sampled gates move to the device; gradients flow back through the move.
 """
 
 from __future__ import annotations
@@ -14,11 +19,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..device import HOST
 from ..progress import bar as progress_bar
 from .gates import HeadGates, SparsityLagrangian
 from .masks import GateMasks
 
 TEACHER_CACHE_BYTES = 2**30
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the host for a model without any)."""
+    parameter = next(model.parameters(), None)
+    return HOST if parameter is None else parameter.device
 
 
 class Teacher:
@@ -86,6 +98,7 @@ def train_gates(
 ) -> GateRun:
     """Train the gates with the model frozen. ``constraint_of_unit`` maps every unit (all layers concatenated)
     to its constraint; ``targets`` holds each constraint's target count of open units."""
+    device = model_device(model)
     constraints = targets.numel()
     units = torch.bincount(constraint_of_unit, minlength=constraints).float()
     lagrangian = SparsityLagrangian(constraints)
@@ -99,18 +112,20 @@ def train_gates(
         if step % record_every == 0:
             _record(run, step, gates)
         index = step % len(batches)
-        batch = batches[index]
+        batch = batches[index].to(device)
         ramp = schedule.progress(step)
-        masks.set(gates.sample(batch.shape[0], schedule.noise_bias * (1 - ramp), generator))
+        masks.set([g.to(device) for g in gates.sample(batch.shape[0], schedule.noise_bias * (1 - ramp), generator)])
         logits = model(input_ids=batch, use_cache=False).logits
         task = next_token_loss(batch, logits) if schedule.objective == "lm" else teacher.kl(index, logits)
         masks.set(None)
-        expected = torch.zeros(constraints).index_add(0, constraint_of_unit, torch.cat(gates.open_probability()))
+        expected = torch.zeros(constraints, device=units.device).index_add(
+            0, constraint_of_unit, torch.cat(gates.open_probability())
+        )
         target = units - (units - targets) * ramp
         penalty = lagrangian(expected, target, units)
         gate_opt.zero_grad()
         lambda_opt.zero_grad()
-        (task + penalty).backward()
+        (task.to(penalty.device) + penalty).backward()
         gate_opt.step()
         lambda_opt.step()
         if step % record_every == 0 or step == schedule.steps - 1:
@@ -144,11 +159,12 @@ def distill(
 ) -> list[dict[str, float]]:
     """Fine-tune ``parameters`` of the pruned model towards the teacher; returns the KL curve."""
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
+    device = model_device(student)
     record_every = max(1, steps // 20)
     curve = []
     for step in progress_bar(range(steps), desc="distill", unit="step", disable=not progress):
         index = step % len(batches)
-        kl = teacher.kl(index, student(input_ids=batches[index], use_cache=False).logits)
+        kl = teacher.kl(index, student(input_ids=batches[index].to(device), use_cache=False).logits)
         optimizer.zero_grad()
         kl.backward()
         optimizer.step()

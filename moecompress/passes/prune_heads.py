@@ -11,7 +11,7 @@ loads after ``import moecompress``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,14 +21,16 @@ from ..calibration.batches import consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, rewrite_checkpoint
 from ..checkpoint.stream import check_output_is_not_input
+from ..device import HOST, compute_device, device_map_for, to_host
 from ..errors import UserInputError
 from ..evals.perplexity import evaluate_windows, evaluation_report
 from ..families import FamilyAdapter, adapter_for
 from ..heads import GateMasks, HeadGates, HeadLayout, slice_attention
 from ..heads.layout import UNITS
 from ..heads.selection import choose_keep, global_removal_counts, magnitude_scores, random_scores, removal_counts
-from ..heads.train import GateRun, GateSchedule, Teacher, distill, train_gates
+from ..heads.train import GateRun, GateSchedule, Teacher, distill, model_device, train_gates
 from ..loading import load_adapter, load_model, load_tokenizer
+from .options import option, recipe_only
 from .prune_experts import calibration_batches, update_report
 
 Method = Literal["learned", "magnitude", "random"]
@@ -38,21 +40,77 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 
 @dataclass(frozen=True)
 class PruneHeadsConfig:
-    ratio: float = 0.25
-    unit: Literal["kv-group", "query-head"] = "kv-group"
-    method: Method = "learned"
-    scope: Literal["layer", "global"] = "layer"
-    steps: int = 200
-    lr: float = 10.0
-    lambda_lr: float = 2.0
-    init_log_alpha: float = 2.0
-    temperature: float = 2 / 3
-    noise_bias: float = 0.0  # measured: 2.0 ties at 25% and hurts at 50% (docs/heads.md)
-    warmup_fraction: float = 0.5
-    gate_objective: Literal["lm", "kl"] = "lm"
-    distill_steps: int = 100
-    distill_lr: float = 3e-4
-    seed: int = 0
+    ratio: float = field(
+        default=0.25,
+        metadata=option(
+            "Fraction of the units to remove, in (0, 1): of each layer's KV groups (or query heads), or of all KV "
+            "groups with --scope global. Must leave every layer at least one.",
+            required=True,
+        ),
+    )
+    unit: Literal["kv-group", "query-head"] = field(
+        default="kv-group",
+        metadata=option(
+            "kv-group: a gate per KV head and the query heads that read it (shrinks the KV cache); query-head: a "
+            "gate per query head, the same number removed from every KV group (KV cache unchanged)."
+        ),
+    )
+    method: Method = field(
+        default="learned",
+        metadata=option(
+            "learned: binary gates trained on the frozen model under a Lagrangian sparsity objective; magnitude: "
+            "the Frobenius norm of each unit's q/k/v/o weights; random: seeded random choice (baselines)."
+        ),
+    )
+    scope: Literal["layer", "global"] = field(
+        default="layer",
+        metadata=option(
+            "layer: the same number from every layer (loads in stock transformers); global: KV groups ranked over "
+            "all layers, counts differ per layer (loads after `import moecompress`)."
+        ),
+    )
+    steps: int = field(default=200, metadata=option("Gate-training steps.", min=0))
+    lr: float = field(
+        default=10.0, metadata=option("Gate learning rate (plain SGD on the gate logits).", min=0, min_open=True)
+    )
+    lambda_lr: float = field(
+        default=2.0, metadata=recipe_only("Learning rate of the sparsity constraint's Lagrange multipliers (ascent).")
+    )
+    init_log_alpha: float = field(default=2.0, metadata=recipe_only("The gates' initial log-odds of being open."))
+    temperature: float = field(
+        default=2 / 3, metadata=recipe_only("Temperature of the relaxed gate gradients pass through.")
+    )
+    noise_bias: float = field(
+        default=0.0,
+        metadata=option(
+            "Shift of the gates' logistic sampling noise toward closing at the start of training, decaying linearly "
+            "to 0 over the warm-up (the first half of --steps). 0 (default) disables it: on tiny-moe 2.0 tied at 25% "
+            "and hurt at 50% (docs/heads.md).",
+            min=0,
+        ),
+    )
+    warmup_fraction: float = field(
+        default=0.5,
+        metadata=recipe_only(
+            "Share of the gate-training steps over which the open-unit target ramps down and the noise bias decays."
+        ),
+    )
+    gate_objective: Literal["lm", "kl"] = field(
+        default="lm",
+        metadata=option(
+            "What the gates minimise: lm (next-token cross-entropy) or kl (KL to the original model's logits)."
+        ),
+    )
+    distill_steps: int = field(
+        default=100,
+        metadata=option(
+            "Steps of distillation (KL to the original's logits) of the pruned model's attention and norms; 0 skips.",
+            min=0,
+        ),
+    )
+    distill_lr: float = field(default=3e-4, metadata=option("Distillation learning rate.", min=0, min_open=True))
+    batch_size: int = field(default=8, metadata=option("Windows per step.", min=1))
+    seed: int = field(default=0, metadata=option("Seed for windows, gate noise and --method random."))
 
     def validate(self) -> None:
         if not 0.0 < self.ratio < 1.0:
@@ -107,7 +165,8 @@ def _constraints(layouts: list[HeadLayout], remove: list[int], scope: str) -> tu
     index, targets = [], []
     if scope == "global":
         total = sum(layout.units for layout in layouts)
-        return torch.zeros(total, dtype=torch.long), torch.tensor([float(total - sum(remove))])
+        kept = torch.tensor([float(total - sum(remove))], device=HOST)
+        return torch.zeros(total, dtype=torch.long, device=HOST), kept
     for layout, count in zip(layouts, remove, strict=True):
         if layout.unit == "kv-group":
             index += [len(targets)] * layout.units
@@ -116,7 +175,7 @@ def _constraints(layouts: list[HeadLayout], remove: list[int], scope: str) -> tu
             per_group = count // layout.kv_heads
             index += [len(targets) + layout.unit_group(u) for u in range(layout.units)]
             targets += [float(layout.group_size - per_group)] * layout.kv_heads
-    return torch.tensor(index, dtype=torch.long), torch.tensor(targets)
+    return torch.tensor(index, dtype=torch.long, device=HOST), torch.tensor(targets, device=HOST)
 
 
 def _global_removals(layouts: list[HeadLayout], ratio: float, scores: list[torch.Tensor], learned: bool) -> list[int]:
@@ -129,13 +188,14 @@ def _global_removals(layouts: list[HeadLayout], ratio: float, scores: list[torch
 def build_pruned_model(
     model: torch.nn.Module, adapter: FamilyAdapter, new_config: dict[str, Any], keep: list[list[int]], layouts
 ) -> tuple[torch.nn.Module, FamilyAdapter]:
-    """The pruned model in memory: built from ``new_config`` (through the plugin where counts differ by layer)
-    and loaded with the original weights, attention sliced."""
+    """The pruned model in memory, on ``model``'s device: built from ``new_config`` (through the plugin where counts
+    differ by layer) and loaded with the original weights, attention sliced."""
     import transformers
 
     new_adapter = adapter_for(new_config)
     config = type(model.config).from_dict(new_config)
-    student = getattr(transformers, new_adapter.auto_class).from_config(config, dtype=torch.float32)
+    with model_device(model):
+        student = getattr(transformers, new_adapter.auto_class).from_config(config, dtype=torch.float32)
     state = dict(model.state_dict())
     for layer, layout in enumerate(layouts):
         prefix = adapter.attention_prefix(layer)
@@ -172,7 +232,7 @@ def _score(
     if config.method == "magnitude":
         state = model.state_dict()
         return [
-            magnitude_scores(_attention_tensors(state, adapter.attention_prefix(layer)), layout)
+            to_host(magnitude_scores(_attention_tensors(state, adapter.attention_prefix(layer)), layout))
             for layer, layout in enumerate(layouts)
         ], None
     total = sum(layout.units for layout in layouts)
@@ -202,7 +262,6 @@ def prune_heads(
     calib: str = "builtin:prose",
     calib_tokens: int = 16384,
     seq_len: int = 256,
-    batch_size: int = 8,
     eval_data: str | None = None,
     eval_tokens: int | None = 16384,
     overwrite: bool = False,
@@ -211,7 +270,8 @@ def prune_heads(
     """Choose, remove and distil; returns the report also saved as moecompress_report.json.
 
     With ``eval_data`` the pruned model is evaluated against the input twice: in memory before distillation,
-    and as written (loaded back from ``out_dir``) after it.
+    and as written (loaded back from ``out_dir``) after it. The input (the teacher) and the pruned model are both
+    held whole on the run's compute device; the weights come back to the host to be written.
     """
     config.validate()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -226,13 +286,16 @@ def prune_heads(
         element_bytes = _DTYPE_BYTES.get(reader.tensors[adapter.attention_prefix(0) + "k_proj.weight"].dtype, 4)
     batches = [
         b["input_ids"]
-        for b in calibration_batches(adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, 0)[0]
+        for b in calibration_batches(
+            adapter, model_dir, calib, calib_tokens, seq_len, config.batch_size, config.seed, 0
+        )[0]
     ]
-    model = load_model(model_dir, adapter)
+    model = load_model(model_dir, adapter, device_map=device_map_for(compute_device()))
     for param in model.parameters():
         param.requires_grad_(False)
     vocab = model.get_output_embeddings().weight.shape[0]
-    teacher = Teacher(lambda ids: model(input_ids=ids, use_cache=False).logits, batches, vocab)
+    device = model_device(model)
+    teacher = Teacher(lambda ids: model(input_ids=ids.to(device), use_cache=False).logits, batches, vocab)
 
     scores, run = _score(config, model, adapter, layouts, remove, batches, teacher, progress)
     if remove is None:
@@ -256,7 +319,7 @@ def prune_heads(
         distill_curve = distill(
             student, parameters, batches, teacher, config.distill_steps, config.distill_lr, progress
         )
-    student_state = {k: v.detach() for k, v in student.state_dict().items()}
+    student_state = {k: to_host(v.detach()) for k, v in student.state_dict().items()}
 
     head_dim = layouts[0].head_dim
     report: dict[str, Any] = {

@@ -6,7 +6,7 @@ those adapters by distillation from the full-precision model with its routes rep
    by load, or one ``--adapter-rank`` everywhere) into a hidden sibling of the output: the PTQ starting point,
    and the baseline this pass must beat at the same adapter bytes.
 2. That checkpoint is loaded through the plugin as the student, the input as the teacher; both are held whole
-   (this is one of the passes allowed to).
+   (this is one of the passes allowed to), on the run's compute device (bf16 on CUDA, float32 on the CPU).
 3. The adapters train; the held-out evaluation runs before (= PTQ) and after, against the teacher.
 4. The output is the PTQ checkpoint with the trained adapters in place of the initial ones, written atomically.
 """
@@ -24,7 +24,7 @@ from ..calibration.batches import consecutive_windows, sampled_windows, tokenize
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import check_output_is_not_input
-from ..device import compute_device
+from ..device import compute_device, device_map_for
 from ..errors import UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluate_windows
@@ -158,9 +158,9 @@ def qat_checkpoint(
             overwrite=True,
             progress=progress,
         )
-        on_gpu = compute_device().type == "cuda"
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-        device_map = "auto" if on_gpu else None
+        device = compute_device()
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        device_map = device_map_for(device)
         student_adapter = load_adapter(ptq_dir)
         teacher = load_model(model_dir, adapter, dtype, device_map)
         student = load_model(ptq_dir, student_adapter, dtype, device_map)
@@ -187,7 +187,7 @@ def qat_checkpoint(
                     "replay_weights": config.replay_weights,
                     "data": data,
                     "train_tokens": int(train_windows.num_tokens),
-                    "device": "cuda (accelerate device map)" if on_gpu else "cpu",
+                    "device": str(device),
                     "dtype": str(dtype).removeprefix("torch."),
                     **log.to_json(),
                 },

@@ -150,7 +150,7 @@ def train_adapters(
     try:
         for step in progress_bar(range(config.steps), desc="qat", unit="step", disable=not progress):
             if len(order) < config.batch_size:
-                order += torch.randperm(windows.shape[0], generator=generator).tolist()
+                order += torch.randperm(windows.shape[0], generator=generator, device=generator.device).tolist()
             batch, order = order[: config.batch_size], order[config.batch_size :]
             input_ids = windows[batch].to(student_device)
             with torch.no_grad():
