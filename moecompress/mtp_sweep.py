@@ -72,7 +72,7 @@ def calibrates_mtp(sweep: CalibrationSweep, layer: int) -> bool:
 
 def _final_norm_path(adapter: FamilyAdapter) -> str:
     """The main model's final norm module (``model.norm``, ``model.language_model.norm``)."""
-    return f"{adapter.layers_prefix.rstrip('.').rpartition('.')[0]}.norm"
+    return f"{adapter.runtime_layers_path.rpartition('.')[0]}.norm"
 
 
 def _norm(sweep: CalibrationSweep, weight: torch.Tensor) -> torch.nn.Module:
@@ -154,6 +154,14 @@ def mtp_captures(sweep: CalibrationSweep, batches: list[dict[str, torch.Tensor]]
             with torch.inference_mode():
                 outputs = [output_norm(out) for out in outputs]
         hidden = outputs
+
+
+def with_mtp_captures(sweep: CalibrationSweep, captures, batches: list[dict[str, torch.Tensor]], mode: str):
+    """``captures`` (the sweep's ``run``) followed, with ``mode`` keep, by the MTP layers' captures: the order in
+    which a writer meets the layers (the MTP layers come after the main ones)."""
+    yield from captures
+    if mode == "keep":
+        yield from mtp_captures(sweep, batches)
 
 
 def template_layer(adapter: FamilyAdapter) -> int:

@@ -183,7 +183,7 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
             parts[index] = p.measure(capture)
             p.absorb(capture.layer, parts[index])
         capture.result = _combine(parts)
-    mtp_scorers = [p for _, p in measuring if p.name == "prune_experts" and p.config.mtp == "keep"]
+    mtp_scorers = [p for _, p in measuring if getattr(p.config, "mtp", "drop") == "keep"]
     if mtp_scorers:
         from .mtp_sweep import mtp_captures
 
@@ -286,12 +286,35 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
                     capture.replacement, capture.allowed = _replacement(capture.moe, block)
                 del block
         dropped = context.extra.get("drop_layers", frozenset())
+        if state is not None:
+            _write_mtp_layers(sweep, write, writer, dropped, data.batches)
         remaining = [layer for layer in layers if layer_unit(layer) not in writer.units and layer not in dropped]
         for layer in progress_bar(remaining, desc="writing", unit="layer", disable=not context.progress):
             moe, rest, layout = adapter.split_layer(layer, reader.pending(layers[layer]), consume=True)
             write.layer(layer, moe, rest, layout, None)
             del moe, rest
             release_freed_memory()
+
+
+def _write_mtp_layers(sweep: CalibrationSweep, write: _LayerWriter, writer, dropped, batches) -> None:
+    """The MTP layers of a calibrated rewriting sweep, each with its capture (its own MoE inputs, computed from the
+    main layers' outputs as rewritten), after the main layers."""
+    from .checkpoint.mtp import mtp_layers
+
+    pending = [
+        layer
+        for layer in mtp_layers(sweep.adapter, sweep.reader.keys())
+        if layer not in dropped and layer_unit(layer) not in writer.units
+    ]
+    if not pending:
+        return
+    from .mtp_sweep import mtp_captures
+
+    for capture in mtp_captures(sweep, batches):
+        if capture.layer in pending:
+            write.layer(capture.layer, capture.moe, capture.rest, capture.layout, capture)
+        capture.moe = capture.rest = capture.moe_input = None
+        release_freed_memory()
 
 
 def run_layer_passes(

@@ -172,3 +172,102 @@ def test_qwen_mtp_layer_is_pruned_from_its_calibration(qwen_sources, tmp_path, f
                 before.tensor(f"{MTP}mlp.experts.{old}.down_proj.weight"),
             )
     assert after.tensor("mtp.fc.weight").equal(before.tensor("mtp.fc.weight"))
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from moecompress.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _expert_keys(out, layer_prefix):
+    stored = CheckpointReader(out, decode=False)
+    return {
+        k[len(layer_prefix) :]: v.dtype
+        for k, v in stored.raw_tensors.items()
+        if k.startswith(layer_prefix + "mlp.experts.")
+    }
+
+
+def test_quantize_of_qwen3_next_quantises_the_mtp_layer_and_evaluates(qwen_sources, tmp_path):
+    """Default quantize (RTN mxfp4) with its default evaluation: the mtp.* layer's experts are quantised like the
+    main layers', listed in quantization_config, and the plugin loads the output (it skips the MTP entries)."""
+    import transformers
+
+    import moecompress  # noqa: F401  (the plugin)
+
+    out = tmp_path / "quantized"
+    result = _cli("quantize", qwen_sources["qwen3_next"], "--out", out, "--seq-len", "64", "--eval-tokens", "512")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "moecompress_report.json").read_text())
+    assert report["mtp"]["mtp_layers"] == [3] and report["eval"]["perplexity"] > 0
+    modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
+    assert f"{MTP}mlp.experts" in modules and "model.layers.1.mlp.experts" in modules
+    main, mtp = _expert_keys(out, "model.layers.1."), _expert_keys(out, MTP)
+    assert mtp == main and not any(dtype in ("BF16", "F32") for dtype in mtp.values())
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_gptq_and_low_rank_calibrate_the_mtp_layer_on_its_own_inputs(qwen_sources, tmp_path):
+    """GPTQ and the low-rank allocation take the MTP layer's capture (the same as prune's): its experts get
+    adapters from the shared budget and the report says it was calibrated."""
+    out = tmp_path / "gptq"
+    result = _cli(
+        "quantize",
+        qwen_sources["qwen3_next"],
+        "--out",
+        out,
+        "--scheme",
+        "int4",
+        "--method",
+        "gptq",
+        "--lowrank-budget",
+        "0.5",
+        "--sensitivity",
+        "none",
+        "--calib-tokens",
+        "512",
+        "--seq-len",
+        "64",
+        "--no-eval",
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "moecompress_report.json").read_text())
+    assert "calibrated" in report["mtp"]["written"]
+    quantization = json.loads((out / "config.json").read_text())["quantization_config"]
+    ranks = quantization["lowrank"][f"{MTP}mlp.experts"]
+    assert sum(sum(per_expert) for per_expert in ranks.values()) > 0
+
+    def quantised(prefix):
+        return {k: v for k, v in _expert_keys(out, prefix).items() if ".lowrank." not in k}
+
+    assert quantised(MTP) == quantised("model.layers.1.")
+
+
+@pytest.mark.parametrize("family", QWEN_MTP)
+def test_pipeline_prunes_and_quantises_the_qwen_mtp_layer(qwen_sources, tmp_path, family):
+    """``moecompress run`` with prune and GPTQ in one stage: the mtp.* layer keeps as many experts as the main
+    layers, quantised; the recipe's evaluation loads the output through the plugin."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "calibration: {source: builtin:prose, tokens: 512, seq_len: 64}\n"
+        "passes:\n"
+        "  - prune_experts: {ratio: 0.5}\n"
+        "  - quantize: {scheme: int4, method: gptq}\n"
+        "  - eval: {data: builtin:prose, tokens: 512}\n"
+    )
+    out = tmp_path / "out"
+    result = _cli("run", recipe, "--model", qwen_sources[family], "--out", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    text = config.get("text_config", config)
+    assert text["num_experts"] == 4 and len(text["moecompress"]["kept_experts"]["3"]) == 4
+    assert f"{MTP}mlp.experts" in config["quantization_config"]["modules"]
+    report = json.loads((out / "moecompress_report.json").read_text())
+    assert report["previous_passes"][0]["mtp"]["calibrated"] == [3]
+    prefix = "model.language_model.layers.1." if family == "qwen3_5_moe" else "model.layers.1."
+    assert _expert_keys(out, MTP) == _expert_keys(out, prefix)
+    stored = CheckpointReader(out, decode=False)
+    assert stored.read_raw([f"{MTP}mlp.gate.weight"])[f"{MTP}mlp.gate.weight"].shape[0] == 4

@@ -312,7 +312,10 @@ def test_quantize_of_a_release_equals_quantize_of_its_stock_dequantised_copy(rel
     assert quantization[0] == quantization[1]
 
 
-def test_default_quantize_with_evaluation_keeps_the_mtp_layer_unquantised(releases, tmp_path):
+def test_default_quantize_with_evaluation_quantises_the_mtp_layer(releases, tmp_path):
+    """The MTP layer's experts are quantised like the main layers' and listed in quantization_config; the plugin
+    skips those entries (transformers builds no MTP layer), so the default evaluation loads the output, while a
+    main-model module the model lacks is still refused."""
     import transformers
 
     import moecompress  # noqa: F401  (the plugin)
@@ -322,16 +325,26 @@ def test_default_quantize_with_evaluation_keeps_the_mtp_layer_unquantised(releas
     assert result.exit_code == 0, result.output
     report = json.loads((out / "moecompress_report.json").read_text())
     assert report["mtp"]["mode"] == "keep" and report["eval"]["perplexity"] > 0
+    assert set(report["layers"]) == {"1", "2", "3"}
     config = json.loads((out / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1
-    assert not any(".3." in module for module in config["quantization_config"]["modules"])
+    modules = config["quantization_config"]["modules"]
+    assert "model.layers.3.mlp.experts" in modules and "model.layers.2.mlp.experts" in modules
     stored = CheckpointReader(out, decode=False)
-    mtp = {k: v for k, v in stored.raw_tensors.items() if k.startswith("model.layers.3.")}
-    assert mtp and all(info.dtype == "BF16" for info in mtp.values())
-    decoded = CheckpointReader(releases["fp8"])
-    for key in mtp:
-        assert torch.equal(stored.read_raw([key])[key], decoded.tensor(key)), key
+    suffixes = {
+        layer: {
+            k.split(".mlp.experts.")[1]: v.dtype
+            for k, v in stored.raw_tensors.items()
+            if f"layers.{layer}.mlp.experts." in k
+        }
+        for layer in (2, 3)
+    }
+    assert suffixes[3] == suffixes[2] and not any(dtype in ("BF16", "F8_E4M3") for dtype in suffixes[3].values())
     transformers.AutoModelForCausalLM.from_pretrained(out)
+    config["quantization_config"]["modules"]["model.layers.7.mlp.experts"] = "default"
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="names 'model.layers.7.mlp.experts', which this model lacks"):
+        transformers.AutoModelForCausalLM.from_pretrained(out)
 
 
 @pytest.mark.parametrize("command", ["prune", "quantize"])
@@ -401,8 +414,8 @@ def test_hub_download_fetches_only_what_the_model_loads():
 
 @pytest.mark.parametrize("mtp", ["keep", "drop"])
 def test_pipeline_prune_and_quantize_of_an_fp8_release_with_mtp(releases, tmp_path, mtp):
-    """Prune and quantize in one layer pipeline: the MTP layer pruned like the others and written unquantised
-    (keep), or gone (drop); the plugin loads the output for the recipe's evaluation."""
+    """Prune and quantize in one layer pipeline: the MTP layer pruned and quantised like the others (keep), or
+    gone (drop); the plugin loads the output for the recipe's evaluation."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         "calibration: {source: builtin:prose, tokens: 512, seq_len: 64}\n"
@@ -415,7 +428,7 @@ def test_pipeline_prune_and_quantize_of_an_fp8_release_with_mtp(releases, tmp_pa
     result = _cli("run", recipe, "--model", releases["fp8"], "--out", out)
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
-    assert not any(".3." in module for module in config["quantization_config"]["modules"])
+    assert ("model.layers.3.mlp.experts" in config["quantization_config"]["modules"]) == (mtp == "keep")
     mtp_keys = [k for k in CheckpointReader(out, decode=False).keys() if k.startswith("model.layers.3.")]
     if mtp == "drop":
         assert config["num_nextn_predict_layers"] == 0 and not mtp_keys
@@ -425,7 +438,16 @@ def test_pipeline_prune_and_quantize_of_an_fp8_release_with_mtp(releases, tmp_pa
     assert len(kept["3"]) == len(kept["1"]) == 4
     prune_report = json.loads((out / "moecompress_report.json").read_text())["previous_passes"][0]
     assert prune_report["mtp"]["calibrated"] == [3]
-    assert {k.split(".")[5] for k in mtp_keys if ".experts." in k} == {"0", "1", "2", "3"}
+    stored = CheckpointReader(out, decode=False)
+    experts = {
+        layer: sorted(k.split(".experts.")[1] for k in stored.keys() if f"layers.{layer}.mlp.experts." in k)
+        for layer in (1, 3)
+    }
+    assert experts[3] == experts[1] and "gate_up_proj" in experts[3]
+    assert (
+        stored.read_raw(["model.layers.3.mlp.experts.gate_up_proj"])["model.layers.3.mlp.experts.gate_up_proj"].shape[0]
+        == 4
+    )
 
 
 def test_mtp_calibration_sees_the_mtp_modules_moe_inputs(releases):

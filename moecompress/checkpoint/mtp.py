@@ -37,6 +37,21 @@ def outside_mtp_keys(adapter: FamilyAdapter, keys) -> frozenset[str]:
     return frozenset(k for k in keys if adapter.layer_of_key(k) is None and k.startswith(("mtp.", "model.mtp.")))
 
 
+def mtp_count(config: dict[str, Any]) -> int:
+    """The MTP layer count a config declares (0 when it names none)."""
+    sections = [config, *(v for v in config.values() if isinstance(v, dict))]
+    return max((int(section.get(key) or 0) for section in sections for key in MTP_COUNT_KEYS), default=0)
+
+
+def is_mtp_module(adapter: FamilyAdapter, name: str) -> bool:
+    """Whether module ``name`` belongs to an MTP layer the config declares (a top-level ``mtp.*`` module, or a decoder
+    layer from ``num_hidden_layers`` up to the declared count): stock transformers builds none of them."""
+    if name.startswith(("mtp.", "model.mtp.")):
+        return True
+    layer = adapter.layer_of_key(name)
+    return layer is not None and adapter.num_layers <= layer < adapter.num_layers + mtp_count(adapter.config)
+
+
 def check_mode(mode: str) -> None:
     if mode not in MTP_MODES:
         raise UserInputError(f"--mtp must be keep or drop, got {mode!r}")
@@ -193,22 +208,26 @@ def _with_mtp_counts(
 
 
 class QuantizeMtp:
-    """How quantisation treats the MTP layers: dropped, or written in the decoded (bf16) dtype unquantised and
-    left out of ``quantization_config``, so that the plugin and stock transformers (which build no MTP module)
-    load the output and servers that run the MTP layer read plain weights."""
+    """How quantisation treats the MTP layers: dropped (and the config's count zeroed), or quantised like the main
+    layers (listed in ``quantization_config``; the plugin skips the entries that name MTP modules, which stock
+    transformers does not build)."""
 
     def __init__(self, config: dict[str, Any], drop: frozenset[int], passthrough: frozenset[int], report):
         self.config, self.drop_layers, self.passthrough_layers, self.report = config, drop, passthrough, report
         self.drop_keys: frozenset[str] = frozenset()
 
 
-def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str) -> QuantizeMtp:
+def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str, calibrated: bool = False) -> QuantizeMtp:
+    """The MTP plan of a quantisation; ``calibrated`` (GPTQ, salient weights, low-rank adapters need each layer's
+    MoE inputs) refuses, before any work, an MTP layer whose stored tensors lack what feeds it."""
+    from ..mtp_sweep import mtp_feed
     from .reader import CheckpointReader
 
     check_mode(mode)
     with CheckpointReader(model_dir, decode=False) as reader:
-        layers = mtp_layers(adapter, reader.keys())
-        outside = outside_mtp_keys(adapter, reader.keys())
+        keys = reader.keys()
+        layers = mtp_layers(adapter, keys)
+        outside = outside_mtp_keys(adapter, keys)
     if not layers and not outside:
         return QuantizeMtp(adapter.config, frozenset(), frozenset(), {})
     if mode == "drop":
@@ -216,5 +235,13 @@ def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str) -> QuantizeM
         plan = QuantizeMtp(without_mtp(adapter.config), frozenset(layers), frozenset(), report)
         plan.drop_keys = outside
         return plan
-    report = {"mtp_layers": layers, "mode": "keep", "written": "decoded, unquantised"}
-    return QuantizeMtp(adapter.config, frozenset(), frozenset(layers), report)
+    uncalibrated = [layer for layer in layers if mtp_feed(adapter, keys, layer) is None]
+    if calibrated and uncalibrated:
+        raise UserInputError(
+            f"{model_dir}: MTP layers {uncalibrated} lack the norms and input projection that feed them, so they "
+            "cannot be calibrated; pass --mtp drop or use --method rtn without salient weights or low-rank adapters"
+        )
+    written = "quantised like the main layers" + (", calibrated on the MTP module's own inputs" if calibrated else "")
+    return QuantizeMtp(
+        adapter.config, frozenset(), frozenset(), {"mtp_layers": layers, "mode": "keep", "written": written}
+    )

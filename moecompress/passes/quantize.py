@@ -379,6 +379,11 @@ def _measure_lowrank(
     for capture in sweep.run(state, label="measuring quantisation error"):
         capture.result = measure_layer(quantizer, capture)
         absorb(capture.layer, capture.result)
+    if quantizer.config.mtp == "keep":
+        from ..mtp_sweep import mtp_captures
+
+        for capture in mtp_captures(sweep, calibration_inputs[0]):
+            absorb(capture.layer, measure_layer(quantizer, capture))
     return gains, loads, shapes
 
 
@@ -415,6 +420,7 @@ def quantize_checkpoint(
     quantizer = _ExpertQuantizer(adapter, scheme, config)
     lowrank = config.lowrank_budget > 0 or config.lowrank_rank > 0
     needs_calibration = quantizer.calibrated or lowrank
+    quantize_mtp_plan(model_dir, adapter, config.mtp, needs_calibration)
     calibration: dict[str, Any] | None = None
     if needs_calibration:
         batches, tags, tag_names = calibration_batches(
@@ -441,8 +447,11 @@ def quantize_checkpoint(
         if needs_calibration:
             rewrite_state = SweepState(writer.state_dir / "quantize-rewrite")
             align_resumed_sweep(rewrite_state, writer)
-            captures = CalibrationSweep(model_dir, *calibration_inputs, progress=progress).run(
-                rewrite_state, label="calibrating"
+            from ..mtp_sweep import with_mtp_captures
+
+            sweep = CalibrationSweep(model_dir, *calibration_inputs, progress=progress)
+            captures = with_mtp_captures(
+                sweep, sweep.run(rewrite_state, label="calibrating"), calibration_inputs[0], config.mtp
             )
         report = {
             "pass": "quantize",
@@ -630,7 +639,7 @@ def _write_quantized(
             quantized = layers.quantize_moe(layer, moe, capture)
         return layers.join_layer(layer, quantized, rest)
 
-    mtp = quantize_mtp_plan(model_dir, quantizer.adapter, quantizer.config.mtp)
+    mtp = quantize_mtp_plan(model_dir, quantizer.adapter, quantizer.config.mtp, captures is not None)
     report["mtp"] = mtp.report or None
     rewrite_checkpoint(
         model_dir,

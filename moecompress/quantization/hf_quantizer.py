@@ -162,12 +162,16 @@ def replace_quantized_modules(
     """Swap each module named in ``config.modules`` for its quantised twin (on the module's device).
 
     ``names`` maps a module's name inside ``model`` to its name in ``config.modules``, for a part of the model
-    (one decoder layer, which streamed evaluation builds alone); ``adapter`` then gives the model's family."""
+    (one decoder layer, which streamed evaluation builds alone); ``adapter`` then gives the model's family.
+    Modules of MTP layers the config declares are skipped (transformers builds no MTP module; its tensors are
+    left unused, as for an unquantised checkpoint); any other module the model lacks is refused."""
+    from ..checkpoint.mtp import is_mtp_module
     from ..families import adapter_for
 
     adapter = adapter or adapter_for(model.config.to_dict())
     hidden = int(adapter.text_config["hidden_size"])
-    names = {name: name for name in config.modules} if names is None else names
+    if names is None:
+        names = {adapter.runtime_module_name(name): name for name in config.modules if not is_mtp_module(adapter, name)}
     for name, full_name in names.items():
         try:
             module = model.get_submodule(name)
