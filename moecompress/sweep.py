@@ -186,7 +186,7 @@ class CalibrationSweep:
             skeleton = auto_class.from_config(skeleton_config, dtype=dtype)
         _text_config(skeleton.config).num_hidden_layers = len(meta_layers)
         recorder = _CallRecorder()
-        layers_path = self.adapter.layers_prefix.rstrip(".")
+        layers_path = self.adapter.runtime_layers_path
         parent_path, _, attr = layers_path.rpartition(".")
         parent = skeleton.get_submodule(parent_path)
         setattr(
@@ -201,7 +201,7 @@ class CalibrationSweep:
         keys = [key for key in self._outside_keys if not any(p.search(key) for p in ignored)]
         state = {
             key: tensor.to(dtype) if tensor.is_floating_point() else tensor
-            for key, tensor in self.reader.read(keys).items()
+            for key, tensor in self.adapter.runtime_outside_state(self.reader.read(keys)).items()
         }
         _, unexpected = skeleton.load_state_dict(state, strict=False)
         if unexpected:

@@ -373,6 +373,25 @@ TINY_CONFIGS.update(
             mamba_chunk_size=16,
         ),
         "granitemoe_swa": dict(_GRANITE, model_type="granitemoe_swa", shared_intermediate_size=48, sliding_window=8),
+        "kimi_k25": dict(
+            model_type="kimi_k25",
+            text_config=dict(TINY_CONFIGS["kimi_k2"], tie_word_embeddings=False),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=32,
+                num_attention_heads=2,
+                num_hidden_layers=1,
+                patch_size=4,
+                pos_emb_height=8,
+                pos_emb_width=8,
+            ),
+            projection_hidden_size=32,
+            image_token_id=380,
+            video_token_id=381,
+            vision_start_token_id=382,
+            vision_end_token_id=383,
+            tie_word_embeddings=False,
+        ),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",
@@ -460,6 +479,8 @@ def save_tiny_model(family: str, directory: str | os.PathLike[str], seed: int = 
         _fuse_experts(directory)
     if family in _QWEN_MTP_RELEASES:
         _add_qwen_mtp(directory)
+    if family == "kimi_k25":
+        _kimi_k25_release_layout(directory)
     return directory
 
 
@@ -487,6 +508,22 @@ def _add_qwen_mtp(directory: Path) -> None:
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         mtp[f"mtp.{name}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
     save_file({**tensors, **mtp}, str(shard), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _kimi_k25_release_layout(directory: Path) -> None:
+    """Kimi-K2.5's release names its decoder layers ``language_model.model.layers`` and its text config
+    ``model_type: kimi_k2``; transformers' reversed load rules make ``save_pretrained`` write
+    ``language_model.model.blocks`` (the vision tower's ``blocks`` -> ``layers`` rule, undone on every key)."""
+    from safetensors.torch import load_file, save_file
+
+    shard = directory / "model.safetensors"
+    tensors = load_file(shard)
+    old, new = "language_model.model.blocks.", "language_model.model.layers."
+    renamed = {key.replace(old, new): tensor for key, tensor in tensors.items()}
+    save_file(renamed, str(shard), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["text_config"]["model_type"] = "kimi_k2"
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

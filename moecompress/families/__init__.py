@@ -24,6 +24,7 @@ from .ernie import Ernie45MoeAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter
+from .kimi_k25 import KimiK25Adapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
@@ -61,6 +62,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     ExaoneMoeAdapter,
     GlmMoeDsaAdapter,
     MiniCPM5MoeAdapter,
+    KimiK25Adapter,
     GraniteMoeSharedAdapter,
     GraniteMoeHybridAdapter,
     GraniteMoeSWAAdapter,

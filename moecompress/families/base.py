@@ -376,9 +376,24 @@ class FamilyAdapter:
         return out
 
     # ---- the loaded transformers model ------------------------------------------------------------------
+    @property
+    def runtime_layers_path(self) -> str:
+        """The decoder layers' module path in the loaded model: the on-disk prefix, except for releases whose
+        names transformers renames at load (Kimi-K2.5's ``language_model.model.layers``)."""
+        return self.layers_prefix.rstrip(".")
+
+    def runtime_module_name(self, name: str) -> str:
+        """A module's name in the loaded model, from its on-disk name (``quantization_config`` lists the latter)."""
+        return name
+
+    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors outside the decoder layers (embeddings, final norm, head, vision tower) under the names the loaded
+        model gives them, for the calibration skeleton."""
+        return state
+
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
-        """The decoder layers of a loaded model (runtime module names mirror the on-disk prefixes)."""
-        return model.get_submodule(self.layers_prefix.rstrip("."))
+        """The decoder layers of a loaded model."""
+        return model.get_submodule(self.runtime_layers_path)
 
     def router_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
         """Layer ``layer``'s router module; :meth:`route_of` reads its forward's output."""
