@@ -162,7 +162,7 @@ def test_whole_model_evaluation_under_meta_default() -> None:
     assert (on_meta_default.perplexity, on_meta_default.kl) == (normal.perplexity, normal.kl)
 
 
-HEADS_FAST = dict(calib_tokens=256, seq_len=32, batch_size=4, eval_data="builtin:prose", eval_tokens=256)
+HEADS_FAST = dict(calib_tokens=256, seq_len=32, eval_data="builtin:prose", eval_tokens=256)
 QAT_FAST = dict(data="builtin:prose", calib_tokens=1024, eval_data="builtin:prose", eval_tokens=512)
 PINNED_VERSIONS = ("2.13", "5.25")
 """torch and transformers (major.minor) that wrote the pinned hashes: the bytes depend on their CPU kernels."""
@@ -186,7 +186,7 @@ as the code wrote them before they took ``--device`` (eec1086), and with ``--dev
 def _prune_heads_config():
     from moecompress.passes.prune_heads import PruneHeadsConfig
 
-    return PruneHeadsConfig(ratio=0.25, steps=4, distill_steps=2, seed=0)
+    return PruneHeadsConfig(ratio=0.25, steps=4, distill_steps=2, batch_size=4, seed=0)
 
 
 def _qat_config():
