@@ -87,8 +87,8 @@ def test_compressed_outputs_against_the_original(name, tiny_moe, tiny_outputs):
 def test_head_pruned_output_with_per_layer_head_counts(tmp_path):
     source = save_tiny_model("olmoe", tmp_path / "olmoe")
     tiny_tokenizer().save_pretrained(source)
-    config = PruneHeadsConfig(ratio=0.5, method="magnitude", distill_steps=0)
-    prune_heads(source, tmp_path / "heads", config, calib_tokens=256, seq_len=32, batch_size=4, progress=False)
+    config = PruneHeadsConfig(ratio=0.5, method="magnitude", distill_steps=0, batch_size=4)
+    prune_heads(source, tmp_path / "heads", config, calib_tokens=256, seq_len=32, progress=False)
     with CheckpointReader(tmp_path / "heads") as reader:
         assert reader.config["moecompress"].get("attention_heads_per_layer")
     _compare_windows(tmp_path / "heads", source)

@@ -67,9 +67,10 @@ def _click_option(cls: type, field: dataclasses.Field, declared: Option) -> clic
     attrs: dict[str, Any] = {"help": declared.help, "required": declared.required}
     if base is bool and "/" not in flag:
         attrs["is_flag"] = True
-    else:
-        attrs["default"] = None if declared.required else default
+    elif not declared.required:
+        attrs["default"] = default
         attrs["show_default"] = default is not None and default != "" and "/" not in flag
+    if not attrs.get("is_flag"):
         click_type = _click_type(cls, field, declared)
         if click_type is not None:
             attrs["type"] = click_type

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -15,11 +16,12 @@ from .common_options import (
     eval_options,
     seq_len_option,
 )
+from .pass_options import PassCommand, config_from_options, config_options
 from .run_options import check_one_pass_before_work, run_options
 from .trust_options import trust_options
 
 
-@click.command("prune-heads")
+@click.command("prune-heads", cls=PassCommand)
 @trust_options
 @run_options
 @click.argument("model")
@@ -30,82 +32,10 @@ from .trust_options import trust_options
     type=click.Path(file_okay=False, path_type=Path),
     help="Output directory (written atomically; must not exist unless --overwrite).",
 )
-@click.option(
-    "--ratio",
-    type=float,
-    required=True,
-    help="Fraction of the units to remove, in (0, 1): of each layer's KV groups (or query heads), or of all KV "
-    "groups with --scope global. Must leave every layer at least one.",
-)
-@click.option(
-    "--unit",
-    type=click.Choice(["kv-group", "query-head"]),
-    default="kv-group",
-    show_default=True,
-    help="kv-group: a gate per KV head and the query heads that read it (shrinks the KV cache); query-head: a "
-    "gate per query head, the same number removed from every KV group (KV cache unchanged).",
-)
-@click.option(
-    "--method",
-    type=click.Choice(["learned", "magnitude", "random"]),
-    default="learned",
-    show_default=True,
-    help="learned: binary gates trained on the frozen model under a Lagrangian sparsity objective; magnitude: "
-    "the Frobenius norm of each unit's q/k/v/o weights; random: seeded random choice (baselines).",
-)
-@click.option(
-    "--scope",
-    type=click.Choice(["layer", "global"]),
-    default="layer",
-    show_default=True,
-    help="layer: the same number from every layer (loads in stock transformers); global: KV groups ranked over "
-    "all layers, counts differ per layer (loads after `import moecompress`).",
-)
-@click.option("--steps", type=click.IntRange(min=0), default=200, show_default=True, help="Gate-training steps.")
-@click.option(
-    "--distill-steps",
-    type=click.IntRange(min=0),
-    default=100,
-    show_default=True,
-    help="Steps of distillation (KL to the original's logits) of the pruned model's attention and norms; 0 skips.",
-)
-@click.option(
-    "--lr",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    help="Gate learning rate (plain SGD on the gate logits).",
-)
-@click.option(
-    "--distill-lr",
-    type=click.FloatRange(min=0, min_open=True),
-    default=3e-4,
-    show_default=True,
-    help="Distillation learning rate.",
-)
-@click.option(
-    "--noise-bias",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="Shift of the gates' logistic sampling noise toward closing at the start of training, decaying linearly "
-    "to 0 over the warm-up (the first half of --steps). 0 (default) disables it: on tiny-moe 2.0 tied at 25% "
-    "and hurt at 50% (docs/heads.md).",
-)
-@click.option(
-    "--gate-objective",
-    type=click.Choice(["lm", "kl"]),
-    default="lm",
-    show_default=True,
-    help="What the gates minimise: lm (next-token cross-entropy) or kl (KL to the original model's logits).",
-)
+@config_options("prune_heads")
 @calib_option("Calibration/training source(s), comma-separated (calibration part for built-ins).", old=("--data",))
 @calib_tokens_option("Tokens of --calib (whole windows of --seq-len) the gates train and distil on.")
 @seq_len_option()
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Windows per step.")
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed for windows, gate noise and --method random."
-)
 @eval_options(
     "Evaluate against the input before and after distillation on this source (held-out part for built-ins).",
     "Skip the evaluation.",
@@ -115,21 +45,9 @@ from .trust_options import trust_options
 def prune_heads_command(
     model: str,
     out_dir: Path,
-    ratio: float,
-    unit: str,
-    method: str,
-    scope: str,
-    steps: int,
-    distill_steps: int,
-    lr: float,
-    distill_lr: float,
-    noise_bias: float,
-    gate_objective: str,
     calib: str,
     calib_tokens: int,
     seq_len: int,
-    batch_size: int,
-    seed: int,
     eval_data: str,
     eval_tokens: int | None,
     no_eval: bool,
@@ -137,6 +55,7 @@ def prune_heads_command(
     resume: bool,
     quiet: bool,
     log_json: bool,
+    **options: Any,
 ) -> None:
     """Prune MODEL's attention heads by --ratio and write the checkpoint to --out.
 
@@ -151,19 +70,7 @@ def prune_heads_command(
     from ..passes.prune_heads import PruneHeadsConfig, prune_heads
 
     quiet_transformers()
-    config = PruneHeadsConfig(
-        ratio=ratio,
-        unit=unit,
-        method=method,
-        scope=scope,
-        steps=steps,
-        lr=lr,
-        noise_bias=noise_bias,
-        gate_objective=gate_objective,
-        distill_steps=distill_steps,
-        distill_lr=distill_lr,
-        seed=seed,
-    )
+    config = config_from_options(PruneHeadsConfig, options)
     config.validate()
     model_dir = resolve_model(model)
     check_one_pass_before_work(
@@ -188,14 +95,14 @@ def prune_heads_command(
             calib=calib,
             calib_tokens=calib_tokens,
             seq_len=seq_len,
-            batch_size=batch_size,
             eval_data=None if no_eval else eval_data,
             eval_tokens=eval_tokens,
             overwrite=overwrite,
             progress=True,
         )
     click.echo(
-        f"removed {report['units_before'] - report['units_after']} of {report['units_before']} {unit}s ({method})"
+        f"removed {report['units_before'] - report['units_after']} of {report['units_before']} {config.unit}s "
+        f"({config.method})"
     )
     for layer, info in report["layers"].items():
         click.echo(f"  layer {layer}: query heads {info['kept_query_heads']}, KV heads {info['kept_kv_heads']}")
