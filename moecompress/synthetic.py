@@ -392,6 +392,7 @@ TINY_CONFIGS.update(
             vision_end_token_id=383,
             tie_word_embeddings=False,
         ),
+        "sarvam_mla": dict(_COMMON, **_DEEPSEEK_MOE, **dict(_MLA, q_lora_rank=None), model_type="sarvam_mla"),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

@@ -18,6 +18,7 @@ from .deepseek_derived import (
     GlmMoeDsaAdapter,
     KimiK2Adapter,
     MiniCPM5MoeAdapter,
+    SarvamMlaAdapter,
     SolarOpenAdapter,
 )
 from .ernie import Ernie45MoeAdapter
@@ -63,6 +64,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     GlmMoeDsaAdapter,
     MiniCPM5MoeAdapter,
     KimiK25Adapter,
+    SarvamMlaAdapter,
     GraniteMoeSharedAdapter,
     GraniteMoeHybridAdapter,
     GraniteMoeSWAAdapter,

@@ -105,6 +105,15 @@ class MiniCPM5MoeAdapter(_GroupedQueryAttentionAdapter):
         return local_key.replace("self_attn.q_proj.", "self_attn.q_gate_proj.", 1)
 
 
+class SarvamMlaAdapter(DeepseekV3Adapter):
+    """Sarvam-105B (``sarvam_mla``): DeepSeek-V3 itself (transformers builds ``DeepseekV3ForCausalLM``; its config
+    class translates the release's remote-code keys)."""
+
+    family = "sarvam_mla"
+    model_types = ("sarvam_mla",)
+    first_dense_default = 1
+
+
 class SolarOpenAdapter(_GroupedQueryAttentionAdapter):
     """Solar Open: every decoder layer is MoE (transformers ignores ``first_k_dense_replace``)."""
 
