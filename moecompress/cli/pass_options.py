@@ -1,6 +1,7 @@
 """A pass's command-line options, generated from its config dataclass (:mod:`moecompress.passes.options`): each
 field declared with :func:`~moecompress.passes.options.option` becomes one click option whose destination is the
-field's name, and :func:`config_from_options` turns the parsed values back into the config."""
+field's name, and :func:`config_from_options` turns the parsed values back into the config. A field holding another
+config (QAT's ``quantize``) contributes the nested config's fields it names (``Option.nested``)."""
 
 from __future__ import annotations
 
@@ -17,24 +18,41 @@ from .common_options import RenamedOption
 GENERATED = "moecompress_config_field"
 """Attribute set on every generated click option: ``(config class name, field name)``."""
 
+Generated = tuple[type, dataclasses.Field, Option]
+
+
+def _declared(cls: type, field: dataclasses.Field) -> Option:
+    declared = option_of(field)
+    if declared is None:
+        raise TypeError(f"{cls.__name__}.{field.name} declares no option (moecompress.passes.options)")
+    return declared
+
+
+def _nested_class(cls: type, field: dataclasses.Field) -> type | None:
+    base, _ = value_type(cls, field)
+    return base if dataclasses.is_dataclass(base) else None
+
 
 def _cli_fields(
-    cls: type, only: Iterable[str] | None, exclude: Iterable[str], overrides: dict[str, dict[str, Any]]
-) -> list[tuple[dataclasses.Field, Option]]:
+    cls: type, only: Iterable[str] | None, exclude: Iterable[str], changes: dict[str, dict[str, Any]]
+) -> list[Generated]:
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted((set(only or ()) | set(exclude) | set(overrides)) - set(names))
+    unknown = sorted((set(only or ()) | set(exclude) | set(changes)) - set(names))
     if unknown:
         raise TypeError(f"{cls.__name__} has no field {unknown[0]}")
-    chosen = []
+    chosen: list[Generated] = []
     for field in dataclasses.fields(cls):
-        declared = option_of(field)
-        if declared is None:
-            raise TypeError(f"{cls.__name__}.{field.name} declares no option (moecompress.passes.options)")
-        if field.name in overrides:
-            declared = declared.with_changes(**overrides[field.name])
+        declared = _declared(cls, field)
+        if field.name in changes:
+            declared = declared.with_changes(**changes[field.name])
         wanted = field.name in only if only is not None else declared.cli and field.name not in exclude
-        if wanted and not declared.shared:
-            chosen.append((field, declared))
+        nested = _nested_class(cls, field)
+        if not wanted or declared.shared:
+            continue
+        if nested is not None:
+            chosen += _cli_fields(nested, declared.nested, (), declared.nested_changes)
+        else:
+            chosen.append((cls, field, declared))
     return chosen
 
 
@@ -82,15 +100,15 @@ def _click_option(cls: type, field: dataclasses.Field, declared: Option) -> clic
 class _Deferred:
     """Stands in a command's parameter list for a pass's options until the list is first read."""
 
-    def __init__(self, pass_name: str, only: Iterable[str] | None, exclude: Iterable[str], overrides: dict) -> None:
-        self.pass_name, self.only, self.exclude, self.overrides = pass_name, only, tuple(exclude), overrides
+    def __init__(self, pass_name: str, only: Iterable[str] | None, exclude: Iterable[str], changes: dict) -> None:
+        self.pass_name, self.only, self.exclude, self.changes = pass_name, only, tuple(exclude), changes
 
     def options(self) -> list[click.Option]:
         from ..passes.registry import PASSES
 
         cls = PASSES[self.pass_name].config
         only = None if self.only is None else set(self.only)
-        return [_click_option(cls, f, declared) for f, declared in _cli_fields(cls, only, self.exclude, self.overrides)]
+        return [_click_option(*generated) for generated in _cli_fields(cls, only, self.exclude, self.changes)]
 
 
 class PassCommand(click.Command):
@@ -100,11 +118,16 @@ class PassCommand(click.Command):
     @property  # type: ignore[override]
     def params(self) -> list[click.Parameter]:
         if any(isinstance(param, _Deferred) for param in self._params):
-            self._params = [
+            params = [
                 option
                 for param in self._params
                 for option in (param.options() if isinstance(param, _Deferred) else [param])
             ]
+            names = [param.name for param in params]
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:
+                raise TypeError(f"{self.name}: options {twice} are declared twice")
+            self._params = params
         return self._params
 
     @params.setter
@@ -117,15 +140,15 @@ def config_options(
     *,
     only: Iterable[str] | None = None,
     exclude: Iterable[str] = (),
-    overrides: dict[str, dict[str, Any]] | None = None,
+    changes: dict[str, dict[str, Any]] | None = None,
 ) -> Callable:
     """A decorator adding the registered pass ``pass_name``'s command-line fields as options, in field order, to a
-    :class:`PassCommand`; ``only``/``exclude`` pick fields, ``overrides`` changes a field's
+    :class:`PassCommand`; ``only``/``exclude`` pick fields, ``changes`` alters a field's
     :class:`~moecompress.passes.options.Option` for this command."""
 
     def apply(command: Callable) -> Callable:
         params = getattr(command, "__click_params__", [])
-        params.append(_Deferred(pass_name, only, exclude, overrides or {}))
+        params.append(_Deferred(pass_name, only, exclude, changes or {}))
         command.__click_params__ = params
         return command
 
@@ -141,18 +164,26 @@ def _from_cli(cls: type, field: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-def config_from_options(cls: type, options: dict[str, Any], *, only: Iterable[str] | None = None, **given: Any) -> Any:
-    """``cls`` from a command's parsed options: the values of its generated and shared options (``only`` those
-    fields, if given) are taken out of ``options`` (shared ones are read, not removed); a value None where the field
-    takes none leaves the field's default; ``given`` sets fields directly (a nested config)."""
-    values = dict(given)
+def _values(cls: type, options: dict[str, Any], only: Iterable[str] | None) -> dict[str, Any]:
+    values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
-        declared = option_of(field)
-        skipped = field.name in given or (only is not None and field.name not in only)
-        if skipped or declared is None or field.name not in options:
+        declared = _declared(cls, field)
+        nested = _nested_class(cls, field)
+        if only is not None and field.name not in only:
+            continue
+        if nested is not None and declared.nested:
+            values[field.name] = dataclasses.replace(field_default(field), **_values(nested, options, declared.nested))
+            continue
+        if field.name not in options:
             continue
         value = options[field.name] if declared.shared else options.pop(field.name)
-        if value is None and not value_type(cls, field)[1]:
-            continue
-        values[field.name] = _from_cli(cls, field, value)
-    return cls(**values)
+        if value is not None or value_type(cls, field)[1]:
+            values[field.name] = _from_cli(cls, field, value)
+    return values
+
+
+def config_from_options(cls: type, options: dict[str, Any]) -> Any:
+    """``cls`` from a command's parsed options: the values of its generated options are taken out of ``options``
+    (a shared option's value is read, not taken); a value None where the field takes none leaves the field's
+    default; a nested config is its field's default with the nested options' values."""
+    return cls(**_values(cls, options, None))

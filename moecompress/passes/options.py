@@ -49,6 +49,10 @@ class Option:
     shared: bool = False
     """Set from the command's own option of the same flag (``--seq-len``), which is not generated here."""
     cli: bool = True
+    nested: tuple[str, ...] = ()
+    """For a field holding another config (QAT's ``quantize``): the fields of that config the command line sets."""
+    nested_changes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """How those nested fields' options differ on this pass's command (another default, required, help)."""
 
     def with_changes(self, **changes: Any) -> Option:
         return dataclasses.replace(self, **changes)

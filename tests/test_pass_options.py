@@ -1,0 +1,134 @@
+"""Each pass option is declared once, on its config field (issue 29): every field of every registered pass declares
+its option or says it is a recipe key only, every option of a pass command comes from a config field, the flags
+that messages name exist, and docs/recipe_keys.md is what the declarations give."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import click
+import pytest
+
+from moecompress.cli.main import app
+from moecompress.cli.pass_options import GENERATED, config_from_options
+from moecompress.passes.options import flag, option_of
+from moecompress.passes.registry import PASSES
+
+ROOT = Path(__file__).parent.parent
+
+PASS_COMMANDS = {"prune": "prune_experts", "quantize": "quantize", "prune-heads": "prune_heads", "qat": "qat"}
+"""Each one-pass command and its pass."""
+
+COMMAND_OPTIONS = {
+    "model",
+    "out_dir",
+    "calib",
+    "calib_tokens",
+    "seq_len",
+    "eval_data",
+    "eval_tokens",
+    "no_eval",
+    "overwrite",
+    "device",
+    "resume",
+    "restart",
+    "quiet",
+    "log_json",
+    "trust_remote_code",
+    "allow_pickle",
+    "image_size",
+}
+"""Options that are not a pass's: the model, the output, calibration, evaluation, the run and trust options."""
+
+
+def _all_configs():
+    """Every registered pass's config class and the config classes nested in them (QAT's quantize)."""
+    seen, todo = [], [entry.config for entry in PASSES.values()]
+    while todo:
+        cls = todo.pop(0)
+        if cls not in seen:
+            seen.append(cls)
+            todo.extend(hint for hint in typing.get_type_hints(cls).values() if dataclasses.is_dataclass(hint))
+    return seen
+
+
+@pytest.mark.parametrize("cls", _all_configs(), ids=lambda cls: cls.__name__)
+def test_every_config_field_declares_its_option(cls):
+    missing = [f.name for f in dataclasses.fields(cls) if option_of(f) is None]
+    assert not missing, f"{cls.__name__}: no option(...) or recipe_only(...) in the metadata of {missing}"
+    for f in dataclasses.fields(cls):
+        assert option_of(f).help.strip(), f"{cls.__name__}.{f.name} has no help"
+
+
+@pytest.mark.parametrize("command_name", list(PASS_COMMANDS))
+def test_every_option_of_a_pass_command_is_a_config_field_or_a_command_option(command_name):
+    command = app.commands[command_name]
+    stray = []
+    for param in command.params:
+        generated = getattr(param, GENERATED, None)
+        if generated is not None:
+            cls_name, field = generated
+            assert field in {
+                f.name for cls in _all_configs() if cls.__name__ == cls_name for f in dataclasses.fields(cls)
+            }
+        elif param.name not in COMMAND_OPTIONS:
+            stray.append(param.opts[0] if param.opts else param.name)
+    assert not stray, f"{command_name}: options declared by hand, not from the pass's config: {stray}"
+    generated = {getattr(p, GENERATED)[1] for p in command.params if hasattr(p, GENERATED)}
+    assert generated, command_name
+
+
+@pytest.mark.parametrize("cls", _all_configs(), ids=lambda cls: cls.__name__)
+def test_the_flags_the_messages_name_are_real_flags(cls):
+    """validate()'s messages name flags; each must be an option of some command (a renamed flag breaks this)."""
+    import inspect
+
+    flags = {
+        name.split("/")[0]
+        for command in app.commands.values()
+        if isinstance(command, click.Command)
+        for param in command.params
+        for name in (*param.opts, *param.secondary_opts)
+    }
+    named = set(re.findall(r"(--[a-z][a-z-]+)", inspect.getsource(cls)))
+    assert named - flags == set(), named - flags
+
+
+def test_the_generated_options_parse_back_into_the_config():
+    command = app.commands["quantize"]
+    args = [
+        "M",
+        "--out",
+        "O",
+        "--scheme",
+        "int4",
+        "--group-size",
+        "64",
+        "--asymmetric",
+        "--targets",
+        "experts, lm_head",
+    ]
+    params = dict(command.make_context("quantize", args).params)
+    config = config_from_options(PASSES["quantize"].config, params)
+    assert (config.scheme, config.group_size, config.symmetric, config.targets) == (
+        "int4",
+        64,
+        False,
+        ("experts", "lm_head"),
+    )
+    assert config.lowrank_rank == 0 and config.gptq_block == 128
+    assert "scheme" not in params and params["calib"] == "builtin:prose"
+    assert flag(PASSES["quantize"].config, "symmetric") == "--symmetric"
+
+
+def test_importing_the_command_line_imports_no_pass():
+    """The options are generated when a command's parameters are first read, so ``moecompress --help`` stays fast."""
+    code = (
+        "import sys, moecompress.cli.main; "
+        "print(sorted(m for m in sys.modules if m.startswith('moecompress.passes.') or m == 'torch'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "['moecompress.passes.options']"
