@@ -337,6 +337,7 @@ TINY_CONFIGS.update(
         ),
     }
 )
+TINY_CONFIGS["llama4_text"] = dict(TINY_CONFIGS["llama4"]["text_config"], model_type="llama4_text")
 
 _GRANITE = dict(
     _COMMON,
