@@ -271,3 +271,52 @@ def test_pipeline_prunes_and_quantises_the_qwen_mtp_layer(qwen_sources, tmp_path
     assert _expert_keys(out, MTP) == _expert_keys(out, prefix)
     stored = CheckpointReader(out, decode=False)
     assert stored.read_raw([f"{MTP}mlp.gate.weight"])[f"{MTP}mlp.gate.weight"].shape[0] == 4
+
+
+def test_compressed_tensors_output_quantises_the_deepseek_mtp_layer_the_same_way(tmp_path):
+    """--format compressed-tensors of a block-FP8 DeepSeek-V3 with an MTP layer: the MTP experts are stored like the
+    main layers' (the expert targets are patterns that match them), and stock transformers loads the output."""
+    import transformers
+
+    from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+    from moecompress.synthetic_quantized import add_mtp_layer, convert_to_block_fp8
+
+    bf16 = add_mtp_layer(save_tiny_model("deepseek_v3", tmp_path / "bf16", seed=3))
+    fp8 = convert_to_block_fp8(bf16, tmp_path / "fp8")
+    out = tmp_path / "ct"
+    quantize_checkpoint(fp8, out, QuantizeConfig(scheme="int4", format="compressed-tensors"), progress=False)
+
+    def stored(layer):
+        return _expert_keys(out, f"model.layers.{layer}.")
+
+    assert stored(3) == stored(2) and any(k.endswith("weight_packed") for k in stored(3))
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_calibrated_quantize_refuses_an_mtp_layer_without_its_feed_before_work(tmp_path):
+    """GPTQ needs the MTP layer's inputs; an MTP layer stored without enorm/hnorm/eh_proj cannot be calibrated:
+    one line, exit 2, before any sweep (RTN and --mtp drop still work)."""
+    from safetensors.torch import load_file, save_file
+
+    from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+    from moecompress.synthetic_quantized import add_mtp_layer
+
+    source = add_mtp_layer(save_tiny_model("deepseek_v3", tmp_path / "bf16", seed=3))
+    tiny_tokenizer().save_pretrained(source)
+    shard = source / "model.safetensors"
+    tensors = load_file(shard)
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.3.enorm.")}, shard)
+    from helpers import run_cli
+
+    out = tmp_path / "gptq"
+    result = run_cli("quantize", str(source), "--out", str(out), "--method", "gptq", "--seq-len", "64", "--no-eval")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "MTP layers [3] lack the norms and input projection that feed them" in line
+    assert not (tmp_path / "gptq").exists()
+    quantize_checkpoint(source, tmp_path / "rtn", QuantizeConfig(scheme="int4"), progress=False)
+    assert (
+        "model.layers.3.mlp.experts"
+        in json.loads((tmp_path / "rtn" / "config.json").read_text())["quantization_config"]["modules"]
+    )

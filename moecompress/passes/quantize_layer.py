@@ -74,7 +74,7 @@ class QuantizePass(LayerPass):
         self.tensors = _TensorQuantizer(adapter, self.scheme, config.targets)
         self.quantizer = _ExpertQuantizer(adapter, self.scheme, config)
         self._source = str(context.model_dir)
-        self._mtp = quantize_mtp_plan(context.model_dir, adapter, config.mtp)
+        self._mtp = quantize_mtp_plan(context.model_dir, adapter, config.mtp, self.needs().calibration)
         context.extra["drop_layers"] = context.extra.get("drop_layers", frozenset()) | self._mtp.drop_layers
         context.extra["drop_keys"] = context.extra.get("drop_keys", frozenset()) | self._mtp.drop_keys
         if self.lowrank:
