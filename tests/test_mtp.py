@@ -320,3 +320,29 @@ def test_calibrated_quantize_refuses_an_mtp_layer_without_its_feed_before_work(t
         "model.layers.3.mlp.experts"
         in json.loads((tmp_path / "rtn" / "config.json").read_text())["quantization_config"]["modules"]
     )
+
+
+def test_global_scope_ranks_the_qwen_mtp_layer_with_the_main_layers(qwen_sources, tmp_path):
+    """--scope global: the MTP layer's experts are ranked with every main layer's; its count is recorded with the
+    others, its stored experts and router rows match it, and the output evaluates through the plugin."""
+    from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
+
+    source, out = qwen_sources["qwen3_next"], tmp_path / "global"
+    report = prune_experts(
+        source,
+        out,
+        PruneExpertsConfig(ratio=0.5, scope="global"),
+        calib_tokens=256,
+        seq_len=64,
+        eval_data="builtin:prose",
+        eval_tokens=256,
+        progress=False,
+    )
+    assert report["experts_before"] == 4 * 8 and report["experts_after"] == 16
+    section = json.loads((out / "config.json").read_text())["moecompress"]
+    counts = section.get("experts_per_layer") or {str(layer): 4 for layer in range(4)}
+    assert sum(counts.values()) == 16 and len(section["kept_experts"]["3"]) == counts["3"]
+    after = CheckpointReader(out)
+    assert after.tensor(f"{MTP}mlp.gate.weight").shape[0] == counts["3"]
+    assert len([k for k in after.keys() if k.startswith(f"{MTP}mlp.experts.")]) == 3 * counts["3"]
+    assert report["eval"]["perplexity"] > 0
