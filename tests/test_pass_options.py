@@ -3,6 +3,7 @@ its option or says it is a recipe key only, every option of a pass command comes
 that messages name exist, and docs/recipe_keys.md is what the declarations give."""
 
 import dataclasses
+import importlib.util
 import re
 import subprocess
 import sys
@@ -132,3 +133,14 @@ def test_importing_the_command_line_imports_no_pass():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "['moecompress.passes.options']"
+
+
+def test_docs_recipe_keys_is_what_the_declarations_give():
+    spec = importlib.util.spec_from_file_location("recipe_keys_table", ROOT / "scripts" / "recipe_keys_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    written = (ROOT / "docs" / "recipe_keys.md").read_text()
+    assert written == table.render(), "docs/recipe_keys.md is out of date: run python scripts/recipe_keys_table.py"
+    for entry in PASSES.values():
+        for field in dataclasses.fields(entry.config):
+            assert f"| `{field.name}` |" in written

@@ -113,7 +113,8 @@ class _Deferred:
 
 class PassCommand(click.Command):
     """A command whose pass options (:func:`config_options`) are generated when its parameters are first read
-    (parsing, ``--help``), so that importing the command line imports no pass (nor torch)."""
+    (parsing, ``--help``), so that importing the command line imports no pass (nor torch). ``pass_names``: the
+    registered passes whose options it generates."""
 
     @property  # type: ignore[override]
     def params(self) -> list[click.Parameter]:
@@ -133,6 +134,7 @@ class PassCommand(click.Command):
     @params.setter
     def params(self, value: list[click.Parameter]) -> None:
         self._params = value
+        self.pass_names = [param.pass_name for param in value if isinstance(param, _Deferred)]
 
 
 def config_options(
