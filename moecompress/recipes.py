@@ -12,9 +12,9 @@ passes:
 ```
 
 A pass's parameters are its config dataclass's fields (``PruneExpertsConfig``, ``PruneHeadsConfig``,
-``QuantizeConfig``, ``QATConfig`` with a nested ``quantize``); ``lowrank`` sets the low-rank fields of the
-quantize pass just before it, which computes the adapters in its own sweep. Every error names the key's path
-(``passes[1].quantize.scheme``) and is a :class:`UserInputError`.
+``QuantizeConfig``, ``QATConfig`` with a nested ``quantize``; all listed in docs/recipe_keys.md); ``lowrank`` sets
+the low-rank fields of the quantize pass just before it, which computes the adapters in its own sweep. Every error
+names the key's path (``passes[1].quantize.scheme``) and is a :class:`UserInputError`.
 
 Passes run one after another, each on the previous one's output (hidden sibling directories of the output,
 removed at the end); the last compressing pass writes the output directory.
