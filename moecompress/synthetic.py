@@ -394,6 +394,8 @@ TINY_CONFIGS.update(
             tie_word_embeddings=False,
         ),
         "sarvam_mla": dict(_COMMON, **_DEEPSEEK_MOE, **dict(_MLA, q_lora_rank=None), model_type="sarvam_mla"),
+        "sarvam_moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="sarvam_moe", head_dim=16),
+        "param2moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="param2moe", head_dim=16, use_qk_norm=False),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

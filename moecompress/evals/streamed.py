@@ -133,9 +133,9 @@ class LayerStream(CalibrationSweep):
         except ValueError as error:
             raise UserInputError(f"{self.model_dir}: {error}") from None
         expected = module.state_dict(keep_vars=True)
+        read = self.reader.read(self.layer_keys.get(layer, []))
         state = {}
-        for key, tensor in self.reader.read(self.layer_keys.get(layer, [])).items():
-            local = key[len(prefix) :]
+        for local, tensor in self.adapter.runtime_local_state({k[len(prefix) :]: t for k, t in read.items()}).items():
             target = expected.get(local)
             if target is not None and tensor.is_floating_point() and target.is_floating_point():
                 tensor = tensor.to(target.dtype)

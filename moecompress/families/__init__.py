@@ -33,6 +33,7 @@ from .qwen3_vl_moe import Qwen3VLMoeAdapter
 from .qwen_moe import FlexOlmoAdapter, OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
 from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapter
 from .routing import RoutingRule
+from .sarvam import Param2MoeAdapter, SarvamMoeAdapter
 from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
@@ -65,6 +66,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MiniCPM5MoeAdapter,
     KimiK25Adapter,
     SarvamMlaAdapter,
+    SarvamMoeAdapter,
+    Param2MoeAdapter,
     GraniteMoeSharedAdapter,
     GraniteMoeHybridAdapter,
     GraniteMoeSWAAdapter,

@@ -436,7 +436,9 @@ class FamilyAdapter:
     ) -> dict[str, torch.Tensor]:
         """A layer's tensors named as the stock transformers decoder-layer module's state dict."""
         prefix = self.layer_prefix(layer)
-        state = {self.runtime_local_name(key[len(prefix) :]): tensor for key, tensor in rest.items()}
+        state = self.runtime_local_state(
+            {self.runtime_local_name(key[len(prefix) :]): tensor for key, tensor in rest.items()}
+        )
         if moe is not None:
             state.update(self.runtime_moe_state(moe))
         return state
@@ -444,6 +446,11 @@ class FamilyAdapter:
     def runtime_local_name(self, local_key: str) -> str:
         """The runtime name of a layer-local on-disk key that is not part of the routed experts."""
         return local_key
+
+    def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A layer's tensors (routed experts aside), already under :meth:`runtime_local_name`, as the stock layer
+        module holds them, for releases whose tensors transformers reshapes at load (Sarvam's fused q/k/v)."""
+        return state
 
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
         block = self.moe_block_name

@@ -20,7 +20,14 @@ ADAPTER_DTYPE = torch.bfloat16
 
 
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
-    """The native format holds every scheme and target."""
+    """The native format holds every scheme and target, except targets a family stores fused in a layout
+    transformers splits at load (no runtime module holds the stored weight)."""
+    fused = sorted(set(targets) & set(getattr(adapter, "fused_on_disk_targets", ())))
+    if fused:
+        return (
+            f"{adapter.family} stores its {', '.join(fused)} weights fused in one tensor that transformers splits at "
+            "load; quantising them is not supported (quantise the experts, shared experts or lm_head)"
+        )
     return None
 
 

@@ -1,4 +1,5 @@
-"""Router modes a family's tiny checkpoint does not exercise, checked against the stock router module."""
+"""What a family's tiny checkpoint does not exercise in the shared family tests: other router modes (checked against
+the stock router module), refusals."""
 
 import pytest
 import torch
@@ -34,3 +35,16 @@ def test_cohere2_moe_router_modes_match_the_stock_router(overrides):
     order_stock, order_ours = stock_ids.argsort(dim=-1), ids.argsort(dim=-1)
     assert torch.equal(stock_ids.gather(1, order_stock), ids.gather(1, order_ours))
     torch.testing.assert_close(stock_weights.gather(1, order_stock), weights.gather(1, order_ours))
+
+
+def test_quantizing_sarvam_attention_is_refused_before_work(tiny_checkpoints, tmp_path):
+    """Sarvam's q/k/v live in one tensor that transformers splits at load: no runtime module holds it."""
+    from helpers import run_cli
+
+    out = tmp_path / "q"
+    source = tiny_checkpoints["sarvam_moe"]
+    result = run_cli("quantize", str(source), "--out", str(out), "--targets", "experts,attention")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sarvam_moe stores its attention weights fused" in lines[0]
+    assert not out.exists()
