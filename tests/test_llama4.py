@@ -130,3 +130,33 @@ def test_global_prune_with_per_layer_counts_loads_through_the_plugin(tiny_checkp
         assert adapter.experts_of(model, layer).gate_up_proj.shape[0] == count
         assert adapter.router_of(model, layer).weight.shape[0] == count
     assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
+
+
+def test_experts_stored_per_expert_read_as_the_fused_release_and_round_trip(tiny_checkpoints, tmp_path):
+    """vLLM's Llama 4 loader also takes ``feed_forward.experts.{e}.{gate,up,down}_proj.weight``: the same view, and
+    the layout written back as found."""
+    from safetensors.torch import load_file, save_file
+
+    from moecompress.checkpoint import rewrite_checkpoint
+
+    source = tiny_checkpoints["llama4"]
+    per_expert = tmp_path / "per_expert"
+    shutil.copytree(source, per_expert)
+    tensors = load_file(per_expert / "model.safetensors")
+    for key in [k for k in tensors if k.endswith("feed_forward.experts.gate_up_proj")]:
+        prefix = key[: -len("gate_up_proj")]
+        gate_up, down = tensors.pop(key), tensors.pop(prefix + "down_proj")
+        inter = down.shape[1]
+        for expert in range(gate_up.shape[0]):
+            tensors[f"{prefix}{expert}.gate_proj.weight"] = gate_up[expert, :, :inter].T.contiguous()
+            tensors[f"{prefix}{expert}.up_proj.weight"] = gate_up[expert, :, inter:].T.contiguous()
+            tensors[f"{prefix}{expert}.down_proj.weight"] = down[expert].T.contiguous()
+    save_file(tensors, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
+
+    layer = adapter_for(CheckpointReader(source).config).moe_layers()[-1]
+    fused, split = _view(source, layer)[1], _view(per_expert, layer)[1]
+    assert torch.equal(fused.gate_up, split.gate_up) and torch.equal(fused.down, split.down)
+    out = rewrite_checkpoint(per_expert, tmp_path / "out", progress=False)
+    with CheckpointReader(per_expert) as before, CheckpointReader(out) as after:
+        assert set(before.keys()) == set(after.keys())
+        assert all(torch.equal(before.tensor(k), after.tensor(k)) for k in before.keys())

@@ -4,7 +4,10 @@
 
 The MoE block is ``feed_forward``: router ``feed_forward.router`` (no bias), routed experts fused as
 ``feed_forward.experts.gate_up_proj`` ``[E, H, 2I]`` (gate columns first) and ``feed_forward.experts.down_proj``
-``[E, I, H]`` (the release's layout, which is also the runtime one), and an always-on ``feed_forward.shared_expert``.
+``[E, I, H]`` (the bf16 release's layout, which is also the runtime one), and an always-on
+``feed_forward.shared_expert``. vLLM's loader also reads experts stored per expert,
+``feed_forward.experts.{e}.{gate,up,down}_proj.weight`` (linear orientation); that layout is read and written back
+as found (stock transformers has no loader for it).
 Layers ``moe_layers`` (else every ``interleave_moe_layer_step``-th) are MoE, the others a dense ``feed_forward`` MLP.
 
 The router keeps the top-k logits and weighs each by its own sigmoid; the block multiplies each token by that
@@ -47,9 +50,11 @@ class Llama4TextAdapter(FamilyAdapter):
     def detect_layout(self, layer: int, keys) -> Layout:
         if self._fused_key(layer, "gate_up_proj") in keys:
             return "fused_transposed"
-        raise KeyError(f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}feed_forward.experts")
+        return super().detect_layout(layer, keys)
 
     def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
+        if layout != "fused_transposed":
+            return super()._pop_experts(layer, rest, layout)
         gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
         down = rest.pop(self._fused_key(layer, "down_proj"))
         return MoEWeights(
@@ -59,6 +64,8 @@ class Llama4TextAdapter(FamilyAdapter):
         )
 
     def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
+        if layout != "fused_transposed":
+            return super()._expert_tensors(layer, moe, layout)
         return {
             self._fused_key(layer, "gate_up_proj"): moe.gate_up.transpose(1, 2).contiguous(),
             self._fused_key(layer, "down_proj"): moe.down.transpose(1, 2).contiguous(),
@@ -67,7 +74,8 @@ class Llama4TextAdapter(FamilyAdapter):
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
         """Llama 4's runtime layout is its on-disk layout."""
         prefix_len = len(self.layer_prefix(0))
-        state = {key[prefix_len:]: value for key, value in self._expert_tensors(0, moe, None).items()}
+        fused = self._expert_tensors(0, moe, "fused_transposed")
+        state = {key[prefix_len:]: value for key, value in fused.items()}
         state.update(self.runtime_router_state(moe))
         return state
 
