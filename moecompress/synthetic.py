@@ -396,6 +396,16 @@ TINY_CONFIGS.update(
         "sarvam_mla": dict(_COMMON, **_DEEPSEEK_MOE, **dict(_MLA, q_lora_rank=None), model_type="sarvam_mla"),
         "sarvam_moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="sarvam_moe", head_dim=16),
         "param2moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="param2moe", head_dim=16, use_qk_norm=False),
+        "kimi_linear": dict(
+            _COMMON,
+            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
+            **dict(_MLA, q_lora_rank=None),
+            model_type="kimi_linear",
+            num_local_experts=8,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+        ),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

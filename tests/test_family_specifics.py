@@ -48,3 +48,21 @@ def test_quantizing_sarvam_attention_is_refused_before_work(tiny_checkpoints, tm
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "sarvam_moe stores its attention weights fused" in lines[0]
     assert not out.exists()
+
+
+def test_kimi_linear_attention_kinds_from_the_release_config_match_transformers():
+    """Kimi-Linear releases list 1-based ``full_attn_layers``/``kda_layers`` instead of ``layer_types``."""
+    from transformers import KimiLinearConfig
+
+    linear = {"full_attn_layers": [2, 4], "kda_layers": [1, 3, 5], "head_dim": 16, "num_heads": 4}
+    config = {
+        "model_type": "kimi_linear",
+        "num_hidden_layers": 5,
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "linear_attn_config": linear,
+    }
+    expected = KimiLinearConfig(num_hidden_layers=5, linear_attn_config=linear).layer_types
+    adapter = adapter_for(config)
+    assert [adapter.softmax_attention(i) for i in range(5)] == [kind == "full_attention" for kind in expected]
+    assert adapter.top_k == 2

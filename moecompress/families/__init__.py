@@ -26,6 +26,7 @@ from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter
 from .kimi_k25 import KimiK25Adapter
+from .kimi_linear import KimiLinearAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
@@ -66,6 +67,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MiniCPM5MoeAdapter,
     KimiK25Adapter,
     SarvamMlaAdapter,
+    KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,
     GraniteMoeSharedAdapter,
