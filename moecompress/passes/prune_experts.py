@@ -114,9 +114,9 @@ class PruneExpertsConfig:
     mtp: str = field(
         default="keep",
         metadata=option(
-            "Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers): keep "
-            "(calibrated on the inputs the MTP module computes and pruned like the main layers) or drop (not "
-            "written, num_nextn_predict_layers 0).",
+            "Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers; Qwen3-Next, "
+            "Qwen3.5 mtp.*): keep (calibrated on the inputs the MTP module computes and pruned like the main "
+            "layers) or drop (not written, the MTP layer count 0).",
             choices=MTP_MODES,
         ),
     )

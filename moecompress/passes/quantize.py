@@ -178,8 +178,9 @@ class QuantizeConfig:
     mtp: str = field(
         default="keep",
         metadata=option(
-            "Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5): keep (written unquantised in the "
-            "decoded dtype, outside quantization_config) or drop (not written, num_nextn_predict_layers 0).",
+            "Multi-token-prediction layers (DeepSeek-V3/R1, Kimi-K2, GLM-4.5 layer num_hidden_layers; Qwen3-Next, "
+            "Qwen3.5 mtp.*): keep (quantised like the main layers, calibrated on the inputs the MTP module computes; "
+            "the plugin skips them) or drop (not written, the MTP layer count 0).",
             choices=MTP_MODES,
         ),
     )
