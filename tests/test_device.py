@@ -179,7 +179,7 @@ PINNED = {
 """The outputs of ``moecompress prune-heads builtin:tiny-moe --ratio 0.25 --steps 4 --distill-steps 2 --calib-tokens
 256 --seq-len 32 --batch-size 4 --eval-tokens 256`` and ``moecompress qat builtin:tiny-moe --scheme int2 --steps 4
 --batch-size 2 --seq-len 32 --train-tokens 512 --calib-tokens 1024 --eval-tokens 512 --replay first:0.5 --lr 1e-2``
-as the code wrote them before they took ``--device`` (eec1086), and with ``--device cpu`` after; one CPU thread
+as the code wrote them before they took ``--device`` (40d8915), and with ``--device cpu`` after; one CPU thread
 (``OMP_NUM_THREADS=1``)."""
 
 
@@ -194,7 +194,9 @@ def _qat_config():
     from moecompress.passes.quantize import QuantizeConfig
 
     quantize = QuantizeConfig(scheme="int2", lowrank_budget=0.375, seed=0)
-    return QATConfig(quantize, replay="first:0.5", steps=4, lr=1e-2, batch_size=2, seq_len=32, train_tokens=512)
+    return QATConfig(
+        quantize=quantize, replay="first:0.5", steps=4, lr=1e-2, batch_size=2, seq_len=32, train_tokens=512
+    )
 
 
 def _prune_heads_on_cpu(out: Path) -> dict[str, str]:

@@ -130,3 +130,135 @@ def test_layers_run_on_the_device(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(sweep.CalibrationSweep, "forward_layer", spy)
     _prune(tmp_path / "p", "cuda", evaluation=None)
     assert seen and set(seen) == {"cuda"}
+
+
+HEADS_DISTILL_LR, HEADS_DISTILL_STEPS = 3e-4, 4
+HEADS_SCORE_ATOL = 1e-3
+"""prune-heads: every gate logit (the report's scores) against the CPU run's. The gates, their noise and the
+Lagrangian are computed on the host in both runs; only the model's gradients reaching them differ."""
+HEADS_WEIGHT_ATOL = 2 * HEADS_DISTILL_LR * HEADS_DISTILL_STEPS
+"""prune-heads: the written attention and norm tensors. Both runs start distillation from the same sliced weights
+(same units kept) and AdamW moves a weight by about the learning rate per step at most, so this is the bound for
+two runs whose gradients disagree in sign everywhere, not a measured figure."""
+HEADS_KL_RTOL = 1e-3
+"""prune-heads: each distillation-curve KL and the evaluated perplexity and KL, relative to the CPU run's."""
+QAT_PPL_RTOL = 0.03
+"""qat: perplexity before (PTQ) and after training, relative to the CPU run's; CUDA runs in bf16, the CPU in fp32."""
+QAT_KL_ATOL = 0.03
+QAT_AGREEMENT_ATOL = 0.03
+QAT_FIRST_LOSS_RTOL = 0.05
+"""qat: the first step's loss (the PTQ student's KL on one batch, before any update), relative."""
+
+
+def _spy_devices(module, name: str, monkeypatch, *positions: int) -> list[set[str]]:
+    """Wrap ``module.name`` to record the devices of the parameters of its model arguments at ``positions``."""
+    seen: list[set[str]] = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append({str(p.device) for i in positions for p in args[i].parameters()})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def _prune_heads(out: Path, device: str) -> dict:
+    from moecompress.checkpoint import resolve_model
+    from moecompress.device import using_device
+    from moecompress.passes.prune_heads import PruneHeadsConfig, prune_heads
+
+    config = PruneHeadsConfig(
+        ratio=0.25, steps=8, distill_steps=HEADS_DISTILL_STEPS, distill_lr=HEADS_DISTILL_LR, batch_size=4
+    )
+    with using_device(device):
+        return prune_heads(
+            resolve_model("builtin:tiny-moe"),
+            out,
+            config,
+            calib_tokens=256,
+            seq_len=32,
+            eval_data="builtin:prose",
+            eval_tokens=256,
+            progress=False,
+        )
+
+
+def test_prune_heads_cuda_against_cpu(tmp_path: Path, monkeypatch) -> None:
+    from moecompress.passes import prune_heads as module
+
+    gates_on = _spy_devices(module, "train_gates", monkeypatch, 0)
+    distilled_on = _spy_devices(module, "distill", monkeypatch, 0)
+    reports = {device: _prune_heads(tmp_path / device, device) for device in ("cpu", "cuda")}
+    assert gates_on == [{"cpu"}, {"cuda:0"}] and distilled_on == [{"cpu"}, {"cuda:0"}]
+    cpu, cuda = reports["cpu"], reports["cuda"]
+    for layer, info in cpu["layers"].items():
+        assert cuda["layers"][layer]["kept_units"] == info["kept_units"], layer
+        difference = torch.tensor(cuda["layers"][layer]["scores"]) - torch.tensor(info["scores"])
+        assert difference.abs().max() <= HEADS_SCORE_ATOL, layer
+    for a, b in zip(cpu["distillation"]["curve"], cuda["distillation"]["curve"], strict=True):
+        assert abs(b["kl"] - a["kl"]) <= HEADS_KL_RTOL * a["kl"], a["step"]
+    for key in ("perplexity", "kl"):
+        assert abs(cuda["eval"][key] - cpu["eval"][key]) <= HEADS_KL_RTOL * cpu["eval"][key], key
+    weights = {device: _tensors(tmp_path / device) for device in ("cpu", "cuda")}
+    assert weights["cpu"].keys() == weights["cuda"].keys()
+    for key, tensor in weights["cpu"].items():
+        assert (weights["cuda"][key].float() - tensor.float()).abs().max() <= HEADS_WEIGHT_ATOL, key
+
+
+def _qat(out: Path, device: str) -> dict:
+    from moecompress.checkpoint import resolve_model
+    from moecompress.device import using_device
+    from moecompress.passes.qat import QATConfig, qat_checkpoint
+    from moecompress.passes.quantize import QuantizeConfig
+
+    config = QATConfig(
+        quantize=QuantizeConfig(scheme="int2", lowrank_budget=0.375),
+        steps=6,
+        lr=1e-2,
+        batch_size=2,
+        seq_len=32,
+        train_tokens=512,
+    )
+    with using_device(device):
+        return qat_checkpoint(
+            resolve_model("builtin:tiny-moe"),
+            out,
+            config,
+            calib_tokens=512,
+            eval_data="builtin:prose",
+            eval_tokens=512,
+            progress=False,
+        )
+
+
+def test_qat_cuda_against_cpu(tmp_path: Path, monkeypatch) -> None:
+    """``auto`` is cuda:0 here: teacher and student both on it, in bf16; the CPU run in fp32."""
+    from moecompress.passes import qat as module
+
+    trained_on = _spy_devices(module, "train_adapters", monkeypatch, 0, 2)
+    reports = {device: _qat(tmp_path / device, device) for device in ("cpu", "auto")}
+    cpu, cuda = reports["cpu"], reports["auto"]
+    assert trained_on == [{"cpu"}, {"cuda:0"}]
+    assert (cpu["qat"]["device"], cuda["qat"]["device"]) == ("cpu", "cuda:0")
+    assert (cpu["qat"]["dtype"], cuda["qat"]["dtype"]) == ("float32", "bfloat16")
+    assert cpu["qat"]["trainable_parameters"] == cuda["qat"]["trainable_parameters"]
+    assert abs(cuda["qat"]["loss"][0] - cpu["qat"]["loss"][0]) <= QAT_FIRST_LOSS_RTOL * cpu["qat"]["loss"][0]
+    for when in ("before", "after"):
+        a, b = cpu["eval"][when], cuda["eval"][when]
+        assert abs(b["perplexity"] - a["perplexity"]) <= QAT_PPL_RTOL * a["perplexity"], when
+        assert abs(b["kl"] - a["kl"]) <= QAT_KL_ATOL, when
+        assert abs(b["routing_agreement"] - a["routing_agreement"]) <= QAT_AGREEMENT_ATOL, when
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_qat_stays_on_the_named_device(tmp_path: Path, monkeypatch) -> None:
+    """``cuda:1``: both models on cuda:1, nothing allocated on cuda:0."""
+    from moecompress.passes import qat as module
+
+    trained_on = _spy_devices(module, "train_adapters", monkeypatch, 0, 2)
+    torch.cuda.reset_peak_memory_stats(0)
+    before = torch.cuda.memory_allocated(0)
+    report = _qat(tmp_path / "out", "cuda:1")
+    assert trained_on == [{"cuda:1"}] and report["qat"]["device"] == "cuda:1"
+    assert torch.cuda.max_memory_allocated(0) == before
