@@ -88,6 +88,9 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
             {"model_type": "glm_moe_dsa", "n_routed_experts": 8, "num_hidden_layers": 4, "index_topk_freq": 2},
             r"layers \[2\] reuse an earlier layer's sparse-attention top-k",
         ),
+        ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}, "dbrx is not supported: DBRX's router"),
+        ({"model_type": "deepseek_v4", "n_routed_experts": 8}, "deepseek_v4 is not supported: .*hash routing"),
+        ({"model_type": "nemotron_h", "n_routed_experts": 8}, "nemotron_h is not supported: .*not gated"),
         (
             {"model_type": "qwen2_moe", "num_experts": 0, "num_hidden_layers": 2, "num_experts_per_tok": 2},
             "no MoE layers",

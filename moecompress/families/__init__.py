@@ -82,7 +82,45 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
-REFUSED_FAMILIES: dict[str, str] = {}
+REFUSED_FAMILIES: dict[str, str] = {
+    "dbrx": (
+        "DBRX's router returns logits only (its FFN picks and p-norm-renormalises the top-k outside the router) and "
+        "its experts keep w1/v1/w2 as [E*I, H] parameters of an inner module, which the routing hooks and the "
+        "quantised-expert plugin do not model"
+    ),
+    "jetmoe": (
+        "JetMoE's MoE block routes and groups tokens itself with no (hidden, ids, weights) experts module, adds a bias "
+        "after the experts, and its attention is a mixture of experts too (MoA)"
+    ),
+    "longcat_flash": (
+        "LongCat-Flash routes tokens to zero-computation (identity) experts beside the FFN experts, which the expert "
+        "view (every expert a gated FFN) cannot hold"
+    ),
+    "nemotron_h": (
+        "Nemotron-H's experts are not gated (up and down projections with a squared ReLU, optionally behind a latent "
+        "projection), which the expert view (gate, up and down per expert) cannot hold"
+    ),
+    "deepseek_v4": (
+        "DeepSeek-V4's first MoE layers pick experts from a token-id table (hash routing) rather than router logits, "
+        "which no routing rule models"
+    ),
+    "ernie4_5_vl_moe": (
+        "ERNIE 4.5 VL's MoE layers hold two expert sets (text and vision) routed by each token's modality, which the "
+        "one-set expert view cannot hold"
+    ),
+    "qwen3_omni_moe": (
+        "Qwen3-Omni's top-level model has no forward (generation only) and holds two MoE decoders (thinker and "
+        "talker); compressing the thinker's layers needs a sub-model build and evaluation that moecompress lacks"
+    ),
+    "bailing_hybrid": (
+        "Ling 2.5's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used by the "
+        "expert passes, GPTQ and the quantised-expert plugin) is one per family"
+    ),
+    "step3p7": (
+        "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "
+        "by the expert passes, GPTQ and the quantised-expert plugin) is one per family"
+    ),
+}
 """MoE families transformers has that moecompress refuses on purpose, with the reason it gives."""
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
