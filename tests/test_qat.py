@@ -24,6 +24,7 @@ from moecompress.training.replay import ReplaySchedule
         RoutingRule("softmax_topk", top_k=2),
         RoutingRule("softmax_topk", top_k=2, normalize=False),
         RoutingRule("topk_softmax", top_k=2),
+        RoutingRule("topk_sigmoid", top_k=2, scales_input=True),
         RoutingRule("sigmoid_group_topk", top_k=2, scaling=2.5, n_group=2, topk_group=1),
         RoutingRule("softmax_group_topk", top_k=2, normalize=False, n_group=2, topk_group=1),
         RoutingRule("softmax_bias_topk", top_k=2, norm_min=1e-12),
