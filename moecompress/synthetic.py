@@ -406,6 +406,14 @@ TINY_CONFIGS.update(
             linear_num_heads=4,
             layer_types=["linear_attention", "full_attention", "linear_attention"],
         ),
+        "mimo_v2_flash": dict(
+            _COMMON,
+            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_shared_experts", "first_k_dense_replace")},
+            model_type="mimo_v2_flash",
+            head_dim=16,
+            v_head_dim=8,
+            sliding_window=8,
+        ),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",
@@ -426,6 +434,7 @@ TINY_CONFIGS.update(
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {
+    "mimo_v2_flash": {"routed_scaling_factor": None},
     "kimi_k2": {
         "model_type": "kimi_k2",
         "architectures": ["DeepseekV3ForCausalLM"],

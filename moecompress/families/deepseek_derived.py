@@ -23,6 +23,7 @@ from typing import Any
 from .base import FamilyAdapter
 from .block_bias import CorrectionBiasOffRouter
 from .deepseek import DeepseekV3Adapter
+from .routing import RoutingRule
 from .vision_language import TextTowerBesideVision
 
 
@@ -112,6 +113,38 @@ class SarvamMlaAdapter(DeepseekV3Adapter):
     family = "sarvam_mla"
     model_types = ("sarvam_mla",)
     first_dense_default = 1
+
+
+class MiMoV2FlashAdapter(_GroupedQueryAttentionAdapter):
+    """MiMo-V2-Flash (``mimo_v2_flash``): DeepSeek-V3's router without shared experts; grouped-query attention with
+    sliding/full layers and attention sinks (``self_attn.attention_sink_bias`` on disk, ``self_attn.sinks`` at
+    runtime). Without ``mlp_layer_types`` transformers makes the first layer dense and the rest MoE, and reads a null
+    ``routed_scaling_factor`` (as the release stores it) as 1."""
+
+    family = "mimo_v2_flash"
+    model_types = ("mimo_v2_flash",)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        cfg = self.text_config
+        if self.num_experts <= 0:
+            return False
+        if cfg.get("mlp_layer_types"):
+            return cfg["mlp_layer_types"][layer] == "sparse"
+        return layer >= 1
+
+    def routing_rule(self) -> RoutingRule:
+        cfg = self.text_config
+        return RoutingRule(
+            "sigmoid_group_topk",
+            top_k=self.top_k,
+            normalize=bool(cfg.get("norm_topk_prob", True)),
+            scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+        )
+
+    def runtime_local_name(self, local_key: str) -> str:
+        return local_key.replace("self_attn.attention_sink_bias", "self_attn.sinks", 1)
 
 
 class SolarOpenAdapter(_GroupedQueryAttentionAdapter):
