@@ -212,8 +212,8 @@ class QuantizeMtp:
     layers (listed in ``quantization_config``; the plugin skips the entries that name MTP modules, which stock
     transformers does not build)."""
 
-    def __init__(self, config: dict[str, Any], drop: frozenset[int], passthrough: frozenset[int], report):
-        self.config, self.drop_layers, self.passthrough_layers, self.report = config, drop, passthrough, report
+    def __init__(self, config: dict[str, Any], drop: frozenset[int], report: dict[str, Any]):
+        self.config, self.drop_layers, self.report = config, drop, report
         self.drop_keys: frozenset[str] = frozenset()
 
 
@@ -229,10 +229,10 @@ def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str, calibrated: 
         layers = mtp_layers(adapter, keys)
         outside = outside_mtp_keys(adapter, keys)
     if not layers and not outside:
-        return QuantizeMtp(adapter.config, frozenset(), frozenset(), {})
+        return QuantizeMtp(adapter.config, frozenset(), {})
     if mode == "drop":
         report = {"mtp_layers": layers, "mode": "drop", "mtp_tensors_dropped": len(outside)}
-        plan = QuantizeMtp(without_mtp(adapter.config), frozenset(layers), frozenset(), report)
+        plan = QuantizeMtp(without_mtp(adapter.config), frozenset(layers), report)
         plan.drop_keys = outside
         return plan
     uncalibrated = [layer for layer in layers if mtp_feed(adapter, keys, layer) is None]
@@ -242,6 +242,4 @@ def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str, calibrated: 
             "cannot be calibrated; pass --mtp drop or use --method rtn without salient weights or low-rank adapters"
         )
     written = "quantised like the main layers" + (", calibrated on the MTP module's own inputs" if calibrated else "")
-    return QuantizeMtp(
-        adapter.config, frozenset(), frozenset(), {"mtp_layers": layers, "mode": "keep", "written": written}
-    )
+    return QuantizeMtp(adapter.config, frozenset(), {"mtp_layers": layers, "mode": "keep", "written": written})

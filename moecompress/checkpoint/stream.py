@@ -80,7 +80,6 @@ def rewrite_checkpoint(
     restore_unit: Callable[[str, Any], None] | None = None,
     raw_layer_fn: RawLayerFn | None = None,
     drop_layers: frozenset[int] = frozenset(),
-    passthrough_layers: frozenset[int] = frozenset(),
     drop_keys: frozenset[str] = frozenset(),
 ) -> Path:
     """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
@@ -99,9 +98,8 @@ def rewrite_checkpoint(
 
     With ``raw_layer_fn`` the checkpoint is streamed as stored (a quantised release's codes and scales, not
     decoded): each layer's stored tensors go to ``raw_layer_fn(layer, tensors)`` and what it returns is written.
-    Layers in ``drop_layers`` (an MTP layer the user drops) are not written; layers in ``passthrough_layers`` are
-    written as read (decoded), without ``layer_fn`` or ``layer_writer``; tensors outside the layers named in
-    ``drop_keys`` (a top-level MTP module) are not written.
+    Layers in ``drop_layers`` (an MTP layer the user drops) are not written, nor are the tensors outside the layers
+    named in ``drop_keys`` (a top-level MTP module's).
     A failure that resuming cannot mend (bad input, a full disk) removes the work directory; any other
     interruption leaves it, marked incomplete, for ``resume``.
     """
@@ -132,12 +130,6 @@ def rewrite_checkpoint(
                 if raw_layer_fn is not None:
                     if unit not in writer.units:
                         add(unit, raw_layer_fn(layer, reader.read_raw(keys)))
-                    continue
-                if layer in passthrough_layers:
-                    if unit not in writer.units:
-                        moe, rest, layout = adapter.split_layer(layer, reader.pending(keys), consume=True)
-                        writer.add(adapter.join_layer(layer, moe, rest, layout), unit=unit, meta=None)
-                        del moe, rest
                     continue
                 if unit in writer.units:
                     if restore_unit is not None:

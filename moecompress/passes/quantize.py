@@ -532,13 +532,9 @@ class QuantizedLayers:
         self.measured = {"without_adapters": 0.0, "with_adapters": 0.0}
         self.pending: dict[str, Any] = {}
         self._layer_meta: dict[int, dict[str, Any]] = {}
-        self.passthrough: frozenset[int] = frozenset()
-        """Layers written as they are given, unquantised and outside ``quantization_config`` (MTP layers)."""
         report["layers"] = self.layer_stats
 
     def quantize_moe(self, layer: int, moe: MoEWeights, capture) -> QuantizedMoE:
-        if layer in self.passthrough:
-            return moe
         meta: dict[str, Any] = {}
         quantizer = self.quantizer
         quantized = quantizer.quantize(layer, moe, capture)
@@ -573,12 +569,9 @@ class QuantizedLayers:
         tensors = self.tensors
         first_key = len(tensors.keys)
         meta = self._layer_meta.pop(layer, {})
-        if layer in self.passthrough:
-            written = self.quantizer.adapter.join_layer(layer, quantized, rest, "per_expert")
-        else:
-            if quantized is not None:
-                meta.update(layer=layer, stats=quantized.stats)
-            written = self.layout.layer_tensors(self.quantizer.adapter, layer, quantized, tensors(rest))
+        if quantized is not None:
+            meta.update(layer=layer, stats=quantized.stats)
+        written = self.layout.layer_tensors(self.quantizer.adapter, layer, quantized, tensors(rest))
         meta.update(tensor_keys=tensors.keys[first_key:], salient=native.salient_sizes(written))
         del tensors.keys[first_key:]
         self.pending[layer_unit(layer)] = meta
@@ -647,7 +640,6 @@ def _write_quantized(
         out_dir,
         drop_layers=mtp.drop_layers,
         drop_keys=mtp.drop_keys,
-        passthrough_layers=mtp.passthrough_layers,
         layer_writer=write_layer,
         outside_fn=layers.write_outside,
         config=lambda: layers.finish_config(dict(mtp.config)),

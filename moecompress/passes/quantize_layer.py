@@ -148,7 +148,6 @@ class QuantizePass(LayerPass):
             "mtp": self._mtp.report or None,
         }
         self.layers = QuantizedLayers(report, lowrank_report, self.layout, self.tensors, self.quantizer, ranks)
-        self.layers.passthrough = self._mtp.passthrough_layers
 
     def rewrite(self, layer: int, block: Any, capture) -> Any:
         return None if block is None else self.layers.quantize_moe(layer, block, capture)
