@@ -414,6 +414,18 @@ TINY_CONFIGS.update(
             v_head_dim=8,
             sliding_window=8,
         ),
+        "mellum": dict(
+            _COMMON,
+            model_type="mellum",
+            num_hidden_layers=3,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
+        ),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

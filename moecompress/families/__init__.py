@@ -32,7 +32,7 @@ from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
-from .qwen_moe import FlexOlmoAdapter, OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
+from .qwen_moe import FlexOlmoAdapter, MellumAdapter, OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
 from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapter
 from .routing import RoutingRule
 from .sarvam import Param2MoeAdapter, SarvamMoeAdapter
@@ -69,6 +69,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     KimiK25Adapter,
     SarvamMlaAdapter,
     MiMoV2FlashAdapter,
+    MellumAdapter,
     KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,

@@ -47,3 +47,15 @@ class FlexOlmoAdapter(OlmoeAdapter):
     family = "flex_olmo"
     model_types = ("flex_olmo",)
     head_pruning = False
+
+
+class MellumAdapter(FamilyAdapter):
+    """Mellum (``mellum``): Qwen3-MoE's block and names; which layers are MoE comes from ``mlp_layer_types`` (all of
+    them without it), sliding or full attention from ``layer_types``."""
+
+    family = "mellum"
+    model_types = ("mellum",)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        kinds = self.text_config.get("mlp_layer_types")
+        return self.num_experts > 0 and (not kinds or kinds[layer] == "sparse")
