@@ -164,25 +164,6 @@ def test_whole_model_evaluation_under_meta_default() -> None:
 
 HEADS_FAST = dict(calib_tokens=256, seq_len=32, eval_data="builtin:prose", eval_tokens=256)
 QAT_FAST = dict(data="builtin:prose", calib_tokens=1024, eval_data="builtin:prose", eval_tokens=512)
-PINNED_VERSIONS = ("2.13", "5.25")
-"""torch and transformers (major.minor) that wrote the pinned hashes: the bytes depend on their CPU kernels."""
-PINNED = {
-    "prune_heads": {
-        "config.json": "2b04fe12212447908eee869807dbb062081619d1f3cfdc1f13da07a99a80b96e",
-        "model.safetensors": "049045cf96bd48c034b9d0f145a0db0171a9e287205089645e959652ef13a7a5",
-    },
-    "qat": {
-        "config.json": "9f92ef463e6e6e609797f0d29c2ae83ddfbd0be02336fde83878bc1aa8d38930",
-        "model.safetensors": "50591c89672d9311af71d97e38376aa886fa7aa798508e7689fc0f624ded6c13",
-    },
-}
-"""The outputs of ``moecompress prune-heads builtin:tiny-moe --ratio 0.25 --steps 4 --distill-steps 2 --calib-tokens
-256 --seq-len 32 --batch-size 4 --eval-tokens 256`` and ``moecompress qat builtin:tiny-moe --scheme int2 --steps 4
---batch-size 2 --seq-len 32 --train-tokens 512 --calib-tokens 1024 --eval-tokens 512 --replay first:0.5 --lr 1e-2``
-as the code wrote them before they took ``--device`` (40d8915), and with ``--device cpu`` after; one CPU thread
-(``OMP_NUM_THREADS=1``)."""
-
-
 def _prune_heads_config():
     from moecompress.passes.prune_heads import PruneHeadsConfig
 
@@ -220,11 +201,12 @@ def _qat_on_cpu(out: Path) -> dict[str, str]:
 @pytest.mark.parametrize("command", ["prune_heads", "qat"])
 def test_prune_heads_and_qat_under_meta_default_device(command: str, tmp_path: Path) -> None:
     """Training, distillation and evaluation of prune-heads and qat create every tensor on an explicit device: under
-    a meta default device the same bytes as a normal run, and (with the torch and transformers that pinned them) the
-    bytes the code wrote before these commands took --device."""
+    a meta default device the same bytes as a normal run. (That ``--device cpu`` wrote the bytes of the code before
+    these commands took --device was checked once by hash, docs/device.md; hashes are not pinned here, since CPU
+    kernels differ between machines and later numerical changes rightly change them.)"""
     run = {"prune_heads": _prune_heads_on_cpu, "qat": _qat_on_cpu}[command]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as pinned: CPU reductions, hence the bytes, depend on the thread count
+    torch.set_num_threads(1)  # CPU reductions, hence the bytes, depend on the thread count
     try:
         normal = run(tmp_path / "normal")
         torch.set_default_device("meta")
@@ -235,11 +217,6 @@ def test_prune_heads_and_qat_under_meta_default_device(command: str, tmp_path: P
     finally:
         torch.set_num_threads(threads)
     assert on_meta_default == normal
-    import transformers
-
-    versions = tuple(".".join(v.split(".")[:2]) for v in (torch.__version__, transformers.__version__))
-    if versions == PINNED_VERSIONS:
-        assert normal == PINNED[command]
 
 
 def _spy_load_model(module, monkeypatch) -> list[tuple]:
