@@ -426,6 +426,17 @@ TINY_CONFIGS.update(
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             sliding_window=8,
         ),
+        "hy_v3": dict(
+            _COMMON,
+            model_type="hy_v3",
+            num_hidden_layers=3,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_shared_experts=1,
+            router_scaling_factor=2.5,
+        ),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

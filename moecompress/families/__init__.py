@@ -25,7 +25,7 @@ from .deepseek_derived import (
 from .ernie import Ernie45MoeAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
-from .hunyuan import HunyuanMoeAdapter
+from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
@@ -70,6 +70,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     SarvamMlaAdapter,
     MiMoV2FlashAdapter,
     MellumAdapter,
+    HYV3Adapter,
     KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,
