@@ -437,6 +437,16 @@ TINY_CONFIGS.update(
             num_shared_experts=1,
             router_scaling_factor=2.5,
         ),
+        "beam": dict(
+            _COMMON,
+            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
+            model_type="beam",
+            head_dim=16,
+            num_experts=8,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
+        ),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

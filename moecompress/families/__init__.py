@@ -9,6 +9,7 @@ from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
 from .cohere import Cohere2MoeAdapter
 from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
 from .deepseek_derived import (
+    BeamAdapter,
     DeepseekV32Adapter,
     Dots1Adapter,
     ExaoneMoeAdapter,
@@ -71,6 +72,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MiMoV2FlashAdapter,
     MellumAdapter,
     HYV3Adapter,
+    BeamAdapter,
     KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,

@@ -18,6 +18,7 @@ On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .base import FamilyAdapter
@@ -145,6 +146,24 @@ class MiMoV2FlashAdapter(_GroupedQueryAttentionAdapter):
 
     def runtime_local_name(self, local_key: str) -> str:
         return local_key.replace("self_attn.attention_sink_bias", "self_attn.sinks", 1)
+
+
+class BeamAdapter(_GroupedQueryAttentionAdapter):
+    """Beam (``beam``): DeepSeek-V3's router without shared experts, whose weights the MoE block (not the router)
+    multiplies by ``routed_scaling_factor`` after the experts: the rule's weights are the router's, unscaled, and that
+    factor is outside the routed experts' view. Without ``mlp_layer_types`` the first three layers are dense."""
+
+    family = "beam"
+    model_types = ("beam",)
+    num_experts_keys = ("num_experts", "n_routed_experts")
+    first_dense_default = 3
+
+    def is_moe_layer(self, layer: int) -> bool:
+        kinds = self.text_config.get("mlp_layer_types")
+        return self.num_experts > 0 and (kinds[layer] == "sparse" if kinds else layer >= self.first_dense_default)
+
+    def routing_rule(self) -> RoutingRule:
+        return replace(super().routing_rule(), scaling=1.0)
 
 
 class SolarOpenAdapter(_GroupedQueryAttentionAdapter):
