@@ -112,8 +112,6 @@ def prune(
     is refused unless ``resume`` (continue it) or ``restart`` (discard it), as on the command line. ``device``
     (``auto``, the default: CUDA when torch sees one; ``cpu``, ``cuda``, ``cuda:N``) is where the layers compute.
     """
-    if "keep" in options and "ratio" not in options:
-        options["ratio"] = None
     recipe, model_dir = _one_pass("prune", "prune_experts", model, options, calibration, evaluation)
     report = _run(recipe, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle, device)
     layers = report.get("layers", {})

@@ -144,3 +144,15 @@ def test_docs_recipe_keys_is_what_the_declarations_give():
     for entry in PASSES.values():
         for field in dataclasses.fields(entry.config):
             assert f"| `{field.name}` |" in written
+
+
+def test_keep_alone_prunes_to_that_count_from_the_command_line_and_from_a_recipe():
+    """The default ratio applies only when neither ratio nor keep is given, in the config itself, so ``--keep 4``
+    and a recipe's ``{keep: 4}`` mean the same (a recipe needed ``ratio: null`` before)."""
+    from moecompress.recipes import parse_recipe
+
+    params = dict(app.commands["prune"].make_context("prune", ["M", "--out", "O", "--keep", "4"]).params)
+    from_cli = config_from_options(PASSES["prune_experts"].config, params)
+    ((_, from_recipe),) = parse_recipe({"model": "M", "passes": [{"prune_experts": {"keep": 4}}]}).passes
+    assert from_cli == from_recipe and (from_cli.ratio, from_cli.keep) == (None, 4)
+    assert PASSES["prune_experts"].config().ratio == 0.25

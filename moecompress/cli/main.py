@@ -241,8 +241,6 @@ def prune_command(
     from ..passes.prune_experts import PruneExpertsConfig
     from ..recipes import Calibration, Evaluation, Recipe
 
-    if options["ratio"] is None and options["keep"] is None:
-        options["ratio"] = 0.25
     config = config_from_options(PruneExpertsConfig, options)
     config.validate()
     recipe = Recipe(

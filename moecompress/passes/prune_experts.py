@@ -46,6 +46,8 @@ from .options import option, recipe_only
 
 Method = Literal["maep", "reap", "frequency", "random"]
 METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random")
+DEFAULT_RATIO = 0.25
+"""The share of experts removed when neither ``ratio`` nor ``keep`` is given."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,10 @@ class PruneExpertsConfig:
         ),
     )
     ratio: float | None = field(
-        default=0.25,
-        metadata=option("Fraction of routed experts removed over the whole model (default 0.25).", cli_default=None),
+        default=None,
+        metadata=option(
+            f"Fraction of routed experts removed over the whole model (default {DEFAULT_RATIO} unless --keep is given)."
+        ),
     )
     keep: int | None = field(
         default=None, metadata=option("Experts kept per MoE layer (on average with --scope global).", min=1)
@@ -120,6 +124,10 @@ class PruneExpertsConfig:
             choices=MTP_MODES,
         ),
     )
+
+    def __post_init__(self) -> None:
+        if self.ratio is None and self.keep is None:
+            object.__setattr__(self, "ratio", DEFAULT_RATIO)
 
     def validate(self) -> None:
         check_mtp_mode(self.mtp)
