@@ -29,6 +29,7 @@ from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeShare
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
+from .laguna import LagunaAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
@@ -73,6 +74,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MellumAdapter,
     HYV3Adapter,
     BeamAdapter,
+    LagunaAdapter,
     KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,
