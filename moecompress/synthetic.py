@@ -461,6 +461,7 @@ TINY_CONFIGS.update(
             moe_router_logit_softcapping=2.0,
             moe_routed_scaling_factor=1.5,
         ),
+        "axk1": dict(_COMMON, **_DEEPSEEK_MOE, **_MLA, model_type="axk1"),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

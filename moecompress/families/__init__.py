@@ -9,6 +9,7 @@ from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
 from .cohere import Cohere2MoeAdapter
 from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
 from .deepseek_derived import (
+    AXK1Adapter,
     BeamAdapter,
     DeepseekV32Adapter,
     Dots1Adapter,
@@ -75,6 +76,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     HYV3Adapter,
     BeamAdapter,
     LagunaAdapter,
+    AXK1Adapter,
     KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,

@@ -166,6 +166,21 @@ class BeamAdapter(_GroupedQueryAttentionAdapter):
         return replace(super().routing_rule(), scaling=1.0)
 
 
+class AXK1Adapter(DeepseekV3Adapter):
+    """A.X-K1 (``axk1``): DeepSeek-V3 (MLA) whose MoE block RMS-normalises its output (routed plus shared experts);
+    the release stores that norm at the decoder layer (``post_mlp_layernorm``), transformers moves it into the block
+    (``mlp.post_mlp_layernorm``) at load. The norm is outside the routed experts' view, as the shared experts are."""
+
+    family = "axk1"
+    model_types = ("axk1",)
+    first_dense_default = 1
+
+    def runtime_local_name(self, local_key: str) -> str:
+        if local_key.startswith("post_mlp_layernorm."):
+            return "mlp." + local_key
+        return local_key
+
+
 class SolarOpenAdapter(_GroupedQueryAttentionAdapter):
     """Solar Open: every decoder layer is MoE (transformers ignores ``first_k_dense_replace``)."""
 
