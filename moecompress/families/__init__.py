@@ -126,6 +126,26 @@ REFUSED_FAMILIES: dict[str, str] = {
         "Ling 2.5's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used by the "
         "expert passes, GPTQ and the quantised-expert plugin) is one per family"
     ),
+    "hy_v4": (
+        "HY-V4's sparse-attention layers mostly reuse an earlier layer's top-k (indexer_types 'shared'), which the "
+        "layer-by-layer sweep does not carry between layers"
+    ),
+    "hy_v4_vl": (
+        "HY-V4's sparse-attention layers mostly reuse an earlier layer's top-k (indexer_types 'shared'), which the "
+        "layer-by-layer sweep does not carry between layers"
+    ),
+    "muse_spark": (
+        "Muse Spark's experts run in a latent space (a projection and norm before them, a projection after), while "
+        "the expert view computes on the MoE block's input"
+    ),
+    "kolibri1": (
+        "Kolibri picks experts by router logits plus a correction bias and weighs them by the sigmoid of their logits, "
+        "a routing rule moecompress does not have yet"
+    ),
+    "kolibri1_1": (
+        "Kolibri picks experts by router logits plus a correction bias and weighs them by the sigmoid of their logits, "
+        "a routing rule moecompress does not have yet"
+    ),
     "step3p7": (
         "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "
         "by the expert passes, GPTQ and the quantised-expert plugin) is one per family"
