@@ -462,6 +462,18 @@ TINY_CONFIGS.update(
             moe_routed_scaling_factor=1.5,
         ),
         "axk1": dict(_COMMON, **_DEEPSEEK_MOE, **_MLA, model_type="axk1"),
+        "kolibri1": dict(
+            _COMMON,
+            model_type="kolibri1",
+            num_hidden_layers=2,
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            norm_topk_prob=True,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+        ),
         "cohere2_moe": dict(
             _COMMON,
             model_type="cohere2_moe",

@@ -28,6 +28,8 @@ from moecompress.training.replay import ReplaySchedule
         RoutingRule("sigmoid_group_topk", top_k=2, scaling=2.5, n_group=2, topk_group=1),
         RoutingRule("softmax_group_topk", top_k=2, normalize=False, n_group=2, topk_group=1),
         RoutingRule("softmax_bias_topk", top_k=2, norm_min=1e-12),
+        RoutingRule("bias_topk_sigmoid", top_k=2),
+        RoutingRule("bias_topk_sigmoid", top_k=2, normalize=False),
         RoutingRule("sparsemixer", top_k=2, jitter_eps=0.3),
     ],
 )

@@ -30,6 +30,7 @@ from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeShare
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
+from .kolibri import Kolibri1Adapter
 from .laguna import LagunaAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
@@ -77,6 +78,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     BeamAdapter,
     LagunaAdapter,
     AXK1Adapter,
+    Kolibri1Adapter,
     KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,
@@ -138,13 +140,9 @@ REFUSED_FAMILIES: dict[str, str] = {
         "Muse Spark's experts run in a latent space (a projection and norm before them, a projection after), while "
         "the expert view computes on the MoE block's input"
     ),
-    "kolibri1": (
-        "Kolibri picks experts by router logits plus a correction bias and weighs them by the sigmoid of their logits, "
-        "a routing rule moecompress does not have yet"
-    ),
     "kolibri1_1": (
-        "Kolibri picks experts by router logits plus a correction bias and weighs them by the sigmoid of their logits, "
-        "a routing rule moecompress does not have yet"
+        "Kolibri 1.1's decoder layers hand their sparse-attention index pool to the next layer, which the "
+        "layer-by-layer sweep does not carry between layers"
     ),
     "step3p7": (
         "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "

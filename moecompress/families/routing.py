@@ -21,6 +21,7 @@ RuleKind = Literal[
     "sigmoid_group_topk",
     "softmax_group_topk",
     "softmax_bias_topk",
+    "bias_topk_sigmoid",
     "sparsemixer",
 ]
 
@@ -43,6 +44,8 @@ class RoutingRule:
       (DeepSeek-V2 ``group_limited_greedy``), weights not renormalised.
     - ``softmax_bias_topk``: softmax scores, choice on scores plus a correction bias, weights are the uncorrected
       scores divided by their sum clamped below at ``norm_min`` (ERNIE 4.5).
+    - ``bias_topk_sigmoid``: choice on the logits plus a correction bias, each chosen expert weighted by the sigmoid
+      of its own logit, renormalised if ``normalize`` (Kolibri).
     - ``sparsemixer``: PhiMoE's top-2 at inference. The best expert, weighted by its softmax over the logits within
       a relative distance ``2 * jitter_eps`` of its own; then the best of the others, weighted the same way among
       the others.
@@ -131,6 +134,12 @@ class RoutingRule:
             ids = torch.topk(choice, self.top_k, dim=-1)[1]
             weights = scores.gather(1, ids)
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+        elif self.kind == "bias_topk_sigmoid":
+            choice = logits if correction_bias is None else logits + correction_bias.float()
+            if allowed is not None:
+                choice = choice.masked_fill(~allowed, float("-inf"))
+            ids = torch.topk(choice, self.top_k, dim=-1)[1]
+            weights = self._sigmoid_of_chosen(logits, ids)
         elif self.kind == "sparsemixer":
             first = logits.argmax(dim=-1, keepdim=True)
             second = logits.scatter(1, first, float("-inf")).argmax(dim=-1, keepdim=True)
@@ -149,6 +158,8 @@ class RoutingRule:
             weights = torch.softmax(logits.gather(1, ids), dim=-1)
         elif self.kind == "topk_sigmoid":
             weights = logits.gather(1, ids).sigmoid()
+        elif self.kind == "bias_topk_sigmoid":
+            weights = self._sigmoid_of_chosen(logits, ids)
         elif self.kind == "sparsemixer":
             weights = self._sparsemixer_weights(logits, ids)
         elif self.kind == "softmax_bias_topk":
@@ -161,6 +172,10 @@ class RoutingRule:
                 eps = {"softmax_topk": 0.0, "sigmoid_group_topk": self.norm_eps}.get(self.kind, 1e-20)
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return weights * self.scaling
+
+    def _sigmoid_of_chosen(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights = logits.gather(1, ids).sigmoid()
+        return weights / weights.sum(dim=-1, keepdim=True) if self.normalize else weights
 
     def _sparsemixer_weights(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each of the two experts' softmax weight among the logits close to its own (the first expert's logit
