@@ -36,7 +36,14 @@ from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
-from .qwen_moe import FlexOlmoAdapter, MellumAdapter, OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter
+from .qwen_moe import (
+    FlexOlmoAdapter,
+    FlintAdapter,
+    MellumAdapter,
+    OlmoeAdapter,
+    Qwen2MoeAdapter,
+    Qwen3MoeAdapter,
+)
 from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapter
 from .routing import RoutingRule
 from .sarvam import Param2MoeAdapter, SarvamMoeAdapter
@@ -79,6 +86,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     LagunaAdapter,
     AXK1Adapter,
     Kolibri1Adapter,
+    FlintAdapter,
     KimiLinearAdapter,
     SarvamMoeAdapter,
     Param2MoeAdapter,
@@ -143,6 +151,14 @@ REFUSED_FAMILIES: dict[str, str] = {
     "kolibri1_1": (
         "Kolibri 1.1's decoder layers hand their sparse-attention index pool to the next layer, which the "
         "layer-by-layer sweep does not carry between layers"
+    ),
+    "zaya": (
+        "ZAYA1's router carries a hidden state from one layer to the next and has a skip (no-compute) expert, which "
+        "the layer sweep and the expert view do not model"
+    ),
+    "inkling": (
+        "Inkling routes its shared experts together with the routed ones (the router's rows and the weights' "
+        "normalisation span both), which the routed-only expert view cannot hold"
     ),
     "step3p7": (
         "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "

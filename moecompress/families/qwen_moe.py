@@ -8,6 +8,7 @@ Qwen3-MoE RMS-normalises each head's q and k (``head_dim`` wide), OLMoE normalis
 from __future__ import annotations
 
 from .base import FamilyAdapter
+from .routing import RoutingRule
 
 
 class _QwenStyleAdapter(FamilyAdapter):
@@ -59,3 +60,28 @@ class MellumAdapter(FamilyAdapter):
     def is_moe_layer(self, layer: int) -> bool:
         kinds = self.text_config.get("mlp_layer_types")
         return self.num_experts > 0 and (not kinds or kinds[layer] == "sparse")
+
+
+class FlintAdapter(_QwenStyleAdapter):
+    """Flint (``flint``): Qwen-style layer selection (``mlp_only_layers``, ``[0, 1]`` when absent, as transformers
+    reads it) with an ungated shared expert; the router takes the top-k of the sigmoid scores, renormalised if
+    ``norm_topk_prob`` (rule ``sigmoid_group_topk`` with one group, no bias, nothing added to the sum). Attention sinks
+    are stored as ``self_attn.softmax_offset`` (``self_attn.sinks`` at runtime)."""
+
+    family = "flint"
+    model_types = ("flint",)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        cfg = self.text_config
+        if cfg.get("mlp_only_layers") is None:
+            cfg = dict(cfg, mlp_only_layers=[0, 1])
+        only = cfg["mlp_only_layers"]
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        return self.num_experts > 0 and layer not in only and (layer + 1) % step == 0
+
+    def routing_rule(self) -> RoutingRule:
+        normalize = bool(self.text_config.get("norm_topk_prob", True))
+        return RoutingRule("sigmoid_group_topk", top_k=self.top_k, normalize=normalize, norm_eps=0.0)
+
+    def runtime_local_name(self, local_key: str) -> str:
+        return local_key.replace("self_attn.softmax_offset", "self_attn.sinks", 1)
