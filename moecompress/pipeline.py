@@ -25,7 +25,7 @@ writes the same tensors for it (tests/test_pipeline.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +33,15 @@ import torch
 
 from .checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
 from .checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
-from .device import HOST, moe_on
 from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights
 from .memory import release_freed_memory
-from .passes.base import CalibrationData, LayerPass, PassContext, block_weights
+from .passes.base import CalibrationData, LayerPass, PassContext
 from .passes.registry import PASSES
 from .progress import bar as progress_bar
 from .sweep import CalibrationSweep
 from .sweep_state import LayerResult, SweepState
+from .view_experts import ExpertSource
 
 CALIBRATION_BATCH = 8
 
@@ -192,31 +192,19 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
                 p.absorb(capture.layer, p.measure(capture))
 
 
-def _replacement(original: MoEWeights, block: Any) -> tuple[MoEWeights, torch.Tensor | None]:
-    """What the next layer's calibration should see of a rewritten block, at the original block's size (the stock
-    layer module is built for it): removed experts are zeros the router may not choose."""
-    weights = moe_on(block_weights(block), HOST)
+def _replacement(original: MoEWeights, block: Any) -> tuple[ExpertSource, torch.Tensor | None]:
+    """What the next layer's calibration should see of a rewritten block: its experts (a quantised block
+    dequantised one expert at a time as the layer computes), placed at the original block's expert indices (the
+    stock layer and its router are built for it); removed experts are indices the router may not choose."""
+    dequantize = getattr(block, "dequantized_expert", None)
+    weights = block.weights if dequantize is not None else block
     if weights.num_experts == original.num_experts:
-        return weights, None
-    positions = torch.tensor([original.expert_ids.index(expert) for expert in weights.expert_ids], device="cpu")
-
-    def padded(tensor: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None:
-            return None
-        full = torch.zeros(like.shape, dtype=tensor.dtype, device="cpu")
-        full[positions] = tensor
-        return full
-
-    allowed = torch.zeros(original.num_experts, dtype=torch.bool, device="cpu")
-    allowed[positions] = True
-    full = replace(
-        original,
-        gate_up=padded(weights.gate_up, original.gate_up),
-        down=padded(weights.down, original.down),
-        gate_up_bias=padded(weights.gate_up_bias, original.gate_up_bias),
-        down_bias=padded(weights.down_bias, original.down_bias),
-    )
-    return full, allowed
+        return ExpertSource(weights, dequantize), None
+    positions = [-1] * original.num_experts
+    for position, expert in enumerate(weights.expert_ids):
+        positions[original.expert_ids.index(expert)] = position
+    allowed = torch.tensor([position >= 0 for position in positions], dtype=torch.bool, device="cpu")
+    return ExpertSource(weights, dequantize, positions), allowed
 
 
 class _LayerWriter:

@@ -27,6 +27,7 @@ from .families import FamilyAdapter, MoEWeights, adapter_for
 from .memory import release_freed_memory
 from .progress import bar as progress_bar
 from .sweep_state import LayerResult, SweepState
+from .view_experts import ExpertSource, ViewExperts, install, release_all, takes_routed_tokens
 
 
 @dataclass
@@ -265,13 +266,25 @@ class CalibrationSweep:
         if moe is not None and self.moe_in_compute_dtype:
             _convert_in_turn(moe, self.dtype)
         state = self.adapter.runtime_layer_state(layer, moe, rest)
+        if moe is not None and self._computes_from_view(layer):
+            experts = f"{self.adapter.moe_block_name}.experts."
+            state = {k: v for k, v in state.items() if not k.startswith(experts)}
         state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         return moe, rest, layout, state
+
+    def _computes_from_view(self, layer: int) -> bool:
+        """Whether layer ``layer``'s routed experts run as a :class:`ViewExperts` on the view's own tensors
+        instead of a float32 copy loaded into the stock module."""
+        module = self.adapter.decoder_layers(self._meta_model)[layer]
+        experts = getattr(module.get_submodule(self.adapter.moe_block_name), "experts", None)
+        return experts is not None and takes_routed_tokens(experts)
 
     def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None, dict[str, torch.Tensor], Any]:
         prefetched = self._prefetched.pop(layer, None) if hasattr(self, "_prefetched") else None
         moe, rest, layout, state = prefetched.result() if prefetched is not None else self._read_layer(layer)
         module = self.adapter.decoder_layers(self._meta_model)[layer]
+        if moe is not None and self._computes_from_view(layer):
+            install(module.get_submodule(self.adapter.moe_block_name), self.adapter).source = ExpertSource(moe)
         try:
             module.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as error:
@@ -283,8 +296,15 @@ class CalibrationSweep:
 
     @staticmethod
     def placed(module: torch.nn.Module) -> torch.nn.Module:
-        """``module`` on the compute device (its host tensors are freed as they move)."""
-        return module.to(compute_device()) if is_accelerated() else module
+        """``module`` on the compute device (its host tensors are freed as they move; a :class:`ViewExperts`'s
+        view is copied there)."""
+        if not is_accelerated():
+            return module
+        device = compute_device()
+        for child in module.modules():
+            if isinstance(child, ViewExperts) and child.source is not None:
+                child.source = child.source.to(device)
+        return module.to(device)
 
     def prefetch(self, layer: int) -> None:
         """Start reading layer ``layer`` on a background thread while the device works on the current one; only
@@ -314,7 +334,17 @@ class CalibrationSweep:
             return tuple(self._moved(item) for item in value)
         return value
 
-    def _load_moe(self, module: torch.nn.Module, layer: int, moe: MoEWeights) -> None:
+    def _load_moe(
+        self, module: torch.nn.Module, layer: int, moe: MoEWeights | ExpertSource, original: MoEWeights
+    ) -> None:
+        """Compute layer ``layer``'s routed experts with ``moe`` from now on (the router stays the original's)."""
+        experts = getattr(module.get_submodule(self.adapter.moe_block_name), "experts", None)
+        if isinstance(experts, ViewExperts):
+            source = moe if isinstance(moe, ExpertSource) else ExpertSource(moe)
+            experts.source = source.to(compute_device()) if is_accelerated() else source
+            return
+        if isinstance(moe, ExpertSource):
+            moe = moe.padded(original)
         state = {
             key: value.to(self.dtype) if value.is_floating_point() else value
             for key, value in self.adapter.runtime_moe_state(moe).items()
@@ -327,6 +357,7 @@ class CalibrationSweep:
     @staticmethod
     def release(module: torch.nn.Module) -> None:
         """Return a materialised layer's memory (its module goes back to the meta device)."""
+        release_all(module)
         module.to("meta")
         release_freed_memory()
 
@@ -383,7 +414,7 @@ class CalibrationSweep:
                 del captured_inputs, received, rest
                 yield capture
                 if capture.replacement is not None:
-                    self._load_moe(module, layer, capture.replacement)
+                    self._load_moe(module, layer, capture.replacement, capture.moe)
                     outputs = self._forward_routed(module, layer, hidden, capture)
                 result = capture.result
                 capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
@@ -412,7 +443,7 @@ class CalibrationSweep:
             return self.forward_layer(module, layer, hidden)
         adapter, allowed = self.adapter, capture.allowed
         rule = adapter.routing_rule()
-        bias = capture.replacement.correction_bias
+        bias = capture.moe.correction_bias
 
         def reroute(router, inputs, output):
             logits = adapter.route_of(output)[0]

@@ -126,12 +126,41 @@ def test_a_pruned_replacement_keeps_the_block_size_and_allows_only_the_kept_expe
         expert_ids=[0, 1, 2, 3, 4, 5],
     )
     pruned = block.select([1, 4])
-    full, allowed = _replacement(block, pruned)
+    source, allowed = _replacement(block, pruned)
     assert allowed.tolist() == [False, True, False, False, True, False]
+    assert source.num_experts == 6 and source.expert(0) is None
+    assert torch.equal(source.expert(4).gate_up[0], block.gate_up[4])
+    full = source.padded(block)
     assert full.gate_up.shape == block.gate_up.shape and torch.equal(full.gate_up[4], block.gate_up[4])
     assert not full.gate_up[0].any() and torch.equal(full.router_weight, block.router_weight)
     same, none = _replacement(block, block.select(list(range(6))))
     assert none is None and same.num_experts == 6
+
+
+def test_view_experts_compute_what_the_block_computes():
+    """The sweeps' experts module (one expert at a time from the view, a quantised block dequantised expert by
+    expert) gives the block's routed output as the adapter computes it."""
+    from moecompress.checkpoint import resolve_model
+    from moecompress.loading import load_adapter
+    from moecompress.quantization.experts import quantize_experts_rtn
+    from moecompress.quantization.scheme import QuantScheme
+    from moecompress.sweep import CalibrationSweep
+    from moecompress.view_experts import ExpertSource, ViewExperts
+
+    model = resolve_model("builtin:tiny-moe")
+    adapter = load_adapter(model)
+    sweep = CalibrationSweep(model, [], torch.zeros(0, dtype=torch.long), [], progress=False)
+    layer = adapter.moe_layers()[0]
+    _, moe = sweep.materialise(layer)
+    hidden = torch.randn(40, moe.gate_up.shape[-1], generator=torch.Generator().manual_seed(1))
+    ids, weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
+    experts = ViewExperts(adapter)
+    experts.source = ExpertSource(moe)
+    torch.testing.assert_close(experts(hidden, ids, weights), adapter.moe_forward(moe, hidden), rtol=1e-5, atol=1e-6)
+    quantized = quantize_experts_rtn(moe, QuantScheme("int4", 32, True))
+    experts.source = ExpertSource(quantized.weights, quantized.dequantized_expert)
+    expected = adapter.moe_forward(quantized.dequantized(), hidden)
+    torch.testing.assert_close(experts(hidden, ids, weights), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_recipe_file_with_both_kinds_parses_through_the_registry():

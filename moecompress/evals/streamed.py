@@ -7,9 +7,12 @@ layer, the reference's layer is built from its checkpoint, run over every window
 likewise; the routers' choices of the two are compared while both are at hand. Last, batch by batch, each model's
 final norm and output projection turn its last hidden states into logits, whose NLL and KL are summed at once.
 
-Held at any time: one decoder layer (float32, as the whole-model evaluation computes), both models' float32
-hidden states of all windows (tokens x hidden x 4 B each), one batch's logits per model, and, while planning and
-while computing the logits, the embeddings and output projection (at the end, both models' at once).
+Held at any time: one decoder layer (its routed experts as stored, bf16 or packed, and converted to float32 one
+expert at a time as the whole-model evaluation's float32 computes: :mod:`moecompress.view_experts`; the rest in
+float32), both models' float32 hidden states of all windows (tokens x hidden x 4 B each), one batch's logits per
+model, and, while planning and while computing the logits, the embeddings and output projection (at the end, both
+models' at once). A layer runs over up to 16 windows at once (a quantised layer unpacks its experts once per call);
+the logits are computed over fewer where the vocabulary is large.
 
 A layer is built as the whole-model load builds it, with the same modules and the same math: stock layers,
 MoE blocks and attention resized by :mod:`moecompress.plugin` for globally pruned and head-pruned checkpoints, and
@@ -109,12 +112,22 @@ class LayerStream(CalibrationSweep):
             batches,
             torch.zeros(0, dtype=torch.long, device="cpu"),
             [],
-            moe_in_compute_dtype=True,
             progress=False,
         )
         section = self.reader.config.get("quantization_config")
         self.quantization = MoecompressConfig(**section) if section else None
-        self.reader = _WideningReader(self.reader, self.dtype)
+        self._widening = _WideningReader(self.reader, self.dtype)
+
+    def _read_layer(self, layer: int):
+        """Experts that compute from the view (:mod:`moecompress.view_experts`) are read in their stored dtype and
+        converted one expert at a time as they are used; a stock experts module's are read into float32."""
+        if self._computes_from_view(layer):
+            return super()._read_layer(layer)
+        plain, self.reader = self.reader, self._widening
+        try:
+            return super()._read_layer(layer)
+        finally:
+            self.reader = plain
 
     def materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
         if self.quantization is None:
@@ -205,6 +218,24 @@ class LayerStream(CalibrationSweep):
         ], seconds
 
 
+def _dense_token_bytes(adapter: FamilyAdapter) -> int:
+    """What a token costs in a layer whose experts run on every token (Llama 4's stock module); 0 where the
+    experts compute on the tokens routed to them, one expert at a time."""
+    return moe_token_bytes(adapter) if adapter.moe_layers() and adapter.routing_rule().scales_input else 0
+
+
+def _split(
+    batches: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor], windows: int
+) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+    """``batches`` and their last hidden states cut into batches of at most ``windows`` windows."""
+    out_batches, out_hidden = [], []
+    for batch, states in zip(batches, hidden, strict=True):
+        for start in range(0, states.shape[0], windows):
+            out_batches.append({key: value[start : start + windows] for key, value in batch.items()})
+            out_hidden.append(states[start : start + windows])
+    return out_batches, out_hidden
+
+
 def _vocab(adapter: FamilyAdapter) -> int:
     return int(adapter.text_config["vocab_size"])
 
@@ -226,8 +257,11 @@ def evaluate_streamed(
         if ref_vocab != vocab:
             raise UserInputError(f"model and reference vocabularies differ ({vocab} vs {ref_vocab})")
     seq_len = windows.input_ids.shape[1]
-    token_bytes = max(moe_token_bytes(adapter), moe_token_bytes(ref_adapter) if reference_dir is not None else 0)
-    batches = [{"input_ids": ids} for ids, _ in windows.batches(_batch_size(seq_len, vocab, token_bytes))]
+    token_bytes = max(_dense_token_bytes(adapter), _dense_token_bytes(ref_adapter) if reference_dir is not None else 0)
+    # A layer runs over as many windows at once as the experts allow (a quantised layer unpacks its experts once
+    # per call); the logits are computed over fewer where the vocabulary is large.
+    batches = [{"input_ids": ids} for ids, _ in windows.batches(_batch_size(seq_len, 1, token_bytes))]
+    head_windows = _batch_size(seq_len, vocab, token_bytes)
     model = LayerStream(model_dir, batches)
     reference = LayerStream(reference_dir, batches) if reference_dir is not None else None
     hidden = [plan.hidden for plan in model.plans]
@@ -251,10 +285,14 @@ def evaluate_streamed(
             totals.model_seconds += seconds
         for ref_ids, ids in zip(ref_routes, routes, strict=compare):
             totals.add_agreement(*routing_agreement({layer: ref_ids}, {layer: ids}))
-    heads = model.head_logits(batches, hidden)
-    ref_heads = reference.head_logits(batches, ref_hidden) if reference is not None else None
+    head_batches, hidden = _split(batches, hidden, head_windows)
+    heads = model.head_logits(head_batches, hidden)
+    ref_heads = None
+    if reference is not None:
+        _, ref_hidden = _split(batches, ref_hidden, head_windows)
+        ref_heads = reference.head_logits(head_batches, ref_hidden)
     with torch.inference_mode():
-        for batch in batches:
+        for batch in head_batches:
             start = time.perf_counter()
             logits = next(heads)
             totals.model_seconds += time.perf_counter() - start
