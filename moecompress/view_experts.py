@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .families import FamilyAdapter, MoEWeights
 
@@ -109,8 +110,13 @@ class ViewExperts(nn.Module):
             token, slot = torch.where(top_k_index == index)
             weight = top_k_weights[token, slot, None].to(hidden_states.dtype)
             x = rule.expert_input(hidden_states[token], weight)
-            contribution = self.adapter.expert_output(expert, 0, x) * rule.output_weight(weight)
-            out.index_add_(0, token, contribution.to(out.dtype))
+            if torch.is_grad_enabled() and x.requires_grad:
+                # Autograd would keep every expert's converted weights for the backward (2.4 GB a Qwen3-30B-A3B
+                # layer); recomputing the expert there keeps only its inputs.
+                output = checkpoint(self.adapter.expert_output, expert, 0, x, use_reentrant=False)
+            else:
+                output = self.adapter.expert_output(expert, 0, x)
+            out.index_add_(0, token, (output * rule.output_weight(weight)).to(out.dtype))
         return out
 
 
