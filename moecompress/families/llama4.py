@@ -24,10 +24,11 @@ import torch
 
 from .base import FamilyAdapter, Layout, MoEWeights
 from .routing import RoutingRule
+from .transposed_experts import TransposedFusedExperts
 from .vision_language import TextTowerBesideVision
 
 
-class Llama4TextAdapter(FamilyAdapter):
+class Llama4TextAdapter(TransposedFusedExperts, FamilyAdapter):
     family = "llama4_text"
     model_types = ("llama4_text",)
     moe_disk_prefix = "feed_forward."
@@ -51,25 +52,6 @@ class Llama4TextAdapter(FamilyAdapter):
         if self._fused_key(layer, "gate_up_proj") in keys:
             return "fused_transposed"
         return super().detect_layout(layer, keys)
-
-    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
-        if layout != "fused_transposed":
-            return super()._pop_experts(layer, rest, layout)
-        gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
-        down = rest.pop(self._fused_key(layer, "down_proj"))
-        return MoEWeights(
-            router_weight=torch.empty(0, device="cpu"),
-            gate_up=gate_up.transpose(1, 2).contiguous(),
-            down=down.transpose(1, 2).contiguous(),
-        )
-
-    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
-        if layout != "fused_transposed":
-            return super()._expert_tensors(layer, moe, layout)
-        return {
-            self._fused_key(layer, "gate_up_proj"): moe.gate_up.transpose(1, 2).contiguous(),
-            self._fused_key(layer, "down_proj"): moe.down.transpose(1, 2).contiguous(),
-        }
 
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
         """Llama 4's runtime layout is its on-disk layout."""

@@ -8,14 +8,13 @@ and written back as found. The vision tower (``model.visual``) is passed through
 
 from __future__ import annotations
 
-import torch
-
-from .base import FamilyAdapter, Layout, MoEWeights
+from .base import FamilyAdapter, Layout
 from .qwen_moe import _QwenStyleAdapter
+from .transposed_experts import TransposedFusedExperts
 from .vision_language import TextTowerBesideVision
 
 
-class Qwen3VLMoeAdapter(TextTowerBesideVision, _QwenStyleAdapter):
+class Qwen3VLMoeAdapter(TextTowerBesideVision, TransposedFusedExperts, _QwenStyleAdapter):
     family = "qwen3_vl_moe"
     model_types = ("qwen3_vl_moe",)
     accepts_images = True
@@ -43,22 +42,3 @@ class Qwen3VLMoeAdapter(TextTowerBesideVision, _QwenStyleAdapter):
         ):
             return "fused_transposed"
         return "fused"
-
-    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
-        if layout != "fused_transposed":
-            return super()._pop_experts(layer, rest, layout)
-        gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
-        down = rest.pop(self._fused_key(layer, "down_proj"))
-        return MoEWeights(
-            router_weight=torch.empty(0, device="cpu"),
-            gate_up=gate_up.transpose(1, 2).contiguous(),
-            down=down.transpose(1, 2).contiguous(),
-        )
-
-    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
-        if layout != "fused_transposed":
-            return super()._expert_tensors(layer, moe, layout)
-        return {
-            self._fused_key(layer, "gate_up_proj"): moe.gate_up.transpose(1, 2).contiguous(),
-            self._fused_key(layer, "down_proj"): moe.down.transpose(1, 2).contiguous(),
-        }
