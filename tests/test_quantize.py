@@ -287,3 +287,33 @@ def test_compressed_tensors_export_matches_native(tiny_checkpoints, tmp_path, sc
         with torch.no_grad():
             direct = stock(input_ids=_ids()).logits
         torch.testing.assert_close(direct, native, atol=2e-5 if scheme == "mxfp4" else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("salient_fraction", [0.0, 0.02])
+def test_gptq_in_chunks_of_experts_gives_the_same_bytes_as_all_at_once(tiny_checkpoints, monkeypatch, salient_fraction):
+    """GPTQ runs a few experts at a time (their Hessians, not the layer's, in memory); the chunks join into the
+    tensor a single batch gives, salient weights included."""
+    from moecompress.quantization import experts as experts_module
+
+    source = tiny_checkpoints["qwen3_moe"]
+    with CheckpointReader(source) as reader:
+        adapter = adapter_for(reader.config)
+        layers, _ = group_keys_by_layer(reader, adapter)
+        moe, _, _ = adapter.split_layer(0, reader.read(layers[0]))
+    assert moe.num_experts > 2
+    hidden = torch.randn(400, moe.gate_up.shape[-1], generator=torch.Generator().manual_seed(2))
+    scheme = QuantScheme("int4", salient_fraction=salient_fraction)
+    results = {}
+    for at_once in (moe.num_experts, 3):
+        monkeypatch.setattr(experts_module, "GPTQ_EXPERTS_AT_ONCE", at_once)
+        results[at_once] = quantize_experts_calibrated(adapter, moe, hidden, scheme, min_tokens=1)
+    whole, chunked = results[moe.num_experts], results[3]
+    for name in ("gate_up", "down"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert a.shape == b.shape
+        assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales)
+        assert (a.zeros is None) == (b.zeros is None) and (a.zeros is None or torch.equal(a.zeros, b.zeros))
+        if salient_fraction:
+            assert a.salient.count > 0
+            assert torch.equal(a.salient.positions, b.salient.positions)
+            assert torch.equal(a.salient.values, b.salient.values)

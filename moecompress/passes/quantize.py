@@ -34,6 +34,7 @@ from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, 
 from ..quantization.sensitivity import SENSITIVITIES, stored_layer_sensitivity
 from ..sweep import CalibrationSweep
 from ..sweep_state import LayerResult, SweepState
+from ..view_experts import ExpertSource
 from .options import option, recipe_only
 from .prune_experts import calibration_batches, update_report
 
@@ -318,7 +319,7 @@ class _ExpertQuantizer:
             damp=self.config.gptq_damp,
             block_size=self.config.gptq_block,
         )
-        capture.replacement = quantized.dequantized()
+        capture.replacement = ExpertSource(quantized.weights, quantized.dequantized_expert)
         return quantized
 
     def errors(self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int | dict, measure: bool) -> LayerErrors:
