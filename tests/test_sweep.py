@@ -83,8 +83,9 @@ def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
 
 
 def test_a_capture_in_the_compute_dtype_shares_the_layer_experts_and_is_released_after(tmp_path):
-    """``moe_in_compute_dtype``: the view's experts are the stock layer's own float32 tensors (one copy, not two),
-    equal to the checkpoint's bf16 values; every capture's tensors are dropped when the next layer is asked for."""
+    """``moe_in_compute_dtype``: the view's experts are the very float32 tensors the layer computes with (one
+    copy, not two: the layer's experts module computes from the view), equal to the checkpoint's bf16 values; every
+    capture's tensors are dropped when the next layer is asked for, and the experts module lets go of them."""
     from moecompress.synthetic import write_synthetic_qwen3_moe
 
     source = tmp_path / "bf16"
@@ -109,8 +110,9 @@ def test_a_capture_in_the_compute_dtype_shares_the_layer_experts_and_is_released
         stored = adapter.split_layer(capture.layer, reader.read(sweep.layer_keys[capture.layer]))[0]
         stored_dtype = stored.gate_up.dtype
         assert stored_dtype == torch.bfloat16 and capture.moe.gate_up.dtype == torch.float32
-        assert capture.moe.gate_up.data_ptr() == experts.gate_up_proj.data_ptr()
+        assert experts.source.view.gate_up.data_ptr() == capture.moe.gate_up.data_ptr()
         assert torch.equal(capture.moe.gate_up, stored.gate_up.float())
         captures.append(capture)
     assert len(captures) == len(adapter.moe_layers())
     assert all(c.moe is None and c.moe_input is None for c in captures)
+    assert all(module.get_submodule(adapter.moe_block_name).experts.source is None for module in seen)
