@@ -8,28 +8,19 @@ reaches it).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .vision_language import TextTowerBesideVision
 
 _RUNTIME_PREFIXES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "mm_projector.", "model.mm_projector.", "model.vision_tower.")
 
 
-class KimiK25Adapter(DeepseekV3Adapter):
+class KimiK25Adapter(TextTowerBesideVision, DeepseekV3Adapter):
     family = "kimi_k25"
     model_types = ("kimi_k25",)
-    auto_class = "AutoModelForImageTextToText"
     layers_prefix = "language_model.model.layers."
-
-    @property
-    def text_config(self) -> dict[str, Any]:
-        return self.config["text_config"]
-
-    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
-        return config["text_config"]
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith(_VISION_PREFIXES)
