@@ -164,6 +164,8 @@ def test_whole_model_evaluation_under_meta_default() -> None:
 
 HEADS_FAST = dict(calib_tokens=256, seq_len=32, eval_data="builtin:prose", eval_tokens=256)
 QAT_FAST = dict(data="builtin:prose", calib_tokens=1024, eval_data="builtin:prose", eval_tokens=512)
+
+
 def _prune_heads_config():
     from moecompress.passes.prune_heads import PruneHeadsConfig
 
