@@ -102,6 +102,18 @@ def _drop_held(line: str | None = None) -> bool:
         return False
 
 
+def end_of_command() -> None:
+    """Forget the lines still held when a command ends (it failed early, or its work never reported): in a process
+    that runs several commands (a notebook, a test run) they would otherwise be printed late, or delay the next
+    command's own start lines until their timer fired."""
+    global _timer
+    with _lock:
+        _held.clear()
+        if _timer is not None:
+            _timer.cancel()
+            _timer = None
+
+
 def _emit(record: dict[str, Any], text: str, *, hold: bool = False) -> str:
     if _mode() == "json":
         print(json.dumps({"time": _now(), **record}), file=sys.stderr, flush=True)

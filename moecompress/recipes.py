@@ -44,7 +44,7 @@ from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from .errors import UserInputError
 from .passes.quantize import QuantizeConfig
 from .passes.registry import PASSES
-from .progress import event
+from .progress import end_of_command, event
 
 CONFIGS: dict[str, type] = {name: entry.config for name, entry in PASSES.items()}
 LOWRANK_KEYS = (
@@ -396,15 +396,18 @@ def run_recipe(
     """
     from .device import using_device
 
-    model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
-    check_output_is_not_input(model_dir, out_dir)
-    distributed.init_from_environment()
-    _check_ranks(recipe, resume)
-    check_recipe(recipe, model_dir)
-    with using_device(distributed.rank_device(recipe.device)):
-        return _run_recipe(
-            recipe, model_dir, out_dir, overwrite=overwrite, progress=progress, resume=resume, chained=chained
-        )
+    try:
+        model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
+        check_output_is_not_input(model_dir, out_dir)
+        distributed.init_from_environment()
+        _check_ranks(recipe, resume)
+        check_recipe(recipe, model_dir)
+        with using_device(distributed.rank_device(recipe.device)):
+            return _run_recipe(
+                recipe, model_dir, out_dir, overwrite=overwrite, progress=progress, resume=resume, chained=chained
+            )
+    finally:
+        end_of_command()
 
 
 def _check_ranks(recipe: Recipe, resume: bool) -> None:

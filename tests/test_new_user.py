@@ -110,11 +110,7 @@ def test_restart_discards_the_partial_work_and_runs(tmp_path):
 def test_line_mode_shows_start_lines_while_a_slow_first_step_runs(capsys, monkeypatch):
     monkeypatch.setattr(progress, "MODE", "lines")
     monkeypatch.setattr(progress, "HOLD_S", 0.5)
-    # A line an earlier test of this process held (and its timer, armed with the default hold) must not delay this
-    # one: in the full suite it did.
-    progress._drop_held()
-    if progress._timer is not None:
-        progress._timer.cancel()
+    progress.end_of_command()  # what an earlier test of this process may have left held (in the full suite it did)
     seen = []
 
     def slow():
@@ -229,3 +225,19 @@ def test_inspect_says_when_loading_needs_import_moecompress(tmp_path):
     assert _needs_plugin(None, {8}, {(8, 4), (6, 3)}) == "attention head counts that differ by layer"
     text = CliRunner().invoke(app, ["inspect", str(native)]).output
     assert "`import moecompress` before from_pretrained" in text
+
+
+def test_a_line_held_by_a_command_that_ended_does_not_delay_the_next_commands_lines(capsys, monkeypatch):
+    """In one process (a notebook), a start line left held by a command that failed early is forgotten when the
+    command ends: it is not printed late, and the next command's start line keeps its own short hold."""
+    from moecompress.recipes import run_recipe
+
+    monkeypatch.setattr(progress, "MODE", "lines")
+    progress.event("pass", "an earlier command started", starting=True)
+    with pytest.raises(UserInputError):
+        run_recipe(load_recipe(ROOT / "recipes" / "default.yaml"), ROOT / "no-such-model", ROOT / "no-such-output")
+    monkeypatch.setattr(progress, "HOLD_S", 0.2)
+    progress.event("pass", "the next command started", starting=True)
+    time.sleep(0.6)
+    err = capsys.readouterr().err
+    assert "the next command started" in err and "an earlier command started" not in err
