@@ -104,12 +104,6 @@ def _text_config(config):
     return getattr(config, "text_config", None) or config
 
 
-def _layer_returns_tuple(adapter: Any) -> bool:
-    """Whether the family's stock decoder layer returns ``(hidden, extra)`` that the decoder unpacks (GLM-5 hands
-    its sparse-attention top-k to the next layer)."""
-    return bool(getattr(adapter, "layer_returns_tuple", False))
-
-
 def _layer_attributes(layer: torch.nn.Module) -> dict[str, Any]:
     """Plain attributes of a decoder layer the stock forward reads from the layer itself (GPT-OSS's
     ``attention_type``)."""
@@ -194,7 +188,7 @@ class CalibrationSweep:
             parent,
             attr,
             torch.nn.ModuleList(
-                _LayerProxy(i, recorder, _layer_attributes(layer), _layer_returns_tuple(self.adapter))
+                _LayerProxy(i, recorder, _layer_attributes(layer), self.adapter.layer_returns_tuple)
                 for i, layer in enumerate(meta_layers)
             ),
         )

@@ -99,25 +99,19 @@ class ViewExperts(nn.Module):
         source = self.source
         if source is None:
             raise RuntimeError("ViewExperts called without weights")
-        rule = self.adapter.routing_rule()
-        out = torch.zeros_like(hidden_states)
-        for index in top_k_index.unique().tolist():
-            if not 0 <= index < source.num_experts:
-                continue
-            expert = source.expert(index)
+        grad = torch.is_grad_enabled()
+
+        def output_of(index: int, x: torch.Tensor) -> torch.Tensor | None:
+            expert = source.expert(index) if 0 <= index < source.num_experts else None
             if expert is None:
-                continue
-            token, slot = torch.where(top_k_index == index)
-            weight = top_k_weights[token, slot, None].to(hidden_states.dtype)
-            x = rule.expert_input(hidden_states[token], weight)
-            if torch.is_grad_enabled() and x.requires_grad:
+                return None
+            if grad and x.requires_grad:
                 # Autograd would keep every expert's converted weights for the backward (2.4 GB a Qwen3-30B-A3B
                 # layer); recomputing the expert there keeps only its inputs.
-                output = checkpoint(self.adapter.expert_output, expert, 0, x, use_reentrant=False)
-            else:
-                output = self.adapter.expert_output(expert, 0, x)
-            out.index_add_(0, token, (output * rule.output_weight(weight)).to(out.dtype))
-        return out
+                return checkpoint(self.adapter.expert_output, expert, 0, x, use_reentrant=False)
+            return self.adapter.expert_output(expert, 0, x)
+
+        return self.adapter.combine_experts(hidden_states, top_k_index, top_k_weights, output_of)
 
 
 def takes_routed_tokens(experts: nn.Module) -> bool:

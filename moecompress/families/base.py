@@ -9,6 +9,7 @@ into the exact on-disk layout it came from. Passes read and rewrite the view; th
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
@@ -109,6 +110,9 @@ class FamilyAdapter:
     expert_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
     num_experts_keys: ClassVar[tuple[str, ...]] = ("num_experts", "num_local_experts")
     shared_expert_markers: ClassVar[tuple[str, ...]] = ("shared_expert",)
+    layer_returns_tuple: ClassVar[bool] = False
+    """Whether the stock decoder layer returns ``(hidden, extra)`` that the decoder unpacks (GLM-5 hands its
+    sparse-attention top-k to the next layer)."""
     has_correction_bias: ClassVar[bool] = False
     accepts_images: ClassVar[bool] = False
     attention_module: ClassVar[str] = "self_attn"
@@ -486,14 +490,27 @@ class FamilyAdapter:
 
     def moe_forward(self, moe: MoEWeights, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' combined output for ``hidden`` ``[T, H]`` (shared experts excluded)."""
+        ids, weights = self.routing_rule().route(self.router_logits(moe, hidden), moe.correction_bias, allowed)
+        return self.combine_experts(hidden, ids, weights, lambda expert, x: self.expert_output(moe, expert, x))
+
+    def combine_experts(
+        self,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        output_of: Callable[[int, torch.Tensor], torch.Tensor | None],
+    ) -> torch.Tensor:
+        """The block's routed output for tokens ``hidden`` ``[T, H]`` routed to ``ids`` ``[T, k]`` with ``weights``:
+        for each chosen expert, ``output_of(expert, its input)`` (None: the expert is skipped) weighted as the
+        family's rule says, summed per token."""
         rule = self.routing_rule()
-        ids, weights = rule.route(self.router_logits(moe, hidden), moe.correction_bias, allowed)
         out = torch.zeros_like(hidden)
         for expert in ids.unique().tolist():
             token_pos, slot = torch.where(ids == expert)
             weight = weights[token_pos, slot, None].to(hidden.dtype)
-            contribution = self.expert_output(moe, expert, rule.expert_input(hidden[token_pos], weight))
-            out.index_add_(0, token_pos, contribution * rule.output_weight(weight))
+            contribution = output_of(expert, rule.expert_input(hidden[token_pos], weight))
+            if contribution is not None:
+                out.index_add_(0, token_pos, (contribution * rule.output_weight(weight)).to(out.dtype))
         return out
 
     def softmax_attention(self, layer: int) -> bool:

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..families import FamilyAdapter, MoEWeights
+from ..families import FamilyAdapter
 from ..sweep import LayerCapture
 from ..sweep_state import LayerResult
 
@@ -130,12 +130,6 @@ class LayerPass:
 
     def finished(self, out_dir: Path) -> None:
         """Add what can only be measured on the written output to the report."""
-
-
-def block_weights(block: Any) -> MoEWeights:
-    """The weights a block computes with: a quantised block dequantised."""
-    dequantized = getattr(block, "dequantized", None)
-    return dequantized() if dequantized is not None else block
 
 
 @dataclass(frozen=True)
