@@ -148,6 +148,12 @@ class FamilyAdapter:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0
 
+    def listed_moe_layer(self, layer: int, otherwise: bool) -> bool:
+        """transformers' ``mlp_layer_types`` rule: layer ``layer`` is MoE where that list says ``sparse``, or as
+        ``otherwise`` says for a config without the list (never, without experts)."""
+        kinds = self.text_config.get("mlp_layer_types")
+        return self.num_experts > 0 and (kinds[layer] == "sparse" if kinds else otherwise)
+
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 

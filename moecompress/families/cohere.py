@@ -21,12 +21,7 @@ class Cohere2MoeAdapter(FamilyAdapter):
     num_experts_keys = ("num_experts",)
 
     def is_moe_layer(self, layer: int) -> bool:
-        cfg = self.text_config
-        if self.num_experts <= 0:
-            return False
-        if cfg.get("mlp_layer_types"):
-            return cfg["mlp_layer_types"][layer] == "sparse"
-        return layer >= int(cfg.get("first_k_dense_replace") or 0)
+        return self.listed_moe_layer(layer, layer >= int(self.text_config.get("first_k_dense_replace") or 0))
 
     def routing_rule(self) -> RoutingRule:
         selection = self.text_config.get("expert_selection_fn", "softmax")

@@ -19,13 +19,9 @@ class _DeepseekAdapter(FamilyAdapter):
 
     def is_moe_layer(self, layer: int) -> bool:
         cfg = self.text_config
-        if self.num_experts <= 0:
-            return False
-        if cfg.get("mlp_layer_types"):
-            return cfg["mlp_layer_types"][layer] == "sparse"
         first_dense = int(cfg.get("first_k_dense_replace", self.first_dense_default) or 0)
         freq = int(cfg.get("moe_layer_freq") or 1)
-        return layer >= first_dense and layer % freq == 0
+        return self.listed_moe_layer(layer, layer >= first_dense and layer % freq == 0)
 
     def head_counts(self) -> tuple[int, int, int]:
         cfg = self.text_config

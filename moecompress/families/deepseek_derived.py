@@ -126,12 +126,7 @@ class MiMoV2FlashAdapter(_GroupedQueryAttentionAdapter):
     model_types = ("mimo_v2_flash",)
 
     def is_moe_layer(self, layer: int) -> bool:
-        cfg = self.text_config
-        if self.num_experts <= 0:
-            return False
-        if cfg.get("mlp_layer_types"):
-            return cfg["mlp_layer_types"][layer] == "sparse"
-        return layer >= 1
+        return self.listed_moe_layer(layer, layer >= 1)
 
     def routing_rule(self) -> RoutingRule:
         cfg = self.text_config
@@ -159,8 +154,7 @@ class BeamAdapter(_GroupedQueryAttentionAdapter):
     first_dense_default = 3
 
     def is_moe_layer(self, layer: int) -> bool:
-        kinds = self.text_config.get("mlp_layer_types")
-        return self.num_experts > 0 and (kinds[layer] == "sparse" if kinds else layer >= self.first_dense_default)
+        return self.listed_moe_layer(layer, layer >= self.first_dense_default)
 
     def routing_rule(self) -> RoutingRule:
         return replace(super().routing_rule(), scaling=1.0)

@@ -54,8 +54,7 @@ class HYV3Adapter(CorrectionBiasOffRouter, FamilyAdapter):
     num_experts_keys = ("num_experts", "num_local_experts")
 
     def is_moe_layer(self, layer: int) -> bool:
-        kinds = self.text_config.get("mlp_layer_types")
-        return self.num_experts > 0 and (kinds[layer] == "sparse" if kinds else layer >= 1)
+        return self.listed_moe_layer(layer, layer >= 1)
 
     def routing_rule(self) -> RoutingRule:
         scale = float(self.text_config.get("router_scaling_factor") or 1.0)

@@ -23,8 +23,7 @@ class LagunaAdapter(CorrectionBiasOffRouter, FamilyAdapter):
     num_experts_keys = ("num_experts", "num_local_experts")
 
     def is_moe_layer(self, layer: int) -> bool:
-        kinds = self.text_config.get("mlp_layer_types")
-        return self.num_experts > 0 and (kinds[layer] == "sparse" if kinds else layer >= 1)
+        return self.listed_moe_layer(layer, layer >= 1)
 
     def routing_rule(self) -> RoutingRule:
         return RoutingRule("sigmoid_group_topk", top_k=self.top_k, normalize=True, norm_eps=0.0)

@@ -58,8 +58,7 @@ class MellumAdapter(FamilyAdapter):
     model_types = ("mellum",)
 
     def is_moe_layer(self, layer: int) -> bool:
-        kinds = self.text_config.get("mlp_layer_types")
-        return self.num_experts > 0 and (not kinds or kinds[layer] == "sparse")
+        return self.listed_moe_layer(layer, True)
 
 
 class FlintAdapter(_QwenStyleAdapter):
