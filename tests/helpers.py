@@ -38,3 +38,26 @@ def load_stock(directory, dtype=None):
     kwargs = {} if config is None else {"config": config}
     model = getattr(transformers, adapter.auto_class).from_pretrained(directory, dtype=dtype or torch.float32, **kwargs)
     return model.eval()
+
+
+def plain_perplexity(directory, seq_len, tokens):
+    """The evaluation's definition computed the obvious way on the model plain transformers loads (the held-out
+    builtin prose in windows of ``seq_len``, up to ``tokens``); returns it and the model."""
+    import math
+
+    import torch
+    import transformers
+
+    from moecompress.calibration.builtin_corpus import builtin_documents
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = load_stock(directory)
+    ids = []
+    for doc in builtin_documents("prose", "heldout"):
+        ids.extend(tokenizer(doc.text + "\n\n", add_special_tokens=False)["input_ids"])
+    losses = []
+    with torch.no_grad():
+        for i in range(min(len(ids), tokens) // seq_len):
+            window = torch.tensor([ids[i * seq_len : (i + 1) * seq_len]])
+            losses.append(model(input_ids=window, labels=window).loss.item())
+    return math.exp(sum(losses) / len(losses)), model

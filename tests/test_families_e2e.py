@@ -3,16 +3,14 @@ transformers loads, `quantize` writes what loads through the plugin, and the per
 the one plain transformers computes on the written model."""
 
 import json
-import math
 import shutil
 
 import pytest
 import torch
 import transformers
 from click.testing import CliRunner
-from helpers import load_stock
+from helpers import plain_perplexity
 
-from moecompress.calibration.builtin_corpus import builtin_documents
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.synthetic import FAMILIES, tiny_tokenizer
@@ -42,18 +40,7 @@ def _config(directory):
 
 
 def _plain_perplexity(directory):
-    """The evaluation's definition computed the obvious way on the model plain transformers loads."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = load_stock(directory)
-    ids = []
-    for doc in builtin_documents("prose", "heldout"):
-        ids.extend(tokenizer(doc.text + "\n\n", add_special_tokens=False)["input_ids"])
-    losses = []
-    with torch.no_grad():
-        for i in range(min(len(ids), TOKENS) // SEQ_LEN):
-            window = torch.tensor([ids[i * SEQ_LEN : (i + 1) * SEQ_LEN]])
-            losses.append(model(input_ids=window, labels=window).loss.item())
-    return math.exp(sum(losses) / len(losses)), model
+    return plain_perplexity(directory, SEQ_LEN, TOKENS)
 
 
 def _run(command, source, out, *args):

@@ -4,16 +4,13 @@ transformers' Llama4TextMoe."""
 
 import copy
 import json
-import math
 import shutil
 
 import pytest
 import torch
-import transformers
 from click.testing import CliRunner
-from helpers import load_stock
+from helpers import load_stock, plain_perplexity
 
-from moecompress.calibration.builtin_corpus import builtin_documents
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
@@ -97,20 +94,6 @@ def test_the_sweep_reroutes_around_removed_experts_as_the_stock_model_without_th
             torch.testing.assert_close(capture.moe_input, expected, rtol=1e-5, atol=1e-5)
 
 
-def _perplexity(directory, seq_len=64, tokens=512):
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = load_stock(directory)
-    ids = []
-    for doc in builtin_documents("prose", "heldout"):
-        ids.extend(tokenizer(doc.text + "\n\n", add_special_tokens=False)["input_ids"])
-    losses = []
-    with torch.no_grad():
-        for i in range(min(len(ids), tokens) // seq_len):
-            window = torch.tensor([ids[i * seq_len : (i + 1) * seq_len]])
-            losses.append(model(input_ids=window, labels=window).loss.item())
-    return math.exp(sum(losses) / len(losses)), model
-
-
 def test_global_prune_with_per_layer_counts_loads_through_the_plugin(tiny_checkpoints, tmp_path):
     source = tmp_path / "source"
     shutil.copytree(tiny_checkpoints["llama4"], source)
@@ -125,7 +108,7 @@ def test_global_prune_with_per_layer_counts_loads_through_the_plugin(tiny_checkp
     adapter = adapter_for(json.loads((out / "config.json").read_text()))
     counts = {layer: adapter.experts_in_layer(layer) for layer in adapter.moe_layers()}
     assert len(set(counts.values())) > 1, f"the seeded run keeps different counts per layer, not {counts}"
-    perplexity, model = _perplexity(out)
+    perplexity, model = plain_perplexity(out, 64, 512)
     for layer, count in counts.items():
         assert adapter.experts_of(model, layer).gate_up_proj.shape[0] == count
         assert adapter.router_of(model, layer).weight.shape[0] == count
