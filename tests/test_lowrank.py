@@ -23,7 +23,6 @@ from moecompress.quantization.lowrank import (
     error_spectrum,
     squared_singular_values,
     truncated_svd,
-    whitening_factor,
 )
 from moecompress.quantization.scheme import QuantScheme
 from moecompress.quantization.sensitivity import block_output_fisher, layer_sensitivity, stored_layer_sensitivity
@@ -106,6 +105,11 @@ def test_measuring_as_it_goes_equals_measuring_from_the_kept_inputs(layer):
     assert not streamed.errors and not streamed.inputs
     assert streamed.measured == (measured_error(kept, {}), measured_error(kept, ranks))
     assert streamed.measured[1] < streamed.measured[0]
+    rewriting = layer_errors(
+        adapter, moe, quantized, hidden, keep=ranks, min_tokens=16, measure=True, token_weights=weights, only_kept=True
+    )
+    assert set(rewriting.spectra) == {key for key, rank in ranks.items() if rank} != set(ranks)
+    assert rewriting.measured == streamed.measured and rewriting.loads == streamed.loads
 
 
 @pytest.mark.parametrize(
@@ -130,11 +134,33 @@ def test_whitened_adapter_beats_plain_svd_on_the_routed_inputs():
         left, right = spectrum.adapter(rank)
         return float(((x @ (error - left @ right).T) ** 2).sum()) / x.shape[0]
 
-    whitened = error_spectrum(error, whitening_factor(x, damp=1e-8), keep=8)
+    whitened = error_spectrum(error, x, keep=8, damp=1e-8)
     plain = error_spectrum(error, None, keep=8)
     for rank in (1, 4, 8):
         assert output_error(whitened, rank) == pytest.approx(whitened.residual(rank), rel=1e-4)
         assert output_error(whitened, rank) < output_error(plain, rank)
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (64, 48)])
+@pytest.mark.parametrize("tokens", [20, 300])
+def test_whitened_spectrum_is_the_svd_of_the_error_times_the_cholesky_factor(shape, tokens):
+    """Both routes (the row Gram matrix without a factor for gate and up, the factor for down) against the
+    definition in float64: the SVD of ``E·S``, ``S·Sᵀ`` the damped input covariance, and ``L·R = U_k Σ_k V_kᵀ S⁻¹``."""
+    rows, cols = shape
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, cols, generator=g) @ torch.diag(torch.logspace(0, -2, cols))
+    error = torch.randn(rows, cols, generator=g)
+    covariance = x.double().T @ x.double() / tokens
+    covariance += 1e-4 * covariance.diagonal().mean() * torch.eye(cols, dtype=torch.float64)
+    factor = torch.linalg.cholesky(covariance)
+    u, sigma, vh = torch.linalg.svd(error.double() @ factor, full_matrices=False)
+    for keep in (0, 5):
+        spectrum = error_spectrum(error, x, keep=keep)
+        assert spectrum.whitened and spectrum.left.shape == (rows, keep) and spectrum.right.shape == (keep, cols)
+        torch.testing.assert_close(spectrum.sigma2.double(), sigma**2, rtol=0, atol=1e-5 * float(sigma[0] ** 2))
+    expected = (u[:, :5] * sigma[:5]) @ vh[:5] @ torch.linalg.inv(factor)
+    left, right = spectrum.adapter(5)
+    torch.testing.assert_close((left @ right).double(), expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
 
 
 @pytest.mark.parametrize("shape", [(48, 64), (64, 48), (1, 7)])

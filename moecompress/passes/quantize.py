@@ -323,6 +323,8 @@ class _ExpertQuantizer:
         return quantized
 
     def errors(self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int | dict, measure: bool) -> LayerErrors:
+        """Measuring (``keep`` 0): every matrix's σ². Rewriting (``keep`` the ranks, ``measure``): the factors of
+        the matrices given components, and the measured error."""
         factor = self.sensitivity.get(capture.layer)
         errors = layer_errors(
             self.adapter,
@@ -334,6 +336,7 @@ class _ExpertQuantizer:
             weighting=self.config.load_weighting,
             measure=measure,
             token_weights=factor if factor is not None and factor.ndim else None,
+            only_kept=measure,
         )
         if factor is not None and not factor.ndim:
             errors.loads = {key: load * float(factor) for key, load in errors.loads.items()}

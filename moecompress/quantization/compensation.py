@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..device import moe_on
 from ..families import FamilyAdapter, MoEWeights
 from .experts import QuantizedMoE
-from .lowrank import ErrorSpectrum, error_spectrum, whitening_factor
+from .lowrank import ErrorSpectrum, error_spectrum
 
 MATRICES: tuple[str, ...] = ("gate", "up", "down")
 
@@ -54,6 +54,7 @@ def layer_errors(
     keep_inputs: bool = False,
     measure: bool = False,
     token_weights: torch.Tensor | None = None,
+    only_kept: bool = False,
 ) -> LayerErrors:
     """Spectra (with ``keep`` components' factors, one number for all or one per ``(expert, matrix)``, absent
     meaning 0) and loads of every expert matrix of one block.
@@ -70,7 +71,8 @@ def layer_errors(
     sensitivity of the block's output at that token.
 
     Memory is one block's weights plus one expert's work at a time; ``keep_inputs`` (for analysis) instead
-    keeps every matrix's error and inputs, and ``measure`` sums the measured errors as it goes.
+    keeps every matrix's error and inputs, and ``measure`` sums the measured errors as it goes. ``only_kept``
+    (the rewriting sweep, which uses nothing else) computes spectra only for matrices given components.
     """
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
@@ -101,27 +103,24 @@ def layer_errors(
         token_scale = gate_weight if weighting == "gate" else torch.ones_like(gate_weight)
         if token_weights is not None:
             token_scale = token_scale * token_weights[tokens].float().sqrt().unsqueeze(-1)
-        factors = {
-            "gate": whitening_factor(x * token_scale) if enough else None,
-            "down": whitening_factor(down_input * token_scale) if enough else None,
-        }
-        factors["up"] = factors["gate"]
+        routed_inputs = {"gate": x * token_scale, "up": x * token_scale, "down": down_input * token_scale}
         errors = {which: original[which].float() - approximate[which].float() for which in MATRICES}
         reach = output_reach(adapter, moe, expert, x, projected, errors)
         for which in MATRICES:
             key = (expert, which)
             error = errors[which]
             kept = keep if isinstance(keep, int) else keep.get(key, 0)
-            result.spectra[key] = error_spectrum(error, factors[which], kept)
+            if kept or not only_kept:
+                result.spectra[key] = error_spectrum(error, routed_inputs[which] if enough else None, kept)
             result.loads[key] = load * reach[which]
             if not (keep_inputs or measure):
                 continue
-            inputs = (down_input if which == "down" else x) * token_scale
+            inputs = routed_inputs[which]
             if keep_inputs:
                 result.errors[key] = error
                 result.inputs[key] = inputs
             if measure:
-                residual = _residual(error, result.spectra[key], kept)
+                residual = _residual(error, result.spectra.get(key), kept)
                 without_adapters += result.loads[key] * _output_error(inputs, error)
                 with_adapters += result.loads[key] * _output_error(inputs, residual)
     if measure:
@@ -129,7 +128,7 @@ def layer_errors(
     return result
 
 
-def _residual(error: torch.Tensor, spectrum: ErrorSpectrum, rank: int) -> torch.Tensor:
+def _residual(error: torch.Tensor, spectrum: ErrorSpectrum | None, rank: int) -> torch.Tensor:
     if not rank:
         return error
     left, right = spectrum.adapter(rank)
