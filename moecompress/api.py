@@ -295,13 +295,17 @@ def _resolve(model: str | Path) -> Path:
 @contextlib.contextmanager
 def _quiet(silent: bool) -> Iterator[None]:
     """``progress=False``: no moecompress progress and no transformers load bars or warnings inside the call; the
-    caller's settings are restored afterwards."""
+    caller's settings are restored afterwards. Either way the call ends as a command does
+    (:func:`~moecompress.progress.end_of_command`)."""
     from transformers.utils import logging as hf_logging
 
-    from .progress import silenced
+    from .progress import end_of_command, silenced
 
     if not silent:
-        yield
+        try:
+            yield
+        finally:
+            end_of_command()
         return
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
@@ -310,6 +314,7 @@ def _quiet(silent: bool) -> Iterator[None]:
         with silenced():
             yield
     finally:
+        end_of_command()
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()

@@ -227,15 +227,24 @@ def test_inspect_says_when_loading_needs_import_moecompress(tmp_path):
     assert "`import moecompress` before from_pretrained" in text
 
 
-def test_a_line_held_by_a_command_that_ended_does_not_delay_the_next_commands_lines(capsys, monkeypatch):
+@pytest.mark.parametrize("ending", ["run_recipe", "the eval command", "moecompress.evaluate"])
+def test_a_line_held_by_a_command_that_ended_does_not_delay_the_next_commands_lines(ending, capsys, monkeypatch):
     """In one process (a notebook), a start line left held by a command that failed early is forgotten when the
-    command ends: it is not printed late, and the next command's start line keeps its own short hold."""
+    command ends, whichever entry it came through: it is not printed late, and the next command's start line
+    keeps its own short hold."""
+    import moecompress
     from moecompress.recipes import run_recipe
 
     monkeypatch.setattr(progress, "MODE", "lines")
     progress.event("pass", "an earlier command started", starting=True)
-    with pytest.raises(UserInputError):
-        run_recipe(load_recipe(ROOT / "recipes" / "default.yaml"), ROOT / "no-such-model", ROOT / "no-such-output")
+    if ending == "run_recipe":
+        with pytest.raises(UserInputError):
+            run_recipe(load_recipe(ROOT / "recipes" / "default.yaml"), ROOT / "no-such-model", ROOT / "no-such-output")
+    elif ending == "the eval command":
+        assert isinstance(CliRunner().invoke(app, ["eval", str(ROOT / "no-such-model")]).exception, UserInputError)
+    else:
+        with pytest.raises(UserInputError):
+            moecompress.evaluate(ROOT / "no-such-model")
     monkeypatch.setattr(progress, "HOLD_S", 0.2)
     progress.event("pass", "the next command started", starting=True)
     time.sleep(0.6)

@@ -57,6 +57,9 @@ def app(ctx: click.Context, debug: bool) -> None:
     """
     ctx.obj = {"debug": debug}
     from ..loading import quiet_transformers
+    from ..progress import end_of_command
+
+    ctx.call_on_close(end_of_command)
 
     quiet_transformers()
 
