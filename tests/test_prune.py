@@ -1,6 +1,7 @@
 """`moecompress prune`: outputs load where they should, claim honest numbers, and MAEP uses its signals."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -53,6 +54,7 @@ def _stock_perplexity(path, with_plugin, tmp_path, plugin_first=False):
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread: the import-order test compares printed digits
     )
 
 
