@@ -684,14 +684,20 @@ def write_synthetic_qwen3_moe(
     head_dim: int | None = None,
     top_k: int = 2,
     max_shard_bytes: int = 512 * 2**20,
+    vocab_size: int = 2048,
+    tie_word_embeddings: bool = True,
 ) -> dict:
     """A random bf16 Qwen3-MoE checkpoint of any size, written layer by layer (never held whole), for
-    benchmarks. ``vocab_dir``'s tokenizer files are copied in when given. Returns ``{"layer_bytes": ...}``."""
+    benchmarks. ``vocab_dir``'s tokenizer files are copied in when given. Returns ``{"layer_bytes": ...}``.
+
+    ``vocab_size`` above the tokenizer's (2,048 for tiny-moe's) gives the embedding and output projection a real
+    release's size (Qwen3-30B-A3B: 151,936, untied) while the built-in text still tokenises: the extra rows are
+    never looked up, but every logit is computed over all of them, as a padded release's are."""
     from transformers import Qwen3MoeConfig
 
     head_dim = head_dim or hidden // heads
     config = Qwen3MoeConfig(
-        vocab_size=2048,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -702,7 +708,7 @@ def write_synthetic_qwen3_moe(
         num_experts=experts,
         num_experts_per_tok=top_k,
         norm_topk_prob=True,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=512,
     ).to_dict()
     config["architectures"] = ["Qwen3MoeForCausalLM"]
@@ -715,9 +721,11 @@ def write_synthetic_qwen3_moe(
     from .checkpoint import CheckpointWriter
 
     writer = CheckpointWriter(directory, max_shard_bytes=max_shard_bytes)
-    writer.add(
-        {"model.embed_tokens.weight": rand(2048, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-    )
+    outside = {"model.embed_tokens.weight": rand(vocab_size, hidden), "model.norm.weight": torch.ones(hidden)}
+    if not tie_word_embeddings:
+        outside["lm_head.weight"] = rand(vocab_size, hidden)
+    writer.add({name: tensor.to(torch.bfloat16) for name, tensor in outside.items()})
+    del outside
     layer_bytes = 0
     for i in range(layers):
         p = f"model.layers.{i}."

@@ -3,8 +3,10 @@ against the time to copy the same shard files, all measured in one run.
 
 Synthesises a random bf16 checkpoint with Qwen3-30B-A3B's decoder layer shapes (hidden 2048, 128 experts of
 intermediate 768, top-8, 32 query heads of 128 / 4 KV groups) and as many layers as reach ``--min-gib``, in
-``--shard-gib`` shards as on the hub; the vocabulary is tiny-moe's 2,048 tokens (so the built-in calibration text
-tokenises), not Qwen's 151,936. Then, each in a child process and in this order: copy the shard files (with
+``--shard-gib`` shards as on the hub; the tokenizer is tiny-moe's 2,048 tokens (so the built-in calibration text
+tokenises), and so is the vocabulary unless ``--real-vocab`` gives the embedding and an untied output projection
+Qwen3-30B-A3B's 151,936 rows (1.25 GB of bf16; the rows past 2,048 are never looked up but every logit is
+computed). Then, each in a child process and in this order: copy the shard files (with
 fsync), ``moecompress quantize --scheme mxfp4 --method rtn``, copy again, ``moecompress prune --ratio 0.25``
 (MAEP on ``--calib-tokens`` tokens), and with ``--lowrank`` MXFP4 RTN with a 0.25-bit low-rank budget. Each
 command's output is fsynced inside its wall time and deleted after it. Peak RSS is the largest sum of RSS over
@@ -42,6 +44,7 @@ from moecompress.checkpoint import resolve_model
 from moecompress.synthetic import write_synthetic_qwen3_moe
 
 SHAPES = dict(hidden=2048, experts=128, inter=768, heads=32, kv_heads=4, head_dim=128, top_k=8)
+REAL_VOCAB = 151936
 
 COPY = """
 import os, shutil, sys
@@ -160,14 +163,18 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, default=None, help="Run this recipe on the checkpoint instead.")
     parser.add_argument("--layers", type=int, default=None, help="Decoder layers (default: enough for --min-gib).")
     parser.add_argument("--eval-tokens", type=int, default=2048, help="The recipe's evaluation tokens.")
+    parser.add_argument(
+        "--real-vocab", action="store_true", help="Qwen3-30B-A3B's 151,936-row embedding and untied lm_head."
+    )
     args = parser.parse_args()
+    vocab = REAL_VOCAB if args.real_vocab else 2048
     per_layer = layer_bytes(**SHAPES)
     layers = args.layers or math.ceil(args.min_gib * 2**30 / per_layer)
     cli = [sys.executable, "-m", "moecompress.cli.main"]
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB",
-        "shapes": {**SHAPES, "layers": layers, "vocab": 2048},
+        "shapes": {**SHAPES, "layers": layers, "vocab": vocab, "tied_embeddings": not args.real_vocab},
     }
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_large_") as tmp:
         root = Path(tmp)
@@ -185,6 +192,8 @@ def main() -> None:
             head_dim=SHAPES["head_dim"],
             top_k=SHAPES["top_k"],
             max_shard_bytes=int(args.shard_gib * 2**30),
+            vocab_size=vocab,
+            tie_word_embeddings=not args.real_vocab,
         )
         fsync_tree(source)
         result["synthesis_seconds"] = round(time.perf_counter() - started, 1)
