@@ -11,6 +11,7 @@ runs the real layers itself, one at a time, so peak memory is the skeleton plus 
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .checkpoint import CheckpointReader, group_keys_by_layer
 from .device import HOST, compute_device, host_buffer, is_accelerated, to_compute
@@ -165,6 +167,9 @@ class CalibrationSweep:
         self._auto_class = auto_class
         self._outside_keys = outside_keys
         self._on_device: dict[int, torch.Tensor] = {}
+        accepted = inspect.signature(self._meta_model.forward).parameters
+        self._one_logit = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        """Planning needs the layers' inputs, not the logits: a 151,936-token head over a batch is 1.2 GB."""
         skeleton, recorder = self._skeleton()
         self.plans = self._plan(skeleton, recorder, batches)
         del skeleton
@@ -175,9 +180,11 @@ class CalibrationSweep:
 
         config, auto_class, dtype = self._config, self._auto_class, self.dtype
         meta_layers = self.adapter.decoder_layers(self._meta_model)
+        from accelerate import init_empty_weights
+
         skeleton_config = copy.deepcopy(config)
         _text_config(skeleton_config).num_hidden_layers = 0
-        with no_init_weights(), torch.device(HOST):
+        with no_init_weights(), torch.device(HOST), init_empty_weights(include_buffers=False):
             skeleton = auto_class.from_config(skeleton_config, dtype=dtype)
         _text_config(skeleton.config).num_hidden_layers = len(meta_layers)
         recorder = _CallRecorder()
@@ -194,16 +201,24 @@ class CalibrationSweep:
         )
         ignored = [re.compile(p) for p in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
         keys = [key for key in self._outside_keys if not any(p.search(key) for p in ignored)]
-        state = {
-            key: tensor.to(dtype) if tensor.is_floating_point() else tensor
-            for key, tensor in self.adapter.runtime_outside_state(self.reader.read(keys)).items()
-        }
-        _, unexpected = skeleton.load_state_dict(state, strict=False)
+        head_key = _untied_head_key(skeleton)
+        stored = self.adapter.runtime_outside_state(self.reader.read(keys))
+        state = {}
+        for key in list(stored):
+            tensor = stored.pop(key)
+            keep = key == head_key and tensor.element_size() == 2 and dtype.itemsize > 2
+            state[key] = tensor.to(dtype) if tensor.is_floating_point() and not keep else tensor
+            del tensor
+        _, unexpected = skeleton.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise UserInputError(
                 f"{self.model_dir}: tensors the {self.adapter.family} model does not have: {unexpected[:5]}"
             )
         skeleton.tie_weights()
+        _fill_missing_parameters(skeleton, dtype)
+        head = skeleton.get_output_embeddings()
+        if head_key is not None and isinstance(head, torch.nn.Linear) and head.weight.dtype != dtype:
+            skeleton.set_output_embeddings(UpcastingHead(head))
         skeleton.eval()
         return skeleton, recorder
 
@@ -213,7 +228,7 @@ class CalibrationSweep:
         with torch.no_grad():
             for batch in batches:
                 recorder.calls, recorder.inputs = {}, {}
-                skeleton(**batch, use_cache=False)
+                skeleton(**batch, use_cache=False, **self._one_logit)
                 injections = {}
                 for i in range(num_layers - 1):
                     delta = recorder.inputs[i + 1] - recorder.inputs[i]
@@ -245,6 +260,33 @@ class CalibrationSweep:
             recorder.outputs = {}
             del skeleton
             release_freed_memory()
+
+    def text_head_logits(
+        self, batches: list[dict[str, torch.Tensor]], last_hidden: list[torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
+        """:meth:`head_logits` for text-only batches (``input_ids``), without the input embeddings when the output
+        projection has its own weights: the skeleton is fed zero embeddings (the last layer's proxy returns the
+        real hidden states), so a head never holds the embedding matrix too (1.2 GB in float32 for
+        Qwen3-30B-A3B), and an evaluation can hold two models' heads together for the KL."""
+        embeddings = self._meta_model.get_input_embeddings()
+        output = self._meta_model.get_output_embeddings()
+        if output is None or output.weight is embeddings.weight:
+            yield from self.head_logits(batches, last_hidden)
+            return
+        name = next(name for name, param in self._meta_model.named_parameters() if param is embeddings.weight)
+        saved, self._outside_keys = self._outside_keys, [key for key in self._outside_keys if key != name]
+        hidden_size = int(self.adapter.text_config["hidden_size"])
+        try:
+            zero_batches = (
+                {
+                    **{key: value for key, value in batch.items() if key != "input_ids"},
+                    "inputs_embeds": torch.zeros(*batch["input_ids"].shape, hidden_size, dtype=self.dtype),
+                }
+                for batch in batches
+            )
+            yield from self.head_logits(zero_batches, last_hidden)
+        finally:
+            self._outside_keys = saved
 
     def materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None]:
         """Decoder layer ``layer`` as the stock module with the checkpoint's weights (in the sweep's dtype), and
@@ -499,3 +541,56 @@ def _attention_received(weights: torch.Tensor | None) -> torch.Tensor:
     total = weights.float().sum(dim=(1, 2)) / weights.shape[1]
     seen_by = (weights.float().sum(dim=1) > 0).sum(dim=1).clamp_min(1)
     return (total / seen_by).reshape(-1)
+
+
+class UpcastingHead(torch.nn.Module):
+    """An output projection kept in the checkpoint's 16-bit dtype and computed in its input's dtype a block of
+    vocabulary rows at a time: at Qwen3-30B-A3B's 151,936 tokens a float32 copy of the head is 1.2 GB, and an
+    evaluation holds two. Each logit is the same dot product as with the float32 head (bf16 to float32 is
+    exact)."""
+
+    ROWS = 16384
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        blocks = []
+        for start in range(0, self.weight.shape[0], self.ROWS):
+            bias = None if self.bias is None else self.bias[start : start + self.ROWS].to(hidden.dtype)
+            blocks.append(F.linear(hidden, self.weight[start : start + self.ROWS].to(hidden.dtype), bias))
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+
+
+def _untied_head_key(skeleton: torch.nn.Module) -> str | None:
+    """The parameter name of the output projection's weight, None when it is the input embeddings' (tied)."""
+    head, embeddings = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
+    if head is None or getattr(head, "weight", None) is None or head.weight is embeddings.weight:
+        return None
+    return next((name for name, param in skeleton.named_parameters() if param is head.weight), None)
+
+
+def _fill_missing_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Parameters not loaded (the skeleton's are created on the meta device and the stored ones assigned, so no
+    float32 copy is allocated and then overwritten) become zeros that take no memory (one element, expanded):
+    the input embeddings :meth:`CalibrationSweep.text_head_logits` leaves out, which its forward never reads."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                placeholder = torch.zeros((), dtype=dtype).expand(param.shape)
+                setattr(module, name, torch.nn.Parameter(placeholder, requires_grad=False))
+
+
+def split_windows(
+    batches: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor], windows: int
+) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+    """Text-only ``batches`` and their hidden states cut into batches of at most ``windows`` windows (rows), for a
+    head whose logits would not fit for a whole batch at a large vocabulary."""
+    out_batches, out_hidden = [], []
+    for batch, states in zip(batches, hidden, strict=True):
+        for start in range(0, states.shape[0], windows):
+            out_batches.append({key: value[start : start + windows] for key, value in batch.items()})
+            out_hidden.append(states[start : start + windows])
+    return out_batches, out_hidden

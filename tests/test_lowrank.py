@@ -228,14 +228,23 @@ def _calibration(source, sequences=3, length=16):
     return [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
 
 
+@pytest.mark.parametrize("head_windows", [None, 1])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe"])
-def test_streamed_block_output_fisher_is_the_whole_model_squared_loss_gradient(tiny_with_tokenizer, family, tmp_path):
-    """The layer-by-layer backward equals autograd through the whole model, in the sweep's token order."""
+def test_streamed_block_output_fisher_is_the_whole_model_squared_loss_gradient(
+    tiny_with_tokenizer, family, head_windows, tmp_path, monkeypatch
+):
+    """The layer-by-layer backward equals autograd through the whole model, in the sweep's token order; also with
+    the head run one window at a time without the input embeddings (what a large vocabulary gets)."""
     source = tiny_with_tokenizer[family]
     adapter = adapter_for(json.loads((source / "config.json").read_text()))
     batches = _calibration(source)
+    if head_windows is not None:
+        calls = []
+        monkeypatch.setattr(sensitivity, "windows_per_forward", lambda *args: calls.append(args) or head_windows)
     fisher = block_output_fisher(source, batches, spill_dir=tmp_path / "spill", progress=False)
     assert list((tmp_path / "spill").iterdir()) == []
+    if head_windows is not None:
+        assert calls, "the head was not split"
     model = load_model(source, adapter)
     model.requires_grad_(False)
 

@@ -115,7 +115,7 @@ def moe_token_bytes(adapter: FamilyAdapter) -> int:
     return adapter.top_k * 5 * int(adapter.text_config["hidden_size"]) * 4
 
 
-def _batch_size(seq_len: int, vocab: int, token_bytes: int = 0) -> int:
+def windows_per_forward(seq_len: int, vocab: int, token_bytes: int = 0) -> int:
     """Windows per forward so that a batch's fp32 logits stay near 256 MB, and its MoE layers' expert computation
     (``token_bytes`` a token) too: 16 windows of 256 tokens of a Qwen3-30B-A3B-shaped layer would need 1.1 GB."""
     limit = (64 * 2**20) // (seq_len * vocab)
@@ -142,7 +142,7 @@ def evaluate_windows(
     recorder = RouteRecorder(model, adapter) if reference is not None else None
     ref_recorder = RouteRecorder(*reference) if reference is not None else None
     token_bytes = max(moe_token_bytes(adapter), moe_token_bytes(reference[1]) if reference is not None else 0)
-    batch_size = _batch_size(seq_len, vocab, token_bytes)
+    batch_size = windows_per_forward(seq_len, vocab, token_bytes)
     total_batches = math.ceil(windows.input_ids.shape[0] / batch_size)
     try:
         with torch.inference_mode():

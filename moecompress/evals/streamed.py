@@ -39,8 +39,8 @@ from ..quantization.hf_quantizer import (
     decode_salient_bitmaps,
     replace_quantized_modules,
 )
-from ..sweep import CalibrationSweep
-from .perplexity import EvalResult, EvalTotals, _batch_size, batch_sums, moe_token_bytes
+from ..sweep import CalibrationSweep, split_windows
+from .perplexity import EvalResult, EvalTotals, batch_sums, moe_token_bytes, windows_per_forward
 from .routing import routing_agreement
 
 
@@ -161,33 +161,6 @@ class LayerStream(CalibrationSweep):
             raise UserInputError(f"{self.model_dir}: layer {layer} does not load ({detail})") from None
         return self.placed(module).eval()
 
-    def head_logits(self, batches: list[dict[str, torch.Tensor]], last_hidden: list[torch.Tensor]):
-        """Per batch, the logits of the last hidden states, as :meth:`CalibrationSweep.head_logits`, but without
-        the input embeddings when the output projection has its own weights: the skeleton is then fed zero
-        embeddings (the last layer's proxy returns the real hidden states), so the two models' heads can be held
-        together for the KL without their embeddings (1.2 GB each in float32 for Qwen3-30B-A3B)."""
-        embeddings = self._meta_model.get_input_embeddings()
-        output = self._meta_model.get_output_embeddings()
-        if output is None or output.weight is embeddings.weight:
-            yield from super().head_logits(batches, last_hidden)
-            return
-        name = next(name for name, param in self._meta_model.named_parameters() if param is embeddings.weight)
-        saved, self._outside_keys = self._outside_keys, [key for key in self._outside_keys if key != name]
-        hidden_size = int(self.adapter.text_config["hidden_size"])
-        try:
-            zero_batches = (
-                {
-                    **{key: value for key, value in batch.items() if key != "input_ids"},
-                    "inputs_embeds": torch.zeros(
-                        *batch["input_ids"].shape, hidden_size, dtype=self.dtype, device="cpu"
-                    ),
-                }
-                for batch in batches
-            )
-            yield from super().head_logits(zero_batches, last_hidden)
-        finally:
-            self._outside_keys = saved
-
     def advance(
         self, layer: int, hidden: list[torch.Tensor], routes: list[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor], float]:
@@ -224,18 +197,6 @@ def _dense_token_bytes(adapter: FamilyAdapter) -> int:
     return moe_token_bytes(adapter) if adapter.moe_layers() and adapter.routing_rule().scales_input else 0
 
 
-def _split(
-    batches: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor], windows: int
-) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
-    """``batches`` and their last hidden states cut into batches of at most ``windows`` windows."""
-    out_batches, out_hidden = [], []
-    for batch, states in zip(batches, hidden, strict=True):
-        for start in range(0, states.shape[0], windows):
-            out_batches.append({key: value[start : start + windows] for key, value in batch.items()})
-            out_hidden.append(states[start : start + windows])
-    return out_batches, out_hidden
-
-
 def _vocab(adapter: FamilyAdapter) -> int:
     return int(adapter.text_config["vocab_size"])
 
@@ -260,8 +221,8 @@ def evaluate_streamed(
     token_bytes = max(_dense_token_bytes(adapter), _dense_token_bytes(ref_adapter) if reference_dir is not None else 0)
     # A layer runs over as many windows at once as the experts allow (a quantised layer unpacks its experts once
     # per call); the logits are computed over fewer where the vocabulary is large.
-    batches = [{"input_ids": ids} for ids, _ in windows.batches(_batch_size(seq_len, 1, token_bytes))]
-    head_windows = _batch_size(seq_len, vocab, token_bytes)
+    batches = [{"input_ids": ids} for ids, _ in windows.batches(windows_per_forward(seq_len, 1, token_bytes))]
+    head_windows = windows_per_forward(seq_len, vocab, token_bytes)
     model = LayerStream(model_dir, batches)
     reference = LayerStream(reference_dir, batches) if reference_dir is not None else None
     hidden = [plan.hidden for plan in model.plans]
@@ -285,12 +246,12 @@ def evaluate_streamed(
             totals.model_seconds += seconds
         for ref_ids, ids in zip(ref_routes, routes, strict=compare):
             totals.add_agreement(*routing_agreement({layer: ref_ids}, {layer: ids}))
-    head_batches, hidden = _split(batches, hidden, head_windows)
-    heads = model.head_logits(head_batches, hidden)
+    head_batches, hidden = split_windows(batches, hidden, head_windows)
+    heads = model.text_head_logits(head_batches, hidden)
     ref_heads = None
     if reference is not None:
-        _, ref_hidden = _split(batches, ref_hidden, head_windows)
-        ref_heads = reference.head_logits(head_batches, ref_hidden)
+        _, ref_hidden = split_windows(batches, ref_hidden, head_windows)
+        ref_heads = reference.text_head_logits(head_batches, ref_hidden)
     with torch.inference_mode():
         for batch in head_batches:
             start = time.perf_counter()

@@ -21,8 +21,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..device import host_buffer, to_compute
+from ..evals.perplexity import windows_per_forward
 from ..progress import bar as progress_bar
-from ..sweep import CalibrationSweep
+from ..sweep import CalibrationSweep, split_windows
 from ..sweep_state import load_with_metadata, save_atomically
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
@@ -77,15 +78,8 @@ def block_output_fisher(
                     for out, plan in zip(outputs, sweep.plans, strict=True)
                 ]
                 del outputs
-            leaves = [to_compute(h).clone().requires_grad_(True) for h in hidden]
+            gradients = _head_gradients(sweep, batches, hidden)
             del hidden
-            gradients = []
-            for leaf, batch, logits in zip(leaves, batches, sweep.head_logits(batches, leaves), strict=True):
-                loss = next_token_loss(logits, batch["input_ids"].to(logits.device))
-                (gradient,) = torch.autograd.grad(loss, leaf)
-                gradients.append(host_buffer(gradient))
-                del logits
-            del leaves
             squares: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe_layers}
             below = progress_bar(
                 reversed(range(lowest, adapter.num_layers)),
@@ -100,6 +94,39 @@ def block_output_fisher(
     finally:
         sweep.reader.close()
     return {layer: torch.cat(values) for layer, values in squares.items()}
+
+
+def _head_gradients(
+    sweep: CalibrationSweep, batches: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Per batch, ``∂loss/∂(last hidden states)``. Text-only batches go through the head a few windows at a time
+    and without the input embeddings (:meth:`~moecompress.sweep.CalibrationSweep.text_head_logits`): at
+    Qwen3-30B-A3B's 151,936-token vocabulary a batch of 8 windows of 256 has 1.2 GB of float32 logits, and the
+    loss's backward as much again. The summed loss is a sum over windows, so each window's gradient is the same
+    whichever windows share its head call."""
+    head_batches, head_hidden, logits_of, windows = batches, hidden, sweep.head_logits, 0
+    if batches and all(set(batch) == {"input_ids"} for batch in batches):
+        seq_len, vocab = batches[0]["input_ids"].shape[1], int(sweep.adapter.text_config["vocab_size"])
+        windows = windows_per_forward(seq_len, vocab)
+        head_batches, head_hidden = split_windows(batches, hidden, windows)
+        logits_of = sweep.text_head_logits
+    leaves = [to_compute(h).clone().requires_grad_(True) for h in head_hidden]
+    del head_hidden
+    pieces = []
+    for leaf, batch, logits in zip(leaves, head_batches, logits_of(head_batches, leaves), strict=True):
+        loss = next_token_loss(logits, batch["input_ids"].to(logits.device))
+        (gradient,) = torch.autograd.grad(loss, leaf)
+        pieces.append(host_buffer(gradient))
+        del logits, loss
+    del leaves
+    if not windows:
+        return pieces
+    gradients, start = [], 0
+    for batch in batches:
+        count = -(-batch["input_ids"].shape[0] // windows)
+        gradients.append(torch.cat(pieces[start : start + count]) if count > 1 else pieces[start])
+        start += count
+    return gradients
 
 
 def _backpropagate_layer(
