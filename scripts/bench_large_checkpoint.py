@@ -16,12 +16,14 @@ object; everything is written under ``--dir`` and removed at the end.
 With ``--recipe RECIPE`` it runs ``moecompress run RECIPE --model CHECKPOINT`` instead of the quantise and prune
 steps (``--layers N`` sets the layer count directly, for a small first figure) and reports, besides wall time and
 peak RSS, the bytes the run read and wrote (``rchar``/``wchar`` of the process: every read and write call,
-evaluation and journal included), the output's size and the checkpoint's.
+evaluation and journal included), the output's size and the checkpoint's. ``--chained`` runs the same recipe's
+passes chained through whole intermediate checkpoints, as recipes ran before the layer pipeline.
 
 ``--with-eval`` runs the quantise step with its default evaluation (streamed, the output against the input).
 
 Run: python scripts/bench_large_checkpoint.py [--min-gib 12] [--dir /tmp] [--skip-prune] [--lowrank] [--with-eval]
      python scripts/bench_large_checkpoint.py --recipe recipes/default.yaml [--layers 3] [--calib-tokens N]
+         [--chained] [--real-vocab]
 """
 
 from __future__ import annotations
@@ -127,6 +129,16 @@ from moecompress.cli.main import main
 main()
 """
 
+RUN_CHAINED_COUNTING_IO = """
+import atexit, sys
+from pathlib import Path
+record = Path(sys.argv[1])
+atexit.register(lambda: record.write_text(Path("/proc/self/io").read_text()))
+from moecompress.recipes import load_recipe, run_recipe
+recipe, model, out = (Path(arg) for arg in sys.argv[2:5])
+run_recipe(load_recipe(recipe), model, out, progress=False, chained=True)
+"""
+
 
 def recipe_with_tokens(recipe: Path, calib_tokens: int, eval_tokens: int, target: Path) -> Path:
     """``recipe`` with its calibration and evaluation token counts replaced, written to ``target``."""
@@ -163,6 +175,12 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, default=None, help="Run this recipe on the checkpoint instead.")
     parser.add_argument("--layers", type=int, default=None, help="Decoder layers (default: enough for --min-gib).")
     parser.add_argument("--eval-tokens", type=int, default=2048, help="The recipe's evaluation tokens.")
+    parser.add_argument(
+        "--chained",
+        action="store_true",
+        help="With --recipe: run its passes chained through whole intermediate checkpoints, as recipes ran before "
+        "the layer pipeline (run_recipe(chained=True)), for the before/after comparison.",
+    )
     parser.add_argument(
         "--real-vocab", action="store_true", help="Qwen3-30B-A3B's 151,936-row embedding and untied lm_head."
     )
@@ -211,13 +229,18 @@ def main() -> None:
         if args.recipe is not None:
             recipe = recipe_with_tokens(args.recipe, args.calib_tokens, args.eval_tokens, root / "recipe.yaml")
             out, counters = root / "recipe_out", root / "io.txt"
-            command = [sys.executable, "-c", RUN_COUNTING_IO, str(counters), "run", str(recipe)]
             result["recipe"] = {
                 "path": str(args.recipe),
                 "calib_tokens": args.calib_tokens,
                 "eval_tokens": args.eval_tokens,
+                "chained": args.chained,
             }
-            step("run_recipe", [*command, "--model", str(source), "--out", str(out), "--quiet"], out)
+            if args.chained:
+                command = [sys.executable, "-c", RUN_CHAINED_COUNTING_IO, str(counters), str(recipe), str(source)]
+                step("run_recipe", [*command, str(out)], out)
+            else:
+                command = [sys.executable, "-c", RUN_COUNTING_IO, str(counters), "run", str(recipe)]
+                step("run_recipe", [*command, "--model", str(source), "--out", str(out), "--quiet"], out)
             io = dict(line.split(": ") for line in counters.read_text().splitlines())
             result["run_recipe"]["bytes_read"] = int(io["rchar"])
             result["run_recipe"]["bytes_written"] = int(io["wchar"])
