@@ -247,7 +247,7 @@ class CalibrationSweep:
         skeleton, recorder = self._skeleton()
         skeleton.requires_grad_(False)
         device = compute_device()
-        skeleton.to(device)
+        _move(skeleton, device)
         last = self.adapter.num_layers - 1
         try:
             for batch, hidden in zip(batches, last_hidden, strict=True):
@@ -581,6 +581,17 @@ def _fill_missing_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None
             if param.is_meta:
                 placeholder = torch.zeros((), dtype=dtype).expand(param.shape)
                 setattr(module, name, torch.nn.Parameter(placeholder, requires_grad=False))
+
+
+def _move(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to(device)``, with the placeholders of :func:`_fill_missing_parameters` made again on ``device``
+    rather than copied (a copy would take their full size there)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() and param.numel() and not any(param.stride()) and param.device != device:
+                placeholder = torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)
+                setattr(module, name, torch.nn.Parameter(placeholder, requires_grad=False))
+    model.to(device)
 
 
 def split_windows(

@@ -116,3 +116,38 @@ def test_a_capture_in_the_compute_dtype_shares_the_layer_experts_and_is_released
     assert len(captures) == len(adapter.moe_layers())
     assert all(c.moe is None and c.moe_input is None for c in captures)
     assert all(module.get_submodule(adapter.moe_block_name).experts.source is None for module in seen)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_text_head_holds_no_input_embeddings_and_computes_the_stock_logits(
+    tiny_checkpoints, bf16, tmp_path, monkeypatch
+):
+    """The head for text batches leaves the input embeddings as a zero-size placeholder, keeps an untied 16-bit
+    head in its dtype (``UpcastingHead``), and gives the stock model's logits for the same last hidden states (in
+    both the 16-bit family checkpoint and a float32 copy)."""
+    from moecompress import sweep as sweep_module
+
+    source = tiny_checkpoints["qwen3_moe"]
+    if bf16:
+        load_stock(source).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+        source = tmp_path / "bf16"
+    model = load_stock(source, dtype=torch.float32)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    sweep = CalibrationSweep(source, [{"input_ids": ids}], torch.zeros(48, dtype=torch.long), ["text"], progress=False)
+    seen = {}
+    move = sweep_module._move
+
+    def spy(skeleton, device):
+        move(skeleton, device)
+        seen["embeddings"], seen["head"] = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
+
+    monkeypatch.setattr(sweep_module, "_move", spy)
+    logits = next(sweep.text_head_logits([{"input_ids": ids}], [hidden]))
+    assert seen["embeddings"].weight.dim() == 2 and not any(seen["embeddings"].weight.stride())
+    stored = CheckpointReader(source).tensor("lm_head.weight").dtype
+    assert isinstance(seen["head"], sweep_module.UpcastingHead) == (stored.itemsize == 2)
+    assert seen["head"].weight.dtype == stored
+    with torch.no_grad():
+        expected = model.lm_head(model.model.norm(hidden))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
