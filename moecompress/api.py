@@ -343,7 +343,6 @@ def _run(
     """The recipe run as the commands run it (:func:`moecompress.cli.run_options.run_and_summarise`, which also
     prints): the recipe and the output checked before any work, then :func:`~moecompress.recipes.run_recipe`.
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) overrides the recipe's ``device:``."""
-    from .calibration import distributed
     from .device import parse_device
     from .preflight import check_output, discard_partial_work
     from .recipes import check_recipe, run_recipe
@@ -353,12 +352,10 @@ def _run(
         recipe = dataclasses.replace(recipe, device=str(device))
     out_dir = Path(out).absolute()
     with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
-        distributed.init_from_environment()
-        checks = dict(overwrite=overwrite, resume=resume, restart=restart, discard=False)
-        distributed.on_writer(lambda: check_output(out_dir, model_dir, **checks), share=False)
+        check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)
         check_recipe(recipe, model_dir)
         if restart:
-            distributed.on_writer(lambda: discard_partial_work(out_dir), share=False)
+            discard_partial_work(out_dir)
         return run_recipe(recipe, model_dir, out_dir, overwrite=overwrite, resume=resume, progress=progress)
 
 

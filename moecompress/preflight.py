@@ -213,6 +213,13 @@ def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:
 
 
 def discard_partial_work(out_dir: Path) -> None:
+    """Remove an interrupted run's partial work; under ``torchrun`` rank 0 alone removes it, the others wait."""
+    from .calibration import distributed
+
+    distributed.on_writer(lambda: _remove_partial_work(out_dir), share=False)
+
+
+def _remove_partial_work(out_dir: Path) -> None:
     for path in partial_work(out_dir):
         shutil.rmtree(path)
 
@@ -224,16 +231,30 @@ def check_output(
     the input nor inside it, can be created, is not there already (unless ``overwrite``), and no interrupted run's
     partial work is there unless ``resume`` or ``restart`` says what to do with it. With ``restart`` and
     ``discard`` the partial work is removed here; a caller with checks still to make passes ``discard=False`` and
-    calls :func:`discard_partial_work` after them."""
+    calls :func:`discard_partial_work` after them.
+
+    Under ``torchrun`` rank 0 alone looks at the output, since it alone writes there, and its verdict (or error)
+    reaches every rank: a slower rank would otherwise find the partial work rank 0 has already started for the
+    same command and refuse."""
+    from .calibration import distributed
+
+    distributed.init_from_environment()
+    checks = dict(overwrite=overwrite, resume=resume, restart=restart, discard=discard)
+    distributed.on_writer(lambda: _check_output(Path(out_dir), Path(model_dir), **checks), share=False)
+
+
+def _check_output(
+    out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool
+) -> None:
     from .checkpoint.stream import check_output_is_not_input
 
-    check_output_is_not_input(Path(model_dir), Path(out_dir))
+    check_output_is_not_input(model_dir, out_dir)
     check_writable(out_dir)
-    if Path(out_dir).exists() and not overwrite:
+    if out_dir.exists() and not overwrite:
         raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
     check_partial_work(out_dir, resume=resume, restart=restart)
     if restart and discard:
-        discard_partial_work(out_dir)
+        _remove_partial_work(out_dir)
 
 
 def check_writable(out_dir: Path) -> None:

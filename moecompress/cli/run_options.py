@@ -57,27 +57,19 @@ def run_options(command: Callable) -> Callable:
 def check_before_work(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool) -> None:
     """The output-side checks every writing command makes before any work: --out is not the input nor inside it,
     can be created, is not there already (unless --overwrite), and no interrupted run's partial work is there
-    unless --resume or --restart says what to do with it (:func:`~moecompress.preflight.check_output`).
-    Under ``torchrun`` rank 0 alone looks at the output, since it alone writes there: a slower rank would
-    otherwise find the partial work rank 0 has already started and refuse."""
-    from ..calibration import distributed
+    unless --resume or --restart says what to do with it (:func:`~moecompress.preflight.check_output`)."""
     from ..preflight import check_output
 
     restart = click.get_current_context().meta.get("moecompress.restart", False)
-    distributed.init_from_environment()
-    distributed.on_writer(
-        lambda: check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False),
-        share=False,
-    )
+    check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)
 
 
 def start_over_if_asked(out_dir: Path) -> None:
     """With --restart, remove an interrupted run's partial work (called once every check has passed)."""
-    from ..calibration import distributed
     from ..preflight import discard_partial_work
 
     if click.get_current_context().meta.get("moecompress.restart", False):
-        distributed.on_writer(lambda: discard_partial_work(out_dir), share=False)
+        discard_partial_work(out_dir)
 
 
 def check_one_pass_before_work(
