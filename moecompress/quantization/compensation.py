@@ -103,7 +103,8 @@ def layer_errors(
         token_scale = gate_weight if weighting == "gate" else torch.ones_like(gate_weight)
         if token_weights is not None:
             token_scale = token_scale * token_weights[tokens].float().sqrt().unsqueeze(-1)
-        routed_inputs = {"gate": x * token_scale, "up": x * token_scale, "down": down_input * token_scale}
+        scaled = x * token_scale
+        routed_inputs = {"gate": scaled, "up": scaled, "down": down_input * token_scale}
         errors = {which: original[which].float() - approximate[which].float() for which in MATRICES}
         reach = output_reach(adapter, moe, expert, x, projected, errors)
         for which in MATRICES:
