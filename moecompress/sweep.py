@@ -579,8 +579,7 @@ def _fill_missing_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
-                placeholder = torch.zeros((), dtype=dtype).expand(param.shape)
-                setattr(module, name, torch.nn.Parameter(placeholder, requires_grad=False))
+                setattr(module, name, _placeholder(param.shape, dtype, HOST))
 
 
 def _move(model: torch.nn.Module, device: torch.device) -> None:
@@ -589,9 +588,13 @@ def _move(model: torch.nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() and param.numel() and not any(param.stride()) and param.device != device:
-                placeholder = torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)
-                setattr(module, name, torch.nn.Parameter(placeholder, requires_grad=False))
+                setattr(module, name, _placeholder(param.shape, param.dtype, device))
     model.to(device)
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Parameter:
+    """A frozen parameter of ``shape`` that reads as zeros and holds one element (expanded, all strides 0)."""
+    return torch.nn.Parameter(torch.zeros((), dtype=dtype, device=device).expand(shape), requires_grad=False)
 
 
 def split_windows(
