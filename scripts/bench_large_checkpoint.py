@@ -119,25 +119,31 @@ def run_measured(command: list[str], output: Path | None) -> dict:
     }
 
 
-RUN_COUNTING_IO = """
+COUNT_IO = """
 import atexit, sys
 from pathlib import Path
 record = Path(sys.argv[1])
 atexit.register(lambda: record.write_text(Path("/proc/self/io").read_text()))
+"""
+"""Child prologue: at exit, write the process's I/O counters (``rchar``, ``wchar``) to the file in argv[1]."""
+
+RUN_COUNTING_IO = (
+    COUNT_IO
+    + """
 sys.argv = ["moecompress", *sys.argv[2:]]
 from moecompress.cli.main import main
 main()
 """
+)
 
-RUN_CHAINED_COUNTING_IO = """
-import atexit, sys
-from pathlib import Path
-record = Path(sys.argv[1])
-atexit.register(lambda: record.write_text(Path("/proc/self/io").read_text()))
+RUN_CHAINED_COUNTING_IO = (
+    COUNT_IO
+    + """
 from moecompress.recipes import load_recipe, run_recipe
 recipe, model, out = (Path(arg) for arg in sys.argv[2:5])
 run_recipe(load_recipe(recipe), model, out, progress=False, chained=True)
 """
+)
 
 
 def recipe_with_tokens(recipe: Path, calib_tokens: int, eval_tokens: int, target: Path) -> Path:
