@@ -343,6 +343,7 @@ def _run(
     """The recipe run as the commands run it (:func:`moecompress.cli.run_options.run_and_summarise`, which also
     prints): the recipe and the output checked before any work, then :func:`~moecompress.recipes.run_recipe`.
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) overrides the recipe's ``device:``."""
+    from . import run_lock
     from .device import parse_device
     from .preflight import check_output, discard_partial_work
     from .recipes import check_recipe, run_recipe
@@ -351,8 +352,8 @@ def _run(
         parse_device(device, "device")
         recipe = dataclasses.replace(recipe, device=str(device))
     out_dir = Path(out).absolute()
-    with _trust(trust_remote_code, allow_pickle), _quiet(not progress):
-        check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)
+    with _trust(trust_remote_code, allow_pickle), _quiet(not progress), run_lock.releasing(out_dir):
+        check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False, api=True)
         check_recipe(recipe, model_dir)
         if restart:
             discard_partial_work(out_dir)

@@ -17,6 +17,7 @@ import torch
 
 from .calibration.builtin_corpus import BUILTIN_NAMES
 from .calibration.sources import PARTS, parse_hf_spec
+from .checkpoint.writer import INCOMPLETE_MARKER
 from .errors import UserInputError
 
 RESTART_HINT = "continue it with --resume, or discard it with --restart"
@@ -225,13 +226,25 @@ def _remove_partial_work(out_dir: Path) -> None:
 
 
 def check_output(
-    out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool = True
+    out_dir: Path,
+    model_dir: Path,
+    *,
+    overwrite: bool,
+    resume: bool,
+    restart: bool,
+    discard: bool = True,
+    api: bool = False,
 ) -> None:
     """The output-side checks every writing command (and the Python API) makes before any work: ``out_dir`` is not
     the input nor inside it, can be created, is not there already (unless ``overwrite``), and no interrupted run's
     partial work is there unless ``resume`` or ``restart`` says what to do with it. With ``restart`` and
     ``discard`` the partial work is removed here; a caller with checks still to make passes ``discard=False`` and
-    calls :func:`discard_partial_work` after them.
+    calls :func:`discard_partial_work` after them. ``overwrite`` replaces only what :func:`check_replaceable`
+    allows.
+
+    The output's lock (:mod:`~moecompress.run_lock`) is taken before the partial work is looked at and held until
+    the caller releases it or the process ends, so a run still going into ``out_dir`` refuses this one. ``api``:
+    messages name the Python API's arguments (``out=``), not the flags.
 
     Under ``torchrun`` rank 0 alone looks at the output, since it alone writes there, and its verdict (or error)
     reaches every rank: a slower rank would otherwise find the partial work rank 0 has already started for the
@@ -239,25 +252,104 @@ def check_output(
     from .calibration import distributed
 
     distributed.init_from_environment()
-    checks = dict(overwrite=overwrite, resume=resume, restart=restart, discard=discard)
+    checks = dict(overwrite=overwrite, resume=resume, restart=restart, discard=discard, api=api)
     distributed.on_writer(lambda: _check_output(Path(out_dir), Path(model_dir), **checks), share=False)
 
 
 def _check_output(
-    out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool
+    out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool, api: bool
 ) -> None:
+    from . import run_lock
     from .checkpoint.stream import check_output_is_not_input
 
     check_output_is_not_input(model_dir, out_dir)
-    check_writable(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
-    check_partial_work(out_dir, resume=resume, restart=restart)
+    label = f"out={out_dir}" if api else f"--out {out_dir}"
+    if out_dir.exists() or out_dir.is_symlink():
+        if not overwrite:
+            flag = "overwrite=True" if api else "--overwrite"
+            raise UserInputError(f"{out_dir}: output directory exists (pass {flag} to replace it)")
+        check_replaceable(out_dir, label=label, api=api)
+    check_writable(out_dir, label=label)
+    run_lock.acquire(out_dir, label=label)
+    try:
+        check_partial_work(out_dir, resume=resume, restart=restart)
+    except BaseException:
+        run_lock.release(out_dir)
+        raise
     if restart and discard:
         _remove_partial_work(out_dir)
 
 
-def check_writable(out_dir: Path) -> None:
+OUTPUT_MARKERS = ("moecompress_report.json", "moecompress_export.json", INCOMPLETE_MARKER)
+"""Files that make a directory moecompress's output: a run's report, an export's report, the unfinished mark."""
+
+
+def check_replaceable(out_dir: Path, *, label: str | None = None, api: bool = False) -> None:
+    """``--overwrite`` replaces (deletes, then writes anew) only an empty directory or one moecompress wrote
+    (:data:`OUTPUT_MARKERS`), never the working directory or one above it, a link or a file: a mistyped
+    ``--out`` must not delete someone's files."""
+    flag = "overwrite=True" if api else "--overwrite"
+    label = label or (f"out={out_dir}" if api else f"--out {out_dir}")
+    path = Path(out_dir).absolute()
+    here = Path.cwd().resolve()
+    if path.is_symlink():
+        raise UserInputError(f"{label}: a symbolic link; {flag} replaces only a directory moecompress wrote")
+    if not path.is_dir():
+        raise UserInputError(f"{label}: a file, not a directory; {flag} replaces only a directory moecompress wrote")
+    if path.resolve() == here or path.resolve() in here.parents:
+        raise UserInputError(
+            f"{label}: the working directory{'' if path.resolve() == here else ' or one above it'}; "
+            f"{flag} never replaces it (name a new directory)"
+        )
+    if any(path.iterdir()) and not any((path / name).is_file() for name in OUTPUT_MARKERS):
+        raise UserInputError(
+            f"{label}: not a moecompress output (no moecompress_report.json) and not empty; {flag} replaces only "
+            "those, so nothing was deleted"
+        )
+
+
+def check_not_in_inputs(target: Path, inputs: list[Path | None], label: str) -> None:
+    """A file or directory to be written at ``target`` is none of ``inputs`` (models, data files, reports' runs)
+    and lies inside none of them: no command writes inside what it reads."""
+    real = Path(target).expanduser().resolve()
+    for source in inputs:
+        if source is None:
+            continue
+        source = Path(source).expanduser().resolve()
+        if real == source or source in real.parents:
+            raise UserInputError(
+                f"{label}: {'is' if real == source else 'inside'} the input {source}; moecompress never writes "
+                "into its input (name a path outside it)"
+            )
+
+
+def check_file_target(target: Path, label: str) -> None:
+    """A file to be written at ``target`` (``--json-out``, ``--plot``) can be: its directory exists and takes a
+    (removed at once) probe file, and ``target`` is not a directory, so the result of a long evaluation is not
+    lost at its end."""
+    target = Path(target).expanduser()
+    parent = target.absolute().parent
+    if target.is_dir():
+        raise UserInputError(f"{label}: a directory; name a file")
+    if not parent.exists():
+        raise UserInputError(f"{label}: the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise UserInputError(f"{label}: {parent} is not a directory")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=parent)
+    except OSError as error:
+        raise UserInputError(f"{label}: cannot write in {parent} ({error.strerror})") from None
+    os.close(handle)
+    os.unlink(probe)
+
+
+def data_paths(spec: str) -> list[Path]:
+    """The local files and directories among a comma-separated data source ``spec``."""
+    pieces = [piece.strip() for piece in spec.split(",") if piece.strip()]
+    return [Path(p) for p in pieces if not p.startswith(("builtin:", "hf:")) and Path(p).expanduser().exists()]
+
+
+def check_writable(out_dir: Path, label: str | None = None) -> None:
     """``out_dir`` can be created: its nearest existing ancestor is a directory in which a (removed at once)
     hidden probe directory can be made. Permission bits alone do not tell, for root or on read-only mounts.
     Only the writing rank probes: the other ranks of a torchrun job (``RANK`` above 0, read from the launcher's
@@ -265,13 +357,14 @@ def check_writable(out_dir: Path) -> None:
     if int(os.environ.get("RANK", "0") or 0) > 0:
         return
     out_dir = Path(out_dir).absolute()
+    label = label or f"--out {out_dir}"
     ancestor = out_dir.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise UserInputError(f"--out {out_dir}: {ancestor} is not a directory")
+        raise UserInputError(f"{label}: {ancestor} is not a directory")
     try:
         probe = tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".probe", dir=ancestor)
     except OSError as error:
-        raise UserInputError(f"--out {out_dir}: cannot write in {ancestor} ({error.strerror})") from None
+        raise UserInputError(f"{label}: cannot write in {ancestor} ({error.strerror})") from None
     os.rmdir(probe)

@@ -443,8 +443,12 @@ def _run_recipe(
 
 
 def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, resume: bool) -> RunState:
+    from .preflight import check_replaceable
+
     if out_dir.exists() and not overwrite:
         raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+    if out_dir.exists() or out_dir.is_symlink():
+        check_replaceable(out_dir)
     return RunState(out_dir, recipe_digest(recipe, model_dir), resume)
 
 

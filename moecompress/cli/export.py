@@ -46,10 +46,15 @@ def export_command(
     difference between GGML's values and ours for every expert tensor, is written beside the file as
     FILE.report.json (for bf16: moecompress_export.json inside the directory).
     """
+    from .. import run_lock
     from ..checkpoint import resolve_model
     from ..errors import UserInputError
+    from ..preflight import check_not_in_inputs
 
     source = resolve_model(model)
+    check_not_in_inputs(out, [source], f"--out {out}")
+    run_lock.acquire(out, label=f"--out {out}")
+    click.get_current_context().call_on_close(lambda: run_lock.release(out))
     if fmt == "gguf":
         from ..export.to_gguf import export_gguf, report_path
 

@@ -57,11 +57,15 @@ def run_options(command: Callable) -> Callable:
 def check_before_work(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool) -> None:
     """The output-side checks every writing command makes before any work: --out is not the input nor inside it,
     can be created, is not there already (unless --overwrite), and no interrupted run's partial work is there
-    unless --resume or --restart says what to do with it (:func:`~moecompress.preflight.check_output`)."""
+    unless --resume or --restart says what to do with it (:func:`~moecompress.preflight.check_output`). The
+    output's lock it takes is given back when the command ends."""
+    from .. import run_lock
     from ..preflight import check_output
 
-    restart = click.get_current_context().meta.get("moecompress.restart", False)
+    context = click.get_current_context()
+    restart = context.meta.get("moecompress.restart", False)
     check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)
+    context.call_on_close(lambda: run_lock.release(out_dir))
 
 
 def start_over_if_asked(out_dir: Path) -> None:

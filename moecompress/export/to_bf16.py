@@ -16,6 +16,7 @@ from ..checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_u
 from ..errors import UserInputError
 from ..families import adapter_for
 from ..memory import release_freed_memory
+from ..preflight import check_replaceable
 from ..progress import bar as progress_bar
 from .source import NativeSource, SourceLayer, check_exportable, fold, quant_config
 
@@ -68,6 +69,8 @@ def export_bf16(
     ``layer_hook(layer, folded)`` sees each layer before it is written (the GGUF export collects its expert
     blocks there)."""
     check_output_is_not_input(source, out_dir)
+    if overwrite and (Path(out_dir).exists() or Path(out_dir).is_symlink()):
+        check_replaceable(Path(out_dir))
     reader, native = open_native(source)
     with reader:
         adapter = native.adapter
