@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointReader
+from .checkpoint.consistency import check_against_config
 from .evals.footprint import checkpoint_footprint
 from .families import PARAM_CLASSES, adapter_for
 
@@ -17,6 +18,7 @@ def summarize(directory: Path) -> dict[str, Any]:
     """A JSON-ready summary of the model in ``directory``; no weights are read."""
     with CheckpointReader(directory, decode=False) as reader:
         adapter = adapter_for(reader.config, source=str(directory))
+        check_against_config(adapter, reader.tensors, str(directory))
         shape = adapter.shape()
         dtypes: Counter[str] = Counter()
         for info in reader.tensors.values():

@@ -20,6 +20,8 @@ from .builtin_corpus import BUILTIN_NAMES, builtin_documents
 from .documents import Document
 
 PARTS = ("calib", "heldout", "all")
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+PARQUET_MAGIC = b"PAR1"
 _SPLIT = re.compile(r"^(train|validation|valid|test|dev)(\[.*\])?$")
 
 
@@ -49,13 +51,45 @@ def _load_one(spec: str, default_part: str, text_field: str) -> list[Document]:
         return _hf_documents(spec, text_field)
     path = Path(spec).expanduser()
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl", ".parquet"))
+        files = _data_files(path)
         if not files:
             raise UserInputError(f"{spec}: directory has no .txt, .jsonl or .parquet files")
         return [doc for file in files for doc in _file_documents(file, text_field)]
     if path.is_file():
         return _file_documents(path, text_field)
     raise UserInputError(f"{spec}: no such data file, and not builtin:NAME or hf:NAME")
+
+
+def _data_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+
+
+def check_data_files(path: Path) -> None:
+    """The local data file ``path`` (or every data file under the directory ``path``) is of a type the loader reads,
+    and each ``.parquet`` file carries parquet's magic bytes at both ends; a few bytes a file, so a mislabelled or
+    truncated file is refused before any work, not when calibration reads it."""
+    if path.is_dir():
+        files = _data_files(path)
+        if not files:
+            raise UserInputError(f"{path}: directory has no .txt, .jsonl or .parquet files")
+    elif path.suffix not in DATA_SUFFIXES:
+        raise UserInputError(f"{path}: unsupported data file type {path.suffix!r} (use .txt, .jsonl or .parquet)")
+    else:
+        files = [path]
+    for file in files:
+        if file.suffix == ".parquet":
+            check_parquet_magic(file)
+
+
+def check_parquet_magic(path: Path) -> None:
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+        size = handle.seek(0, 2)
+        handle.seek(max(size - 4, 0))
+        tail = handle.read(4)
+    if size < 12 or head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
+        where = "start" if head != PARQUET_MAGIC else "end"
+        raise UserInputError(f"{path}: not a parquet file (no PAR1 magic at its {where}: truncated, or another format)")
 
 
 def read_text(path: Path) -> str:
@@ -93,9 +127,14 @@ def _file_documents(path: Path, text_field: str) -> list[Document]:
             documents.append(Document(text=record[text_field], tag=str(record.get("tag", tag)), id=f"{path}:{number}"))
         return documents
     if path.suffix == ".parquet":
+        import pyarrow
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        check_parquet_magic(path)
+        try:
+            table = pq.read_table(path)
+        except (pyarrow.ArrowException, OSError) as error:
+            raise UserInputError(f"{path}: unreadable parquet file ({str(error).splitlines()[0]})") from None
         if text_field not in table.column_names:
             raise UserInputError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)})")
         texts = table.column(text_field).to_pylist()

@@ -19,30 +19,13 @@ import torch
 from .. import trust
 from ..errors import UserInputError
 from ..kernels.finite import all_finite
+from .consistency import DTYPE_BYTES, MAX_HEADER_BYTES, check_config_types, check_header
 from .decode import Encoded, InputFormat, plan_decoding, target_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
-
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "U32": 4,
-    "U64": 8,
-}
 
 
 SAFETENSORS_DTYPES = {
@@ -85,7 +68,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _DTYPE_BYTES.get(self.dtype, 1)
+        return self.numel * DTYPE_BYTES.get(self.dtype, 1)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
@@ -94,7 +77,10 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def _header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
-    """The validated header and the file offset where the data section starts."""
+    """The validated header (:func:`.consistency.check_header`) and the file offset where the data section
+    starts."""
+    if path.is_dir():
+        raise UserInputError(f"{path}: a directory, not a safetensors file")
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
@@ -104,14 +90,29 @@ def _header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > size - 8:
                 raise UserInputError(f"{path}: truncated or corrupt safetensors file (header runs past the end)")
+            if header_len > MAX_HEADER_BYTES:
+                raise UserInputError(f"{path}: corrupt safetensors file (a {header_len}-byte header)")
             header = json.loads(handle.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise UserInputError(f"{path}: corrupt safetensors header ({error})") from None
     data_len = size - 8 - header_len
-    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    end = max(_ends(header), default=0)
     if end > data_len:
         raise UserInputError(f"{path}: truncated safetensors file ({data_len} data bytes, header needs {end})")
+    check_header(path, header, data_len)
     return header, 8 + header_len
+
+
+def _ends(header: Any) -> list[int]:
+    """Where each entry's data ends, for entries well-formed enough to say (the rest fail :func:`check_header`)."""
+    if not isinstance(header, dict):
+        return []
+    ends = []
+    for key, entry in header.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) and key != "__metadata__" else None
+        if isinstance(offsets, list) and len(offsets) == 2 and isinstance(offsets[1], int):
+            ends.append(offsets[1])
+    return ends
 
 
 class CheckpointReader:
@@ -130,9 +131,12 @@ class CheckpointReader:
         if not config_path.is_file():
             raise UserInputError(f"{self.directory}: no config.json; not a Hugging Face model directory")
         try:
-            self.config: dict[str, Any] = json.loads(config_path.read_text())
+            config = json.loads(config_path.read_text())
         except json.JSONDecodeError as error:
             raise UserInputError(f"{config_path}: invalid JSON ({error})") from None
+        except UnicodeDecodeError as error:
+            raise UserInputError(f"{config_path}: not UTF-8 text (byte {error.start})") from None
+        self.config: dict[str, Any] = check_config_types(config, config_path)
         self._pickled: dict[str, dict[str, torch.Tensor]] = {}
         """Memory-mapped state dicts of pickle shards (only with --allow-pickle)."""
         self.shard_files = self._shard_files()
@@ -170,24 +174,38 @@ class CheckpointReader:
     def _shard_files(self) -> list[str]:
         index_path = self.directory / INDEX_NAME
         if index_path.is_file():
-            try:
-                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as error:
-                raise UserInputError(f"{index_path}: invalid shard index ({error})") from None
-            files = sorted(set(weight_map.values()))
-            for name in files:
-                if not (self.directory / name).is_file():
-                    raise UserInputError(f"{index_path}: names shard {name!r}, which is missing")
-            return files
+            return self._indexed_shards(index_path)
+        if (self.directory / SINGLE_NAME).is_dir():
+            raise UserInputError(f"{self.directory / SINGLE_NAME}: a directory, not a safetensors file")
         if (self.directory / SINGLE_NAME).is_file():
             return [SINGLE_NAME]
-        found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+        found = sorted(p.name for p in self.directory.glob("*.safetensors") if p.is_file())
         if found:
             return found
         pickled = self._pickle_shards()
         if pickled:
             return pickled
         raise UserInputError(f"{self.directory}: no safetensors weights (model.safetensors or {INDEX_NAME})")
+
+    def _indexed_shards(self, index_path: Path) -> list[str]:
+        """The shards ``model.safetensors.index.json`` names: file names inside the directory, each present and a
+        file."""
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
+            raise UserInputError(f"{index_path}: invalid shard index ({type(error).__name__}: {error})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserInputError(f"{index_path}: invalid shard index (weight_map is not an object of file names)")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            path = self.directory / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise UserInputError(f"{index_path}: names shard {name!r}, outside the model directory")
+            if path.is_dir():
+                raise UserInputError(f"{index_path}: names shard {name!r}, which is a directory, not a file")
+            if not path.is_file():
+                raise UserInputError(f"{index_path}: names shard {name!r}, which is missing")
+        return files
 
     def _pickle_shards(self) -> list[str]:
         """Pickle weight files, refused unless pickle is allowed, then opened with ``weights_only=True``."""

@@ -55,10 +55,22 @@ def resolve_model(spec: str, *, revision: str | None = None) -> Path:
     return _from_hub(spec, revision)
 
 
+HUB_PROBE_TIMEOUT = 5.0
+"""Seconds the first request to the Hub may take: a machine without network fails at once instead of after
+huggingface_hub's retries (23-56 s)."""
+
+
 def _from_hub(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
+    """``repo_id`` from the Hugging Face cache when offline (``HF_HUB_OFFLINE``) or when one short request finds the
+    Hub unreachable; otherwise fetched (and cached)."""
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    if constants.HF_HUB_OFFLINE:
+        return _from_cache(repo_id, revision, "HF_HUB_OFFLINE is set")
+    unreachable = _probe_hub(repo_id, revision)
+    if unreachable is not None:
+        return _from_cache(repo_id, revision, f"the Hub cannot be reached: {unreachable}")
     try:
         allow, ignore = hub_patterns(_hub_index(repo_id, revision))
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, ignore_patterns=ignore))
@@ -70,6 +82,40 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
         ) from None
     except (HfHubHTTPError, OSError) as error:
         raise UserInputError(f"{repo_id}: could not fetch from the Hub ({str(error).splitlines()[0]})") from None
+
+
+def _probe_hub(repo_id: str, revision: str | None) -> str | None:
+    """One request for the repository's metadata, with a short timeout and no retries: None when the Hub
+    answered, else why it could not be reached. A repository or revision the Hub says does not exist is
+    refused here."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        HfApi().model_info(repo_id, revision=revision, timeout=HUB_PROBE_TIMEOUT)
+    except GatedRepoError:
+        return None  # the download that follows says what access is missing
+    except RepositoryNotFoundError:
+        raise UserInputError(f"{repo_id}: no such local directory or Hub repository") from None
+    except RevisionNotFoundError:
+        raise UserInputError(f"{repo_id}: the Hub has no revision {revision!r}") from None
+    except HfHubHTTPError as error:
+        return str(error).splitlines()[0]
+    except Exception as error:  # the HTTP client's connection and timeout errors, which it does not export stably
+        return str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    return None
+
+
+def _from_cache(repo_id: str, revision: str | None, why: str) -> Path:
+    """The cached snapshot of ``repo_id``, without any request; one line saying ``why`` the cache was the only
+    place to look when it is not there."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError):
+        raise UserInputError(f"{repo_id}: not a local directory, and not in the Hugging Face cache ({why})") from None
 
 
 def _hub_index(repo_id: str, revision: str | None) -> dict | None:
