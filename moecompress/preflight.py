@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .calibration.builtin_corpus import BUILTIN_NAMES
-from .calibration.sources import PARTS, parse_hf_spec
+from .calibration.sources import PARTS, check_data_files, parse_hf_spec
 from .checkpoint.writer import INCOMPLETE_MARKER
 from .errors import UserInputError
 
@@ -43,6 +43,8 @@ def check_data_spec(spec: str, option: str) -> None:
             parse_hf_spec(piece)
         elif not Path(piece).expanduser().exists():
             raise UserInputError(f"{option} {piece}: no such data file, and not builtin:NAME or hf:NAME")
+        else:
+            check_data_files(Path(piece).expanduser())
 
 
 def check_seq_len(adapter: Any, seq_len: int, option: str = "--seq-len") -> None:
@@ -133,7 +135,7 @@ def check_passes(
 ) -> None:
     """Refuse, before any work, what the passes' configs and the input's config.json decide is impossible
     (``name_passes``: a recipe's errors say which pass)."""
-    from .loading import load_adapter
+    from .loading import check_tokenizer_files, load_adapter
 
     adapter = load_adapter(model_dir)
     quantized = _quantized_method(adapter)
@@ -149,6 +151,7 @@ def check_passes(
     calibrated = any(_calibrates(name, config) for name, config in passes)
     if calibrated or eval_data is not None:
         check_seq_len(adapter, seq_len)
+        check_tokenizer_files(model_dir)
     if calibrated and calib_tokens < seq_len:
         raise UserInputError(f"--calib-tokens {calib_tokens} is less than one window of --seq-len {seq_len}")
     if eval_data is not None and eval_tokens is not None and eval_tokens < seq_len:

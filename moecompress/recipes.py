@@ -214,11 +214,35 @@ def parse_recipe(document: Any, source: str = "recipe") -> Recipe:
     return recipe
 
 
-def load_recipe(path: Path) -> Recipe:
+MAX_RECIPE_BYTES = 1 << 20
+"""A recipe is a page of YAML; a file larger than this was named by mistake (a checkpoint, a log)."""
+
+
+def read_recipe_text(path: Path) -> str:
+    """The recipe file's text: a regular file of at most :data:`MAX_RECIPE_BYTES`, UTF-8, without NUL bytes."""
     try:
-        document = yaml.safe_load(Path(path).read_text())
+        if Path(path).is_dir():
+            raise UserInputError(f"{path}: a directory, not a recipe file")
+        size = Path(path).stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise UserInputError(f"{path}: {size} bytes, not a recipe (a recipe is YAML text of at most 1 MB)")
+        data = Path(path).read_bytes()
     except OSError as error:
         raise UserInputError(f"{path}: cannot read the recipe ({error.strerror})") from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise UserInputError(f"{path}: a binary file (NUL byte at offset {nul}), not a YAML recipe")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise UserInputError(
+            f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); save the recipe as UTF-8"
+        ) from None
+
+
+def load_recipe(path: Path) -> Recipe:
+    try:
+        document = yaml.safe_load(read_recipe_text(path))
     except yaml.YAMLError as error:
         raise UserInputError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
     return parse_recipe(document, str(path))

@@ -94,6 +94,120 @@ def _held_by_another_run(work: Path) -> None:
     _HELD.append(descriptor)
 
 
+# issue 40: consistency on read
+def _tiny_copy(
+    config: Callable[[dict], object] | None = None, header: Callable[[dict, bytes], bytes] | None = None
+) -> Callable[[Path], None]:
+    """A setup that copies tiny-moe to ``{w}/m`` and edits its config.json (in place) or its safetensors header
+    (``header`` edits the header in place and returns the data section to write)."""
+
+    def setup(work: Path) -> None:
+        import struct
+
+        from moecompress.checkpoint import resolve_model
+
+        model = work / "m"
+        shutil.copytree(resolve_model(TINY), model)
+        if config is not None:
+            values = json.loads((model / "config.json").read_text())
+            config(values)
+            (model / "config.json").write_text(json.dumps(values, indent=2))
+        if header is not None:
+            shard = model / "model.safetensors"
+            raw = shard.read_bytes()
+            (length,) = struct.unpack("<Q", raw[:8])
+            values = json.loads(raw[8 : 8 + length])
+            data = header(values, raw[8 + length :])
+            text = json.dumps(values).encode()
+            text += b" " * (-len(text) % 8)
+            shard.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+    return setup
+
+
+def _entry(name: str, **fields: object) -> Callable[[dict, bytes], bytes]:
+    def edit(values: dict, data: bytes) -> bytes:
+        values[name].update(fields)
+        return data
+
+    return edit
+
+
+def _nan_weight(values: dict, data: bytes) -> bytes:
+    """A NaN (bf16 0x7fc0) as the first value of layer 0's query projection."""
+    begin = values["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
+    return data[:begin] + b"\xc0\x7f" + data[begin + 2 :]
+
+
+def _then(*setups: Callable[[Path], None]) -> Callable[[Path], None]:
+    return lambda work: [setup(work) for setup in setups]
+
+
+def _weights_directory(work: Path) -> None:
+    (work / "m" / "model.safetensors").unlink()
+    (work / "m" / "model.safetensors").mkdir()
+
+
+def _index_naming(shard: str, make_directory: bool = False) -> Callable[[Path], None]:
+    """An index whose weight map puts one tensor in ``shard`` (made a directory with ``make_directory``)."""
+
+    def setup(work: Path) -> None:
+        weight_map = {"model.embed_tokens.weight": shard, "model.norm.weight": "model.safetensors"}
+        (work / "m" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        if make_directory:
+            (work / "m" / shard).mkdir()
+
+    return setup
+
+
+def _no_tokenizer(work: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (work / "m" / name).unlink()
+
+
+def _recipe_bytes(data: bytes) -> Callable[[Path], None]:
+    return lambda work: (work / "recipe.yaml").write_bytes(data)
+
+
+def _model_recipe(work: Path) -> None:
+    (work / "recipe.yaml").write_text(f"model: {work / 'm'}\npasses:\n  - quantize: {{}}\n")
+
+
+SETUPS.update(
+    {
+        "cfg_hidden": _tiny_copy(lambda c: c.update(hidden_size=256)),
+        "cfg_more_layers": _tiny_copy(lambda c: c.update(num_hidden_layers=6)),
+        "cfg_fewer_layers": _tiny_copy(lambda c: c.update(num_hidden_layers=3)),
+        "cfg_vocab": _tiny_copy(lambda c: c.update(vocab_size=4096)),
+        "cfg_experts": _tiny_copy(lambda c: c.update(num_experts=16)),
+        "cfg_expert_width": _tiny_copy(lambda c: c.update(moe_intermediate_size=512)),
+        "cfg_size_string": _tiny_copy(lambda c: c.update(hidden_size="128")),
+        "cfg_array": _then(_tiny_copy(), lambda w: (w / "m" / "config.json").write_text("[1, 2]\n")),
+        "cfg_text_config_list": _tiny_copy(lambda c: c.update(text_config=[])),
+        "cfg_layers_recipe": _then(_tiny_copy(lambda c: c.update(num_hidden_layers=6)), _model_recipe),
+        "weights_directory": _then(_tiny_copy(), _weights_directory),
+        "index_shard_directory": _then(_tiny_copy(), _index_naming("model-00002.safetensors", True)),
+        "index_shard_missing": _then(_tiny_copy(), _index_naming("model-00002.safetensors")),
+        "index_shard_outside": _then(_tiny_copy(), _index_naming("../elsewhere.safetensors")),
+        "st_overlap": _tiny_copy(header=_entry("model.layers.0.input_layernorm.weight", data_offsets=[0, 256])),
+        "st_shape_size": _tiny_copy(header=_entry("model.layers.0.input_layernorm.weight", shape=[64])),
+        "st_bad_shape": _tiny_copy(header=_entry("model.norm.weight", shape=["128"])),
+        "st_trailing": _tiny_copy(header=lambda values, data: data + bytes(64)),
+        "nan_weight": _tiny_copy(header=_nan_weight),
+        "no_tokenizer": _then(_tiny_copy(), _no_tokenizer),
+        "fake_parquet": lambda w: (w / "data.parquet").write_text("text\nnot parquet at all\n"),
+        "parquet_dir": lambda w: ((w / "data").mkdir(), (w / "data" / "a.parquet").write_bytes(b"PAR1 cut short")),
+        "csv_data": lambda w: (w / "data.csv").write_text("text\nhello\n"),
+        "recipe_binary": _recipe_bytes(bytes(range(256))),
+        "recipe_latin1": _recipe_bytes(
+            "model: builtin:tiny-moe\n# café\npasses:\n  - quantize: {}\n".encode("latin-1")
+        ),
+        "recipe_huge": _recipe_bytes(b"# padding\n" * 120_000),
+        "recipe_directory": lambda w: (w / "recipe.yaml").mkdir(),
+    }
+)
+
+
 CASES: tuple[Case, ...] = (
     # inspect
     Case("inspect-missing", ("inspect", "{w}/nowhere"), "no such model directory"),
@@ -262,6 +376,120 @@ CASES: tuple[Case, ...] = (
         ("quantize", TINY, "--out", OUT, "--restart"),
         "another moecompress run (pid 4242",
         "locked_partial",
+    ),
+    # issue 40: consistency on read
+    Case("inspect-config-hidden-size", ("inspect", "{w}/m"), "says hidden_size 256", "cfg_hidden"),
+    Case("inspect-config-more-layers", ("inspect", "{w}/m"), "says num_hidden_layers 6", "cfg_more_layers"),
+    Case("inspect-config-fewer-layers", ("inspect", "{w}/m"), "tensors of layer 3", "cfg_fewer_layers"),
+    Case("inspect-config-vocab-size", ("inspect", "{w}/m"), "says vocab_size 4096", "cfg_vocab"),
+    Case("inspect-config-expert-count", ("inspect", "{w}/m"), "says 16 experts, weights hold 8", "cfg_experts"),
+    Case("inspect-config-expert-width", ("inspect", "{w}/m"), "expert width 512", "cfg_expert_width"),
+    Case("inspect-config-array", ("inspect", "{w}/m"), "must hold a JSON object, not an array", "cfg_array"),
+    Case("inspect-config-size-string", ("inspect", "{w}/m"), "hidden_size is a string", "cfg_size_string"),
+    Case("inspect-weights-directory", ("inspect", "{w}/m"), "a directory, not a safetensors file", "weights_directory"),
+    Case("inspect-safetensors-overlap", ("inspect", "{w}/m"), "overlaps", "st_overlap"),
+    Case("inspect-safetensors-shape-size", ("inspect", "{w}/m"), "its data_offsets span 256", "st_shape_size"),
+    Case("inspect-safetensors-trailing", ("inspect", "{w}/m"), "64 bytes after the last tensor", "st_trailing"),
+    Case("inspect-hub-id-offline", ("inspect", "no-such-org/no-such-model"), "HF_HUB_OFFLINE is set"),
+    Case("eval-config-vocab-size", ("eval", "{w}/m"), "says vocab_size 4096", "cfg_vocab"),
+    Case(
+        "eval-reference-config-layers",
+        ("eval", TINY, "--reference", "{w}/m"),
+        "says num_hidden_layers 6",
+        "cfg_more_layers",
+    ),
+    Case("eval-no-tokenizer", ("eval", "{w}/m"), "no tokenizer", "no_tokenizer"),
+    Case("eval-fake-parquet", ("eval", TINY, "--eval-data", "{w}/data.parquet"), "not a parquet file", "fake_parquet"),
+    Case("eval-json-out-missing-dir", ("eval", TINY, "--json-out", "{w}/nowhere/eval.json"), "does not exist"),
+    Case("eval-json-out-directory", ("eval", TINY, "--json-out", "{w}/empty"), "is a directory", "empty_dir"),
+    Case("prune-config-hidden-size", ("prune", "{w}/m", "--out", OUT), "says hidden_size 256", "cfg_hidden"),
+    Case("prune-safetensors-overlap", ("prune", "{w}/m", "--out", OUT), "overlaps", "st_overlap"),
+    Case("prune-no-tokenizer", ("prune", "{w}/m", "--out", OUT), "no tokenizer", "no_tokenizer"),
+    Case(
+        "prune-parquet-dir", ("prune", TINY, "--out", OUT, "--calib", "{w}/data"), "not a parquet file", "parquet_dir"
+    ),
+    Case("prune-csv-data", ("prune", TINY, "--out", OUT, "--calib", "{w}/data.csv"), "unsupported data", "csv_data"),
+    Case("quantize-config-expert-count", ("quantize", "{w}/m", "--out", OUT), "says 16 experts", "cfg_experts"),
+    Case(
+        "quantize-index-shard-directory",
+        ("quantize", "{w}/m", "--out", OUT),
+        "which is a directory",
+        "index_shard_directory",
+    ),
+    Case(
+        "quantize-index-shard-missing", ("quantize", "{w}/m", "--out", OUT), "which is missing", "index_shard_missing"
+    ),
+    Case(
+        "quantize-index-shard-outside", ("quantize", "{w}/m", "--out", OUT), "outside the model", "index_shard_outside"
+    ),
+    Case("quantize-safetensors-bad-shape", ("quantize", "{w}/m", "--out", OUT), "not a list of whole", "st_bad_shape"),
+    Case(
+        "quantize-gptq-no-tokenizer",
+        ("quantize", "{w}/m", "--out", OUT, "--method", "gptq"),
+        "no tokenizer",
+        "no_tokenizer",
+    ),
+    Case(
+        "qat-config-fewer-layers",
+        ("qat", "{w}/m", "--out", OUT, "--scheme", "int2"),
+        "tensors of layer 3",
+        "cfg_fewer_layers",
+    ),
+    Case(
+        "qat-fake-parquet",
+        ("qat", TINY, "--out", OUT, "--scheme", "int2", "--calib", "{w}/data.parquet"),
+        "PAR1",
+        "fake_parquet",
+    ),
+    Case(
+        "prune-heads-config-text-config",
+        ("prune-heads", "{w}/m", "--out", OUT, "--ratio", "0.5"),
+        "text_config must be an object",
+        "cfg_text_config_list",
+    ),
+    Case(
+        "prune-heads-no-tokenizer",
+        ("prune-heads", "{w}/m", "--out", OUT, "--ratio", "0.5"),
+        "no tokenizer",
+        "no_tokenizer",
+    ),
+    Case(
+        "prune-heads-nan-weight",
+        ("prune-heads", "{w}/m", "--out", OUT, "--ratio", "0.5"),
+        "holds NaN or Inf",
+        "nan_weight",
+    ),
+    Case("quantize-nan-weight", ("quantize", "{w}/m", "--out", OUT), "q_proj.weight' holds NaN", "nan_weight"),
+    Case("eval-nan-weight", ("eval", "{w}/m"), "q_proj.weight' holds NaN", "nan_weight"),
+    Case("run-recipe-binary", ("run", "{w}/recipe.yaml", "--out", OUT), "a binary file", "recipe_binary"),
+    Case("run-recipe-not-utf8", ("run", "{w}/recipe.yaml", "--out", OUT), "not UTF-8 text", "recipe_latin1"),
+    Case("run-recipe-too-large", ("run", "{w}/recipe.yaml", "--out", OUT), "at most 1 MB", "recipe_huge"),
+    Case(
+        "run-recipe-directory",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "is a directory",
+        "recipe_directory",
+    ),
+    Case(
+        "run-recipe-model-layers",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "says num_hidden_layers 6",
+        "cfg_layers_recipe",
+    ),
+    Case(
+        "export-weights-directory",
+        ("export", "{w}/m", "--format", "bf16", "--out", "{w}/o"),
+        "a directory, not a",
+        "weights_directory",
+    ),
+    Case(
+        "export-config-array",
+        ("export", "{w}/m", "--format", "gguf", "--out", "{w}/o.gguf"),
+        "JSON object",
+        "cfg_array",
+    ),
+    Case(
+        "report-plot-missing-dir", ("report", "{w}/empty", "--plot", "{w}/nowhere/p.png"), "does not exist", "empty_dir"
     ),
     # report, push
     Case("report-missing", ("report", "{w}/nowhere"), "no such directory"),

@@ -155,12 +155,13 @@ def eval_command(
     from ..errors import UserInputError
     from ..evals.perplexity import evaluate
     from ..loading import load_adapter
-    from ..preflight import check_data_spec, check_not_in_inputs, check_seq_len, data_paths
+    from ..preflight import check_data_spec, check_file_target, check_not_in_inputs, check_seq_len, data_paths
 
     model_dir = resolve_model(model)
     reference_dir = resolve_model(reference) if reference else None
     if json_out is not None:
         check_not_in_inputs(json_out, [model_dir, reference_dir, *data_paths(data)], f"--json-out {json_out}")
+        check_file_target(json_out, f"--json-out {json_out}")
     check_seq_len(load_adapter(model_dir), seq_len)
     if max_tokens is not None and max_tokens < seq_len:
         raise UserInputError(f"--eval-tokens {max_tokens} is less than one window of --seq-len {seq_len}")
