@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..kernels import binary, intq, mxfp4, mxfp4_fused
+from ..kernels import binary, dequant, intq, mxfp4, mxfp4_fused
 from ..kernels.packing import pack_codes, unpack_codes
 from .salient import BITMAP_CODES, BitmapCode, SalientWeights, encode_positions, from_mask
 
@@ -207,6 +207,24 @@ class QuantizedTensor:
         return intq.IntGrid(self.scales.float().unsqueeze(-1), zero.unsqueeze(-1))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight in ``dtype``. On CPU one numba pass writes ``dtype`` directly
+        (:mod:`moecompress.kernels.dequant`, bit-identical to :meth:`_dequantize_reference`); other devices and
+        layouts the kernels do not read take the reference."""
+        dense = self._dequantize_fast(dtype)
+        if dense is None:
+            return self._dequantize_reference(dtype)
+        return dense if self.salient is None else self.salient.apply(dense)
+
+    def _dequantize_fast(self, dtype: torch.dtype) -> torch.Tensor | None:
+        scheme, shape = self.scheme, tuple(self.shape)
+        if scheme.is_float:
+            return dequant.mxfp4(self.packed, self.scales, shape, dtype)
+        if scheme.is_binary:
+            return dequant.binary(self.packed, self.scales, scheme.group_size, shape, dtype)
+        return dequant.integer(self.packed, self.scales, self.zeros, scheme.bits, scheme.group_size, shape, dtype)
+
+    def _dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The definition (torch, any device): unpack the codes, compute float32 values, convert to ``dtype``."""
         codes = self.scheme.grouped(self.codes())
         dense = self.scheme.values(codes, self.grid()).to(dtype).reshape(self.shape)
         return dense if self.salient is None else self.salient.apply(dense)

@@ -1,0 +1,131 @@
+"""``QuantizedTensor.dequantize`` against the old torch path (``_dequantize_reference``), side by side.
+
+For every scheme the routed experts of one Qwen3-30B-A3B layer (``--experts`` of them: gate_up ``[E, 1536, 2048]``
+and down ``[E, 2048, 768]``, random bf16 weights, std 0.02) are quantised by round-to-nearest, then dequantised to
+each output dtype by both paths on ``--threads`` threads. Weights/s counts both matrices; each figure is the best
+of interleaved repetitions (background load hits both paths alike); ``identical`` compares the two outputs' bits.
+
+Prints a markdown table, then one JSON object; exits 1 if an output differs from the old path's.
+
+Run: python scripts/bench_dequant.py [--experts 8] [--threads 2] [--repeats 5] [--old-repeats 2]
+     [--dtypes bfloat16,float32] [--schemes mxfp4-floor,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from moecompress.quantization.scheme import QuantizedTensor, QuantScheme
+
+GATE_UP, DOWN = (1536, 2048), (2048, 768)
+SALIENT_FRACTION = 0.01
+SCHEMES = {
+    "mxfp4-floor": QuantScheme("mxfp4", scale_rule="floor"),
+    "mxfp4-ceil": QuantScheme("mxfp4", scale_rule="ceil"),
+    "int4-sym": QuantScheme("int4", symmetric=True),
+    "int4-asym": QuantScheme("int4", symmetric=False),
+    "int2-sym": QuantScheme("int2", symmetric=True),
+    "int2-asym": QuantScheme("int2", symmetric=False),
+    "w4a8": QuantScheme("w4a8"),
+    "binary": QuantScheme("binary", group_size=128),
+    "binary+salient": QuantScheme("binary", group_size=128, salient_fraction=SALIENT_FRACTION),
+}
+
+
+def quantized(scheme: QuantScheme, experts: int, generator: torch.Generator) -> list[QuantizedTensor]:
+    out = []
+    for rows, cols in (GATE_UP, DOWN):
+        weight = (torch.randn(experts, rows, cols, generator=generator) * 0.02).to(torch.bfloat16)
+        keep = None
+        if scheme.salient_fraction:
+            keep = torch.rand(weight.shape, generator=generator) < scheme.salient_fraction
+        out.append(scheme.quantize(weight, keep))
+    return out
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def measure(tensors: list[QuantizedTensor], dtype: torch.dtype, repeats: int, old_repeats: int) -> dict:
+    best = {"old": float("inf"), "new": float("inf")}
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for repeat in range(max(repeats, old_repeats)):
+        for path, count in (("old", old_repeats), ("new", repeats)):
+            if repeat >= count:
+                continue
+            start = time.perf_counter()
+            if path == "old":
+                outputs[path] = [q._dequantize_reference(dtype) for q in tensors]
+            else:
+                outputs[path] = [q.dequantize(dtype) for q in tensors]
+            best[path] = min(best[path], time.perf_counter() - start)
+    weights = sum(q.numel for q in tensors)
+    pairs = zip(outputs["old"], outputs["new"], strict=True)
+    identical = all(a.dtype == b.dtype and torch.equal(bits(a), bits(b)) for a, b in pairs)
+    return {
+        "weights": weights,
+        "old_weights_per_s": weights / best["old"],
+        "new_weights_per_s": weights / best["new"],
+        "ratio": best["old"] / best["new"],
+        "identical": identical,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="repetitions of the new path (best counts)")
+    parser.add_argument("--old-repeats", type=int, default=2, help="repetitions of the old path (best counts)")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(args.seed)
+
+    for scheme in SCHEMES.values():  # compile (or load) the kernels outside the timings
+        for dtype in dtypes:
+            scheme.quantize(torch.randn(2, 4, 256)).dequantize(dtype)
+
+    rows = []
+    print(f"{args.experts} experts, gate_up {GATE_UP} + down {DOWN}, {args.threads} threads, torch {torch.__version__}")
+    print()
+    print("| scheme | dtype | old (M weights/s) | new (M weights/s) | new / old | identical |")
+    print("|---|---|---:|---:|---:|---|")
+    for label in args.schemes.split(","):
+        tensors = quantized(SCHEMES[label], args.experts, generator)
+        for dtype in dtypes:
+            result = measure(tensors, dtype, args.repeats, args.old_repeats)
+            result.update(scheme=label, dtype=str(dtype).removeprefix("torch."))
+            rows.append(result)
+            print(
+                f"| {label} | {result['dtype']} | {result['old_weights_per_s'] / 1e6:.1f} | "
+                f"{result['new_weights_per_s'] / 1e6:.0f} | {result['ratio']:.1f}x | "
+                f"{'yes' if result['identical'] else 'NO'} |",
+                flush=True,
+            )
+    print()
+    summary = {
+        "experts": args.experts,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "old_repeats": args.old_repeats,
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    print(json.dumps(summary))
+    return 0 if all(row["identical"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The numba dequantisation (``QuantizedTensor.dequantize`` on CPU) against the torch reference it replaced
+(``_dequantize_reference``): the same bits for every scheme, option and output dtype, views included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecompress.kernels import dequant
+from moecompress.quantization.salient import SalientWeights
+from moecompress.quantization.scheme import QuantizedTensor, QuantScheme
+
+SCHEMES = [
+    QuantScheme("mxfp4", scale_rule="floor"),
+    QuantScheme("mxfp4", scale_rule="ceil"),
+    QuantScheme("int4", group_size=32, symmetric=True),
+    QuantScheme("int4", group_size=64, symmetric=False),
+    QuantScheme("int4", group_size=128, symmetric=True),
+    QuantScheme("int2", group_size=32, symmetric=True),
+    QuantScheme("int2", group_size=128, symmetric=False),
+    QuantScheme("w4a8", group_size=32, symmetric=True),
+    QuantScheme("w4a8", group_size=64, symmetric=False),
+    QuantScheme("binary", group_size=32),
+    QuantScheme("binary", group_size=256),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal bit patterns; NaNs need only be NaN at the same places (torch itself writes NaN's payload
+    differently in its scalar and vector conversions)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(BITS[got.element_size()])[~nan], want.view(BITS[want.element_size()])[~nan])
+
+
+def weights(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(shape, generator=generator) * torch.rand((*shape[:-1], 1), generator=generator) * 0.1
+    weight[..., :32] = 0.0  # an all-zero group (scale of 0 or the floor exponent)
+    weight[..., 40] = 1e-30  # a block far below the rest
+    return weight.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=QuantScheme.describe)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_scheme_and_dtype_matches_the_reference(scheme: QuantScheme, seed: int) -> None:
+    q = scheme.quantize(weights(seed, (3, 6, 512)))
+    for dtype in DTYPES:
+        assert q._dequantize_fast(dtype) is not None
+        assert_same(q.dequantize(dtype), q._dequantize_reference(dtype))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=QuantScheme.describe)
+def test_views_match_the_reference(scheme: QuantScheme) -> None:
+    q = scheme.quantize(weights(2, (4, 5, 256)))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert_same(q[2].dequantize(dtype), q[2]._dequantize_reference(dtype))
+        picked = q.select(torch.tensor([3, 0, 3]))
+        assert_same(picked.dequantize(dtype), picked._dequantize_reference(dtype))
+        rows = q.take_rows(torch.tensor([4, 1]))
+        assert_same(rows.dequantize(dtype), rows._dequantize_reference(dtype))
+        assert_same(q.dequantize(dtype)[1], q[1].dequantize(dtype))
+
+
+@pytest.mark.parametrize("name", ["binary", "int4", "mxfp4"])
+def test_salient_weights_are_written_back(name: str) -> None:
+    weight = weights(3, (3, 8, 256))
+    keep = torch.rand(weight.shape, generator=torch.Generator().manual_seed(3)) < 0.05
+    scheme = QuantScheme(name, group_size=32 if name != "binary" else 64, salient_fraction=0.05)
+    q = scheme.quantize(weight, keep)
+    assert q.salient is not None and q.salient.count > 0
+    for dtype in DTYPES:
+        dense = q.dequantize(dtype)
+        assert_same(dense, q._dequantize_reference(dtype))
+        assert torch.equal(dense[keep], weight[keep].to(dtype))
+        assert_same(q[1].dequantize(dtype), q[1]._dequantize_reference(dtype))
+        picked = q.select(torch.tensor([2, 1]))
+        assert_same(picked.dequantize(dtype), picked._dequantize_reference(dtype))
+
+
+def random_stored(scheme: QuantScheme, shape: tuple[int, ...], seed: int, zero_limit: int) -> QuantizedTensor:
+    """A tensor with random packed bytes and scales of every bit pattern (subnormal, infinite and NaN ones
+    included): what a damaged or foreign file could hold."""
+    generator = torch.Generator().manual_seed(seed)
+    *lead, cols = shape
+    groups = cols // scheme.group_size
+
+    def random_bytes(width: int, high: int = 256) -> torch.Tensor:
+        return torch.randint(0, high, (*lead, width), generator=generator, dtype=torch.int32).to(torch.uint8)
+
+    packed = random_bytes(cols * scheme.bits // 8)
+    if scheme.is_float:
+        return QuantizedTensor(scheme, shape, packed, random_bytes(groups))
+    scale_bits = torch.randint(-(1 << 15), 1 << 15, (*lead, groups), generator=generator, dtype=torch.int32)
+    scales = scale_bits.to(torch.int16).view(torch.bfloat16)
+    zeros = None if scheme.symmetric or scheme.is_binary else random_bytes(groups, zero_limit)
+    return QuantizedTensor(scheme, shape, packed, scales, zeros)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=QuantScheme.describe)
+def test_any_stored_bytes_match_the_reference(scheme: QuantScheme) -> None:
+    q = random_stored(scheme, (2, 16, 512), seed=4, zero_limit=1 << scheme.bits)
+    for dtype in DTYPES:
+        assert q._dequantize_fast(dtype) is not None
+        assert_same(q.dequantize(dtype), q._dequantize_reference(dtype))
+
+
+def test_zero_points_beyond_the_code_range_take_the_reference() -> None:
+    scheme = QuantScheme("int4", group_size=32, symmetric=False)
+    q = random_stored(scheme, (8, 64), seed=5, zero_limit=256)
+    assert int(q.zeros.max()) >= 16
+    assert q._dequantize_fast(torch.float32) is None
+    assert_same(q.dequantize(torch.bfloat16), q._dequantize_reference(torch.bfloat16))
+
+
+def test_other_layouts_and_dtypes_take_the_reference() -> None:
+    q = QuantScheme("int4").quantize(weights(6, (4, 64)))
+    assert q._dequantize_fast(torch.int32) is None
+    float_scales = QuantizedTensor(q.scheme, q.shape, q.packed, q.scales.float())
+    assert float_scales._dequantize_fast(torch.float32) is None
+    assert_same(float_scales.dequantize(), float_scales._dequantize_reference())
+    short = QuantizedTensor(q.scheme, (4, 96), q.packed, q.scales)
+    assert short._dequantize_fast(torch.float32) is None
+    with pytest.raises(RuntimeError):
+        short.dequantize()
+
+
+def test_non_contiguous_stored_tensors() -> None:
+    q = QuantScheme("mxfp4").quantize(weights(7, (6, 128)))
+    strided = QuantizedTensor(q.scheme, (3, 128), q.packed[::2], q.scales[::2])
+    assert not strided.packed.is_contiguous()
+    assert_same(strided.dequantize(torch.bfloat16), strided._dequantize_reference(torch.bfloat16))
+
+
+def test_torch_thread_count_is_left_alone() -> None:
+    q = QuantScheme("int2").quantize(weights(8, (2, 32, 128)))
+    before = torch.get_num_threads()
+    q.dequantize(torch.bfloat16)
+    assert torch.get_num_threads() == before
+
+
+def test_output_owns_writable_memory() -> None:
+    q = QuantScheme("binary", group_size=64).quantize(weights(9, (2, 4, 128)))
+    first, second = q.dequantize(torch.bfloat16), q.dequantize(torch.bfloat16)
+    first.zero_()
+    assert_same(second, q._dequantize_reference(torch.bfloat16))
+    salient = SalientWeights(torch.tensor([0, 5]), torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
+    dense = salient.apply(q.dequantize(torch.float32))
+    assert dense.view(-1)[5] == -2.0
+    assert dequant.binary(q.packed, q.scales, 64, q.shape, torch.float64) is not None
