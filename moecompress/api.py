@@ -203,7 +203,7 @@ def evaluate(
     *,
     data: str = DEFAULT_EVAL_DATA,
     seq_len: int = 256,
-    max_tokens: int | None = DEFAULT_EVAL_TOKENS,
+    max_tokens: int | None = _DEFAULT,  # type: ignore[assignment]
     progress: bool = False,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
@@ -214,28 +214,38 @@ def evaluate(
     reference's perplexity and routing agreement. As ``moecompress eval``, with the same checks before any work.
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``; default auto) is where the layers compute."""
     from .device import parse_device, using_device
-    from .errors import UserInputError
+    from .errors import OptionError
     from .evals.perplexity import evaluate as evaluate_dirs
     from .loading import load_adapter
-    from .preflight import check_data_spec, check_seq_len
+    from .preflight import check_data_spec, check_eval_window, check_seq_len
+    from .vocabulary import Arguments, named
 
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
-        raise UserInputError(f"evaluate(): seq_len must be an integer of at least 2, got {seq_len!r}")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
-        raise UserInputError(f"evaluate(): max_tokens must be an integer or None (all), got {max_tokens!r}")
-    if max_tokens is not None and max_tokens < seq_len:
-        raise UserInputError(f"evaluate(): max_tokens {max_tokens} is less than one window of seq_len {seq_len}")
-    if not isinstance(data, str):
-        raise UserInputError(f"evaluate(): data must be a source name such as builtin:prose, got {data!r}")
-    compute = parse_device(device, "evaluate(): device")
-    with _trust(trust_remote_code, allow_pickle), _quiet(not progress), using_device(compute):
-        model_dir = _resolve(model)
-        reference_dir = None if reference is None else _resolve(reference)
-        check_seq_len(load_adapter(model_dir), seq_len, "seq_len")
-        check_data_spec(data, "data")
-        return evaluate_dirs(
-            model_dir, data, seq_len=seq_len, max_tokens=max_tokens, reference_dir=reference_dir, progress=progress
-        )
+    arguments = Arguments(
+        "evaluate",
+        {("calibration", "seq_len"): "seq_len", ("evaluation", "tokens"): "max_tokens", ("evaluation", "data"): "data"},
+    )
+    given_tokens = max_tokens is not _DEFAULT
+    if not given_tokens:
+        max_tokens = DEFAULT_EVAL_TOKENS
+    try:
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+            raise OptionError(f"{named('calibration.seq_len', repr(seq_len))} must be an integer of at least 2")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
+            raise OptionError(f"{named('evaluation.tokens', repr(max_tokens))} must be an integer or None (all)")
+        if not isinstance(data, str):
+            raise OptionError(f"{named('evaluation.data')} must be a source name such as builtin:prose, got {data!r}")
+        compute = parse_device(device, "evaluate(): device")
+        with _trust(trust_remote_code, allow_pickle), _quiet(not progress), using_device(compute):
+            model_dir = _resolve(model)
+            reference_dir = None if reference is None else _resolve(reference)
+            check_seq_len(load_adapter(model_dir), seq_len)
+            check_eval_window(seq_len, max_tokens, given_tokens)
+            check_data_spec(data, named("evaluation.data"))
+            return evaluate_dirs(
+                model_dir, data, seq_len=seq_len, max_tokens=max_tokens, reference_dir=reference_dir, progress=progress
+            )
+    except OptionError as error:
+        raise arguments.bind(error) from None
 
 
 def _one_pass(
@@ -248,8 +258,9 @@ def _one_pass(
 ) -> tuple[Recipe, Path]:
     """The one-pass recipe the CLI command builds, validated by the recipe parser (names, types, values), with
     error messages naming the API's argument instead of the recipe's key path."""
-    from .errors import UserInputError
+    from .errors import OptionError, UserInputError
     from .recipes import CONFIGS, parse_recipe
+    from .vocabulary import Arguments
 
     names = [f.name for f in dataclasses.fields(CONFIGS[pass_name])]
     unknown = sorted(set(options) - set(names))
@@ -264,8 +275,11 @@ def _one_pass(
     elif evaluation is not None:
         passes.append({"eval": dict(_mapping("evaluation", evaluation))})
     document = {"model": str(model), "calibration": calibration, "passes": passes}
+    arguments = Arguments(caller)
     try:
         recipe = parse_recipe(document, caller)
+    except OptionError as error:
+        raise arguments.bind(error) from None
     except UserInputError as error:
         message = str(error)
         for path, argument in (
@@ -275,7 +289,7 @@ def _one_pass(
         ):
             message = message.replace(path, argument)
         raise UserInputError(f"{caller}(): {message}") from None
-    return recipe, _resolve(model)
+    return dataclasses.replace(recipe, vocabulary=arguments), _resolve(model)
 
 
 def _mapping(argument: str, value: Any) -> Mapping[str, Any]:

@@ -18,39 +18,65 @@ import torch
 from .calibration.builtin_corpus import BUILTIN_NAMES
 from .calibration.sources import PARTS, check_data_files, parse_hf_spec
 from .checkpoint.writer import INCOMPLETE_MARKER
-from .errors import UserInputError
+from .defaults import DEFAULT_EVAL_TOKENS
+from .errors import OptionError, UserInputError
+from .vocabulary import named
 
 RESTART_HINT = "continue it with --resume, or discard it with --restart"
 
 
+def _with_value(option: str, value: Any) -> str:
+    """``option`` (a literal such as ``--eval-data``, or a :func:`~moecompress.vocabulary.named` placeholder)
+    with ``value``."""
+    if option.startswith("{") and option.endswith("}"):
+        return named(option[1:-1], value)
+    return f"{option} {value}"
+
+
 def check_data_spec(spec: str, option: str) -> None:
     """Every comma-separated piece of ``spec`` names a built-in part, an hf: dataset, an image source or an
-    existing path (the files themselves are read later)."""
+    existing path (the files themselves are read later). ``option`` names the option that gave it."""
     pieces = [piece.strip() for piece in spec.split(",") if piece.strip()]
     if not pieces:
-        raise UserInputError(f"{option}: empty data source")
+        raise OptionError(f"{option}: empty data source")
     for piece in pieces:
         if piece.startswith("builtin:"):
             parts = piece.split(":")
             if parts[1] in ("shapes", "stripes"):
                 continue
             if parts[1] not in BUILTIN_NAMES or len(parts) > 3 or (len(parts) == 3 and parts[2] not in PARTS):
-                raise UserInputError(
-                    f"{option} {piece}: unknown built-in source; use builtin:{{{','.join(BUILTIN_NAMES)}}}"
-                    f"[:{{{','.join(PARTS)}}}]"
+                raise OptionError(
+                    f"{_with_value(option, piece)}: unknown built-in source; use builtin:"
+                    f"({'|'.join(BUILTIN_NAMES)})[:({'|'.join(PARTS)})]"
                 )
         elif piece.startswith("hf:"):
             parse_hf_spec(piece)
         elif not Path(piece).expanduser().exists():
-            raise UserInputError(f"{option} {piece}: no such data file, and not builtin:NAME or hf:NAME")
+            raise OptionError(f"{_with_value(option, piece)}: no such data file, and not builtin:NAME or hf:NAME")
         else:
             check_data_files(Path(piece).expanduser())
 
 
-def check_seq_len(adapter: Any, seq_len: int, option: str = "--seq-len") -> None:
+def check_seq_len(adapter: Any, seq_len: int, option: str = "{calibration.seq_len}", owner: Any = None) -> None:
     limit = adapter.text_config.get("max_position_embeddings")
     if isinstance(limit, int) and seq_len > limit:
-        raise UserInputError(f"{option} {seq_len} exceeds the model's max_position_embeddings ({limit})")
+        raise OptionError(
+            f"{_with_value(option, seq_len)} exceeds the model's max_position_embeddings ({limit})", owner
+        )
+
+
+def check_eval_window(seq_len: int, tokens: int | None, given: bool = True) -> None:
+    """At least one window is evaluated. Where the token count was left at its default (``given`` False), the
+    message names the window length, the one the caller set."""
+    if tokens is None or tokens >= seq_len:
+        return
+    window = named("calibration.seq_len", seq_len)
+    if given:
+        raise OptionError(f"{named('evaluation.tokens', tokens)} is less than one window of {window}")
+    raise OptionError(
+        f"{window} is longer than the {tokens} tokens evaluated by default; give {named('evaluation.tokens')} of at "
+        "least one window"
+    )
 
 
 def _quantized_method(adapter: Any) -> str | None:
@@ -89,14 +115,19 @@ def check_prune_counts(adapter: Any, config: Any) -> None:
     if config.keep is not None:
         largest = max(sizes.values())
         if config.keep >= largest:
-            raise UserInputError(f"--keep {config.keep}: the model has {largest} experts per layer; keep fewer")
+            raise OptionError(
+                f"{named('keep', config.keep)}: the model has {largest} experts per layer; keep fewer", type(config)
+            )
         if config.keep < adapter.top_k:
-            raise UserInputError(
-                f"--keep {config.keep} is fewer than the minimum {adapter.top_k} (the model's top-k experts per token)"
+            raise OptionError(
+                f"{named('keep', config.keep)} is fewer than the minimum {adapter.top_k} (the model's top-k experts "
+                "per token)",
+                type(config),
             )
     if config.min_keep is not None and config.min_keep > min(sizes.values()):
-        raise UserInputError(
-            f"--min-keep {config.min_keep}: the model has only {min(sizes.values())} experts in some layer"
+        raise OptionError(
+            f"{named('min_keep', config.min_keep)}: the model has only {min(sizes.values())} experts in some layer",
+            type(config),
         )
     placeholders = []
     for layer, count in sizes.items():
@@ -117,9 +148,9 @@ def check_prune_heads(adapter: Any, config: Any, model_dir: Path) -> None:
         total = sum(layout.units for layout in layouts)
         remove = round(config.ratio * total)
         if remove == 0:
-            raise UserInputError(f"--ratio {config.ratio} of {total} KV groups removes none")
+            raise OptionError(f"{named('ratio', config.ratio)} of {total} KV groups removes none", type(config))
         if remove > total - len(layouts):
-            raise UserInputError(f"--ratio {config.ratio} would remove every KV group of some layer")
+            raise OptionError(f"{named('ratio', config.ratio)} would remove every KV group of some layer", type(config))
 
 
 def check_passes(
@@ -132,9 +163,31 @@ def check_passes(
     eval_data: str | None = None,
     eval_tokens: int | None = None,
     name_passes: bool = False,
+    vocabulary: Any = None,
 ) -> None:
     """Refuse, before any work, what the passes' configs and the input's config.json decide is impossible
-    (``name_passes``: a recipe's errors say which pass)."""
+    (``name_passes``: a recipe's errors say which pass; ``vocabulary``: how the caller spells options)."""
+    try:
+        _check_passes(
+            model_dir, passes, calib_source, calib_tokens, seq_len, eval_data, eval_tokens, name_passes, vocabulary
+        )
+    except OptionError as error:
+        if vocabulary is not None:
+            vocabulary.bind(error, getattr(error, "pass_index", None))
+        raise
+
+
+def _check_passes(
+    model_dir: Path,
+    passes: list[tuple[str, Any]],
+    calib_source: str | None,
+    calib_tokens: int,
+    seq_len: int,
+    eval_data: str | None,
+    eval_tokens: int | None,
+    name_passes: bool,
+    vocabulary: Any,
+) -> None:
     from .loading import check_tokenizer_files, load_adapter
 
     adapter = load_adapter(model_dir)
@@ -143,6 +196,11 @@ def check_passes(
     for index, (name, config) in enumerate(passes):
         try:
             _check_pass(model_dir, adapter, name, config, quantized, first_expert_pruning=not pruned_experts)
+        except OptionError as error:
+            error.pass_index = index
+            if vocabulary is None and name_passes:
+                error.template = f"pass {index + 1} ({name}): {error.template}"
+            raise
         except UserInputError as error:
             if not name_passes:
                 raise
@@ -152,14 +210,15 @@ def check_passes(
     if calibrated or eval_data is not None:
         check_seq_len(adapter, seq_len)
         check_tokenizer_files(model_dir)
+    window = named("calibration.seq_len", seq_len)
     if calibrated and calib_tokens < seq_len:
-        raise UserInputError(f"--calib-tokens {calib_tokens} is less than one window of --seq-len {seq_len}")
-    if eval_data is not None and eval_tokens is not None and eval_tokens < seq_len:
-        raise UserInputError(f"--eval-tokens {eval_tokens} is less than one window of --seq-len {seq_len}")
-    if calibrated and calib_source is not None:
-        check_data_spec(calib_source, "--calib")
+        raise OptionError(f"{named('calibration.tokens', calib_tokens)} is less than one window of {window}")
     if eval_data is not None:
-        check_data_spec(eval_data, "--eval-data")
+        check_eval_window(seq_len, eval_tokens, eval_tokens != DEFAULT_EVAL_TOKENS)
+    if calibrated and calib_source is not None:
+        check_data_spec(calib_source, named("calibration.source"))
+    if eval_data is not None:
+        check_data_spec(eval_data, named("evaluation.data"))
 
 
 def _calibrates(name: str, config: Any) -> bool:
@@ -194,8 +253,40 @@ def _check_pass(
     elif name in ("quantize", "qat"):
         quantize = config.quantize if name == "qat" else config
         _check_format(adapter, quantize, quantize.quant_scheme())
+        check_output_smaller(model_dir, quantize)
         if name == "qat":
-            check_seq_len(adapter, config.seq_len)
+            check_seq_len(adapter, config.seq_len, named("seq_len"), type(config))
+
+
+def check_output_smaller(model_dir: Path, config: Any) -> None:
+    """A low-rank budget (bits per routed expert weight, docs/lowrank.md) that, with the scheme's own bits per
+    weight, makes the experts at least as large as the input's is refused: the output would not be compressed."""
+    if not config.lowrank_budget:
+        return
+    from .evals.footprint import checkpoint_footprint
+
+    experts = checkpoint_footprint(model_dir).classes.get("experts")
+    if experts is None or not experts.weights:
+        return
+    scheme = config.quant_scheme()
+    output = scheme_bits_per_weight(scheme) + config.lowrank_budget
+    if output >= experts.bits_per_weight:
+        raise OptionError(
+            f"{named('lowrank_budget', config.lowrank_budget)} would make the experts at least {output:.3f} bits per "
+            f"weight ({scheme.describe()} and the adapters), not fewer than the input's "
+            f"{experts.bits_per_weight:.3f}",
+            type(config),
+        )
+
+
+def scheme_bits_per_weight(scheme: Any) -> float:
+    """Bits per weight of ``scheme`` as stored: codes, scales and zero points (measured on a small matrix), plus
+    the 16 bits of each salient weight's kept value (its position's bits left out: a lower bound)."""
+    from dataclasses import replace
+
+    plain = replace(scheme, salient_fraction=0.0)
+    stored = plain.quantize(torch.zeros(2, 512, device="cpu"))
+    return 8 * stored.nbytes / stored.numel + 16 * scheme.salient_fraction
 
 
 def partial_work(out_dir: Path) -> list[Path]:

@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -37,14 +38,17 @@ from typing import Any
 
 import yaml
 
+from . import recipe_yaml
 from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
 from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
 from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
-from .errors import UserInputError
+from .errors import OptionError, UserInputError
+from .passes.options import refuse_unused
 from .passes.quantize import QuantizeConfig
 from .passes.registry import PASSES
 from .progress import end_of_command, event
+from .vocabulary import RecipeKeys, named
 
 CONFIGS: dict[str, type] = {name: entry.config for name, entry in PASSES.items()}
 LOWRANK_KEYS = (
@@ -85,14 +89,25 @@ class Recipe:
     evaluation: Evaluation | None = None
     device: str | None = None
     """Where the layers compute: auto (the default; CUDA when torch sees one), cpu, cuda or cuda:N."""
+    vocabulary: Any = field(default=None, repr=False, compare=False)
+    """How the caller spells options in messages (:mod:`moecompress.vocabulary`); None: the command line."""
 
 
-def _type_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+class _BadValue(Exception):
+    """A value of the wrong type; the key holding it is named by :func:`_dataclass`."""
+
+
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+
+
+def _short(value: Any) -> str:
+    """``value`` for a one-line message: a string as it is, anything else as its repr, at most 60 characters."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _coerce(value: Any, annotation: Any, path: str) -> Any:
-    """``value`` from YAML as ``annotation`` (the dataclass field's type), or a UserInputError naming ``path``."""
+    """``value`` from YAML as ``annotation`` (the dataclass field's type), or :class:`_BadValue`."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -101,17 +116,23 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
         for option in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, option, path)
-            except UserInputError as error:
+            except _BadValue as error:
                 errors.append(error)
         raise errors[0]
     if origin is typing.Literal:
         if value not in args:
-            raise UserInputError(f"{path}: {value!r} is not one of {', '.join(map(str, args))}")
+            raise _BadValue(f"is not one of {', '.join(map(str, args))}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise UserInputError(f"{path}: expected a list, got {type(value).__name__}")
-        return tuple(_coerce(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
+            raise _BadValue("is not a list")
+        items = []
+        for i, item in enumerate(value):
+            try:
+                items.append(_coerce(item, args[0], f"{path}[{i}]"))
+            except _BadValue as error:
+                raise _BadValue(f"(item {i}) {error}") from None
+        return tuple(items)
     if dataclasses.is_dataclass(annotation):
         return _dataclass(annotation, value, path)
     ok = {
@@ -121,10 +142,16 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
         str: isinstance(value, str),
     }.get(annotation)
     if ok is None:
-        raise UserInputError(f"{path}: cannot be set from a recipe")
+        raise _BadValue("cannot be set from a recipe")
     if not ok:
-        raise UserInputError(f"{path}: expected {_type_name(annotation)}, got {value!r}")
+        raise _BadValue(f"is not {_KINDS[annotation]}")
+    if annotation is float and not math.isfinite(value):
+        raise _BadValue("is not a finite number")
     return float(value) if annotation is float else value
+
+
+SECTION_OWNERS: dict[type, str] = {Calibration: "calibration", Evaluation: "evaluation"}
+"""The run's own sections, as messages name their owners (:mod:`moecompress.vocabulary`)."""
 
 
 def _dataclass(cls: type, values: Any, path: str) -> Any:
@@ -134,84 +161,169 @@ def _dataclass(cls: type, values: Any, path: str) -> Any:
         raise UserInputError(f"{path}: expected a mapping of parameters, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
+    unknown = sorted(set(values) - set(names), key=str)
     if unknown:
-        raise UserInputError(f"{path}.{unknown[0]}: unknown key; {path} takes {', '.join(names)}")
-    return cls(**{key: _coerce(value, hints[key], f"{path}.{key}") for key, value in values.items()})
+        raise UserInputError(f"{path}.{_short(unknown[0])}: unknown key; {path} takes {', '.join(names)}")
+    owner = SECTION_OWNERS.get(cls, cls)
+    coerced = {}
+    for key, value in values.items():
+        try:
+            coerced[key] = _coerce(value, hints[key], f"{path}.{key}")
+        except _BadValue as error:
+            prefix = f"{owner}." if isinstance(owner, str) else ""
+            shown = value if isinstance(value, (bool, int, float)) else _short(value)
+            raise OptionError(f"{named(prefix + key, shown)} {error}", owner) from None
+    return cls(**coerced)
 
 
 def _validated(config: Any, path: str) -> None:
     try:
         config.validate()
+    except OptionError:
+        raise
     except UserInputError as error:
         raise UserInputError(f"{path}: {error}") from None
 
 
+def _check_calibration(calibration: Calibration) -> None:
+    for key, least in (("tokens", 1), ("seq_len", 2), ("image_size", 8), ("seed", 0)):
+        value = getattr(calibration, key)
+        if value < least:
+            raise OptionError(f"{named('calibration.' + key, value)} must be at least {least}")
+    if calibration.tokens < calibration.seq_len:
+        raise OptionError(
+            f"{named('calibration.tokens', calibration.tokens)} is less than one window of "
+            f"{named('calibration.seq_len', calibration.seq_len)}"
+        )
+
+
+def _check_evaluation(evaluation: Evaluation) -> None:
+    if evaluation.tokens is not None and evaluation.tokens < 2:
+        raise OptionError(f"{named('evaluation.tokens', evaluation.tokens)} must be at least 2 (or null: all)")
+
+
+IMAGE_SOURCES = ("builtin:shapes", "builtin:stripes", "hf:")
+
+
+def refuse_unused_calibration(passes: list[tuple[str, Any]], evaluating: bool, given: Any, source: str) -> None:
+    """Refuse calibration settings the caller gave (``given``: Calibration's field names) that nothing reads: plain
+    RTN quantisation reads no calibration, the window length serves calibration and evaluation, the image size
+    only image sources."""
+    from .preflight import _calibrates
+
+    calibrated = any(_calibrates(name, config) for name, config in passes)
+    images = any(piece.strip().startswith(IMAGE_SOURCES) for piece in source.split(","))
+    for key in sorted(given):
+        if key == "seq_len" and not (calibrated or evaluating):
+            where = "calibration or an evaluation"
+        elif key == "image_size" and not (calibrated and images):
+            where = "an image calibration source (builtin:shapes, builtin:stripes, hf:NAME with images)"
+        elif key not in ("seq_len", "image_size") and not calibrated:
+            where = "a pass that calibrates (rtn quantisation without salient weights or adapters reads none)"
+        else:
+            continue
+        raise OptionError(f"{named('calibration.' + key)} applies only with {where}; it would be ignored here")
+
+
 def parse_recipe(document: Any, source: str = "recipe") -> Recipe:
-    """A validated :class:`Recipe` from a parsed YAML document."""
+    """A validated :class:`Recipe` from a parsed YAML document. Options are named by their key paths in messages
+    (``passes[1].quantize.lowrank_budget``); a key given where the pass's other keys leave it unused is refused."""
     if not isinstance(document, dict):
         raise UserInputError(f"{source}: a recipe is a mapping with model, calibration and passes")
-    unknown = sorted(set(document) - {"model", "calibration", "passes", "device"})
+    unknown = sorted(set(document) - {"model", "calibration", "passes", "device"}, key=str)
     if unknown:
-        raise UserInputError(f"{unknown[0]}: unknown key; a recipe takes model, calibration, passes, device")
+        raise UserInputError(f"{_short(unknown[0])}: unknown key; a recipe takes model, calibration, passes, device")
     device = document.get("device")
     if device is not None:
         from .device import parse_device
 
         if not isinstance(device, str):
-            raise UserInputError(f"device: expected auto, cpu, cuda or cuda:N, got {device!r}")
+            raise UserInputError(f"device: expected auto, cpu, cuda or cuda:N, got {_short(device)}")
         parse_device(device, "device")
     model = document.get("model")
     if model is not None and not isinstance(model, str):
-        raise UserInputError(f"model: expected a model directory, builtin:NAME or a hub id, got {model!r}")
-    calibration = _dataclass(Calibration, document.get("calibration"), "calibration")
-    if calibration.tokens < calibration.seq_len:
-        raise UserInputError(f"calibration.tokens: {calibration.tokens} is less than one window (seq_len)")
+        raise UserInputError(f"model: expected a model directory, builtin:NAME or a hub id, got {_short(model)}")
+    common: dict[Any, str] = {"calibration": "calibration"}
+    keys = RecipeKeys(common, [])
+    try:
+        calibration = _dataclass(Calibration, document.get("calibration"), "calibration")
+        _check_calibration(calibration)
+    except OptionError as error:
+        raise keys.bind(error) from None
     steps = document.get("passes")
     if not isinstance(steps, list) or not steps:
         raise UserInputError("passes: expected a non-empty list of passes")
-    recipe = Recipe(model, calibration, device=device)
-    quantized_at: str | None = None
-    for index, step in enumerate(steps):
-        where = f"passes[{index}]"
-        if not isinstance(step, dict) or len(step) != 1:
-            raise UserInputError(f"{where}: each pass is a mapping with one key, the pass name")
-        ((name, params),) = step.items()
-        path = f"{where}.{name}"
-        if name not in PASS_NAMES:
-            raise UserInputError(f"{path}: unknown pass; choose from {', '.join(PASS_NAMES)}")
-        if recipe.evaluation is not None:
-            raise UserInputError(f"{path}: eval must be the last pass")
-        if name == "eval":
-            recipe.evaluation = _dataclass(Evaluation, params, path)
-            continue
-        if name == "lowrank":
-            previous = recipe.passes[-1] if recipe.passes else None
-            if previous is None or previous[0] != "quantize" or index == 0 or "lowrank" in steps[index - 1]:
-                raise UserInputError(f"{path}: lowrank must directly follow a quantize pass")
-            params = params or {}
-            if not isinstance(params, dict) or sorted(set(params) - set(LOWRANK_KEYS)):
-                extra = sorted(set(params) - set(LOWRANK_KEYS)) if isinstance(params, dict) else ["(not a mapping)"]
-                raise UserInputError(f"{path}.{extra[0]}: unknown key; lowrank takes {', '.join(LOWRANK_KEYS)}")
-            merged = {**dataclasses.asdict(previous[1]), **params}
-            config = _dataclass(QuantizeConfig, merged, path)
-            _validated(config, path)
-            recipe.passes[-1] = ("quantize", config)
-            continue
-        if name in ("prune_experts", "prune_heads") and quantized_at:
-            raise UserInputError(f"{path}: pruning must come before quantisation ({quantized_at})")
-        if name in ("quantize", "qat"):
-            if quantized_at:
-                raise UserInputError(f"{path}: the model is already quantised by {quantized_at}")
-            quantized_at = path
-        config = _dataclass(CONFIGS[name], params, path)
-        if "seed" not in (params or {}) and any(f.name == "seed" for f in dataclasses.fields(config)):
-            config = dataclasses.replace(config, seed=calibration.seed)
-        _validated(config, path)
-        recipe.passes.append((name, config))
+    recipe = Recipe(model, calibration, device=device, vocabulary=keys)
+    given: list[set[str]] = []
+    for index in range(len(steps)):
+        try:
+            _parse_step(recipe, steps, index, given)
+        except OptionError as error:
+            raise keys.bind(error, max(len(keys.passes) - 1, 0)) from None
     if not recipe.passes:
         raise UserInputError("passes: the recipe has no compressing pass (only eval)")
+    given_calibration = document.get("calibration") or {}
+    try:
+        refuse_unused_calibration(recipe.passes, recipe.evaluation is not None, given_calibration, calibration.source)
+    except OptionError as error:
+        raise keys.bind(error) from None
     return recipe
+
+
+def _parse_step(recipe: Recipe, steps: list[Any], index: int, given: list[set[str]]) -> None:
+    """Step ``index`` of the document's passes into ``recipe``; ``given`` holds each compressing pass's keys."""
+    keys: RecipeKeys = recipe.vocabulary
+    step = steps[index]
+    where = f"passes[{index}]"
+    if not isinstance(step, dict) or len(step) != 1:
+        raise UserInputError(f"{where}: each pass is a mapping with one key, the pass name")
+    ((name, params),) = step.items()
+    path = f"{where}.{name}"
+    if name not in PASS_NAMES:
+        raise UserInputError(f"{where}.{_short(name)}: unknown pass; choose from {', '.join(PASS_NAMES)}")
+    if recipe.evaluation is not None:
+        raise UserInputError(f"{path}: eval must be the last pass")
+    if name == "eval":
+        keys.sections["evaluation"] = path
+        recipe.evaluation = _dataclass(Evaluation, params, path)
+        _check_evaluation(recipe.evaluation)
+        return
+    if name == "lowrank":
+        previous = recipe.passes[-1] if recipe.passes else None
+        if previous is None or previous[0] != "quantize" or index == 0 or "lowrank" in steps[index - 1]:
+            raise UserInputError(f"{path}: lowrank must directly follow a quantize pass")
+        params = params or {}
+        if not isinstance(params, dict) or sorted(set(params) - set(LOWRANK_KEYS), key=str):
+            extra = sorted(set(params) - set(LOWRANK_KEYS), key=str) if isinstance(params, dict) else ["(a list)"]
+            raise UserInputError(f"{path}.{_short(extra[0])}: unknown key; lowrank takes {', '.join(LOWRANK_KEYS)}")
+        keys.passes[-1].update({(QuantizeConfig, key): f"{path}.{key}" for key in params})
+        merged = {**dataclasses.asdict(previous[1]), **params}
+        config = _dataclass(QuantizeConfig, merged, path)
+        _validated(config, path)
+        given[-1] |= set(params)
+        refuse_unused(config, given[-1])
+        recipe.passes[-1] = ("quantize", config)
+        return
+    quantized_at = next(
+        (f"passes[{i}].{next(iter(s))}" for i, s in enumerate(steps[:index]) if set(s) & {"quantize", "qat"}), None
+    )
+    if name in ("prune_experts", "prune_heads") and quantized_at:
+        raise UserInputError(f"{path}: pruning must come before quantisation ({quantized_at})")
+    if name in ("quantize", "qat") and quantized_at:
+        raise UserInputError(f"{path}: the model is already quantised by {quantized_at}")
+    sections: dict[Any, str] = {CONFIGS[name]: path}
+    if name == "qat":
+        sections[QuantizeConfig] = f"{path}.quantize"
+    keys.passes.append(sections)
+    config = _dataclass(CONFIGS[name], params, path)
+    if "seed" not in (params or {}) and any(f.name == "seed" for f in dataclasses.fields(config)):
+        config = dataclasses.replace(config, seed=recipe.calibration.seed)
+    _validated(config, path)
+    params = params or {}
+    nested = params.get("quantize") if isinstance(params.get("quantize"), dict) else {}
+    given.append(set(params))
+    refuse_unused(config, params, {"quantize": set(nested)})
+    recipe.passes.append((name, config))
 
 
 MAX_RECIPE_BYTES = 1 << 20
@@ -242,7 +354,7 @@ def read_recipe_text(path: Path) -> str:
 
 def load_recipe(path: Path) -> Recipe:
     try:
-        document = yaml.safe_load(read_recipe_text(path))
+        document = recipe_yaml.load(read_recipe_text(path))
     except yaml.YAMLError as error:
         raise UserInputError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
     return parse_recipe(document, str(path))
@@ -289,6 +401,7 @@ def check_recipe(recipe: Recipe, model_dir: Path) -> None:
         eval_data=None if evaluation is None else evaluation.data,
         eval_tokens=None if evaluation is None else evaluation.tokens,
         name_passes=len(recipe.passes) > 1 or recipe.evaluation is not None,
+        vocabulary=recipe.vocabulary,
     )
 
 

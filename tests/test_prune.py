@@ -267,7 +267,7 @@ def test_bad_ratio_is_a_one_line_error(tmp_path):
         text=True,
         timeout=120,
     )
-    assert result.returncode == 2 and "--ratio must be between 0 and 1" in result.stderr
+    assert result.returncode == 2 and "--ratio 1.5 must be between 0 and 1" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
 

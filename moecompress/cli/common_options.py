@@ -127,3 +127,39 @@ def chosen_device() -> str | None:
     """The command's ``--device`` (checked; ``cuda`` stays ``cuda``, each torchrun rank's own GPU), or None where it
     was not given."""
     return click.get_current_context().meta.get("moecompress.device")
+
+
+SECTION_FIELDS = {
+    "calib": ("calibration", "source"),
+    "calib_tokens": ("calibration", "tokens"),
+    "seq_len": ("calibration", "seq_len"),
+    "image_size": ("calibration", "image_size"),
+    "eval_data": ("evaluation", "data"),
+    "eval_tokens": ("evaluation", "tokens"),
+}
+"""The shared options that set the run's calibration and evaluation, by parameter name."""
+
+
+def refuse_unused_common(passes: list[tuple[str, Any]], evaluating: bool, source: str) -> None:
+    """Refuse the shared options the command line gave that the run would ignore: ``--eval-data`` and
+    ``--eval-tokens`` with ``--no-eval``, calibration options where no pass calibrates
+    (:func:`~moecompress.recipes.refuse_unused_calibration`)."""
+    from click.core import ParameterSource
+
+    from ..errors import OptionError
+    from ..recipes import refuse_unused_calibration
+    from ..vocabulary import named
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    given: dict[str, set[str]] = {"calibration": set(), "evaluation": set()}
+    for param in ctx.command.params:
+        source_of = ctx.get_parameter_source(param.name) if param.name in SECTION_FIELDS else None
+        if source_of not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+            section, key = SECTION_FIELDS[param.name]
+            given[section].add(key)
+    for key in sorted(given["evaluation"]):
+        if not evaluating:
+            raise OptionError(f"{named('evaluation.' + key)} applies only with an evaluation; --no-eval skips it")
+    refuse_unused_calibration(passes, evaluating, given["calibration"], source)

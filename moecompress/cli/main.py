@@ -152,10 +152,16 @@ def eval_command(
     """
     from ..checkpoint import resolve_model
     from ..device import using_device
-    from ..errors import UserInputError
     from ..evals.perplexity import evaluate
     from ..loading import load_adapter
-    from ..preflight import check_data_spec, check_file_target, check_not_in_inputs, check_seq_len, data_paths
+    from ..preflight import (
+        check_data_spec,
+        check_eval_window,
+        check_file_target,
+        check_not_in_inputs,
+        check_seq_len,
+        data_paths,
+    )
 
     model_dir = resolve_model(model)
     reference_dir = resolve_model(reference) if reference else None
@@ -163,8 +169,8 @@ def eval_command(
         check_not_in_inputs(json_out, [model_dir, reference_dir, *data_paths(data)], f"--json-out {json_out}")
         check_file_target(json_out, f"--json-out {json_out}")
     check_seq_len(load_adapter(model_dir), seq_len)
-    if max_tokens is not None and max_tokens < seq_len:
-        raise UserInputError(f"--eval-tokens {max_tokens} is less than one window of --seq-len {seq_len}")
+    given = click.get_current_context().get_parameter_source("max_tokens") != click.core.ParameterSource.DEFAULT
+    check_eval_window(seq_len, max_tokens, given)
     check_data_spec(data, "--eval-data")
     with using_device(chosen_device()):
         result = evaluate(

@@ -6,13 +6,24 @@ config (QAT's ``quantize``) contributes the nested config's fields it names (``O
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
-from ..passes.options import FIELD_DEFAULT, Option, choices_of, field_default, flag_of, option_of, value_type
+from ..passes.options import (
+    FIELD_DEFAULT,
+    Option,
+    choices_of,
+    field_default,
+    flag_of,
+    option_of,
+    refuse_unused,
+    value_type,
+)
 from .common_options import RenamedOption
 
 GENERATED = "moecompress_config_field"
@@ -56,15 +67,26 @@ def _cli_fields(
     return chosen
 
 
+class FiniteFloat(click.FloatRange):
+    """A float (in a range, where given) that is not NaN nor infinite."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return number
+
+
 def _click_type(cls: type, field: dataclasses.Field, declared: Option) -> Any:
     base, _ = value_type(cls, field)
     choices = choices_of(cls, field, declared)
     if choices is not None:
         return click.Choice([str(choice) for choice in choices])
+    if base is float:
+        return FiniteFloat(min=declared.min, max=declared.max, min_open=declared.min_open)
     if declared.min is not None or declared.max is not None:
-        kind = click.IntRange if base is int else click.FloatRange
-        return kind(min=declared.min, max=declared.max, min_open=declared.min_open)
-    if base in (int, float):
+        return click.IntRange(min=declared.min, max=declared.max, min_open=declared.min_open)
+    if base is int:
         return base
     return None
 
@@ -184,8 +206,31 @@ def _values(cls: type, options: dict[str, Any], only: Iterable[str] | None) -> d
     return values
 
 
+def given_options() -> dict[str, set[str]]:
+    """Per config class name, the fields whose generated options the current command line gave (not defaults)."""
+    ctx = click.get_current_context(silent=True)
+    given: dict[str, set[str]] = {}
+    if ctx is None:
+        return given
+    for param in ctx.command.params:
+        generated = getattr(param, GENERATED, None)
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if generated is not None and source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+            given.setdefault(generated[0], set()).add(generated[1])
+    return given
+
+
 def config_from_options(cls: type, options: dict[str, Any]) -> Any:
     """``cls`` from a command's parsed options: the values of its generated options are taken out of ``options``
     (a shared option's value is read, not taken); a value None where the field takes none leaves the field's
-    default; a nested config is its field's default with the nested options' values."""
-    return cls(**_values(cls, options, None))
+    default; a nested config is its field's default with the nested options' values. An option the command line
+    gave that the config's other values leave unused is refused (:func:`~moecompress.passes.options.refuse_unused`)."""
+    config = cls(**_values(cls, options, None))
+    given = given_options()
+    nested = {
+        field.name: given.get(type(getattr(config, field.name)).__name__, set())
+        for field in dataclasses.fields(cls)
+        if dataclasses.is_dataclass(getattr(config, field.name))
+    }
+    refuse_unused(config, given.get(cls.__name__, set()), nested)
+    return config

@@ -94,7 +94,9 @@ def check_one_pass_before_work(
     output, then the pass against the input's config.json (``eval_data`` None: no evaluation), then --restart's
     discard."""
     from ..preflight import check_passes
+    from .common_options import refuse_unused_common
 
+    refuse_unused_common([(pass_name, config)], eval_data is not None, calib)
     check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
     check_passes(
         model_dir,
@@ -124,8 +126,9 @@ def run_and_summarise(
     from ..calibration import distributed
     from ..recipes import check_recipe, run_recipe
     from ..run_summary import format_table
-    from .common_options import chosen_device
+    from .common_options import chosen_device, refuse_unused_common
 
+    refuse_unused_common(recipe.passes, recipe.evaluation is not None, recipe.calibration.source)
     if chosen_device() is not None:
         recipe = dataclasses.replace(recipe, device=chosen_device())
     check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)

@@ -14,9 +14,14 @@ This module does not import click, so the passes (and ``import moecompress``) st
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ..errors import OptionError
+from ..vocabulary import named
 
 OPTION_KEY = "moecompress.option"
 
@@ -27,6 +32,15 @@ class _FieldDefault:
 
 
 FIELD_DEFAULT: Any = _FieldDefault()
+
+
+@dataclass(frozen=True)
+class When:
+    """Where a field is used: ``test(config)`` says whether the config's other values use it, ``text`` says when
+    it does, naming the fields it tests as :func:`~moecompress.vocabulary.named` placeholders."""
+
+    text: str
+    test: Callable[[Any], bool]
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,8 @@ class Option:
     """For a field holding another config (QAT's ``quantize``): the fields of that config the command line sets."""
     nested_changes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """How those nested fields' options differ on this pass's command (another default, required, help)."""
+    applies: When | None = None
+    """Where the field is used (None: always); given where it is not, it is refused (:func:`refuse_unused`)."""
 
     def with_changes(self, **changes: Any) -> Option:
         return dataclasses.replace(self, **changes)
@@ -63,9 +79,9 @@ def option(help: str, **attrs: Any) -> dict[str, Option]:
     return {OPTION_KEY: Option(help, **attrs)}
 
 
-def recipe_only(help: str) -> dict[str, Option]:
+def recipe_only(help: str, applies: When | None = None) -> dict[str, Option]:
     """A field's metadata: a recipe key with no command-line flag (a tuning knob the commands leave at its default)."""
-    return {OPTION_KEY: Option(help, cli=False)}
+    return {OPTION_KEY: Option(help, cli=False, applies=applies)}
 
 
 def option_of(field: dataclasses.Field) -> Option | None:
@@ -130,3 +146,31 @@ def type_name(cls: type, field: dataclasses.Field) -> str:
     else:
         name = getattr(base, "__name__", str(base))
     return f"{name} or null" if optional else name
+
+
+def refuse_unused(config: Any, given: Iterable[str], nested: Mapping[str, Iterable[str]] | None = None) -> None:
+    """Refuse an option the caller gave (``given``: field names; ``nested``: the given names of a nested config's
+    fields) that ``config``'s other values leave unused, e.g. ``gptq_damp`` with ``method`` rtn. Defaults are not
+    given, so only what a caller wrote is refused."""
+    given = set(given)
+    for field, declared in declared_fields(type(config)):
+        if declared is None:
+            continue
+        inner = getattr(config, field.name)
+        if nested and field.name in nested and dataclasses.is_dataclass(inner):
+            refuse_unused(inner, nested[field.name])
+        if field.name in given and declared.applies is not None and not declared.applies.test(config):
+            raise OptionError(
+                f"{named(field.name, inner)} applies only with {declared.applies.text}; it would be ignored here",
+                type(config),
+            )
+
+
+def refuse_non_finite(config: Any) -> None:
+    """NaN and infinities in any float field (nested configs included), which no range check catches."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            refuse_non_finite(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise OptionError(f"{named(field.name, value)} is not a finite number", type(config))

@@ -33,21 +33,25 @@ from ..calibration.vision import image_processor_for, load_image_captions, visio
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
 from ..checkpoint.mtp import MTP_MODES, plan_stored_prune
-from ..checkpoint.mtp import check_mode as check_mtp_mode
 from ..checkpoint.stream import check_output_is_not_input
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter
 from ..loading import load_adapter, load_tokenizer
 from ..sweep import CalibrationSweep, LayerCapture
 from ..sweep_state import LayerResult, SweepState
+from ..vocabulary import named
 from .expert_scores import layer_expert_stats
-from .options import option, recipe_only
+from .options import When, option, recipe_only, refuse_non_finite
 
 Method = Literal["maep", "reap", "frequency", "random"]
 METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random")
 DEFAULT_RATIO = 0.25
 """The share of experts removed when neither ``ratio`` nor ``keep`` is given."""
+MAEP = When(named("method", "maep"), lambda c: c.method == "maep")
+PRUNE_TAGS = When(f"{named('method', 'maep')} and {named('prune_tags')}", lambda c: c.method == "maep" and c.prune_tags)
+GREEDY = When(f"{named('method', 'maep')} and {named('greedy', True)}", lambda c: c.method == "maep" and c.greedy)
+GLOBAL = When(named("scope", "global"), lambda c: c.scope == "global")
 
 
 @dataclass(frozen=True)
@@ -76,43 +80,51 @@ class PruneExpertsConfig:
         ),
     )
     min_keep: int | None = field(
-        default=None, metadata=option("Fewest experts any layer keeps (default: top-k).", min=1)
+        default=None, metadata=option("Fewest experts any layer keeps (default: top-k).", min=1, applies=GLOBAL)
     )
     preserve_tags: tuple[str, ...] = field(
         default=(),
         metadata=option(
-            "MAEP: comma-separated token tags whose outputs must be preserved (default: every tag not in --prune-tags)."
+            "MAEP: comma-separated token tags whose outputs must be preserved (default: every tag not in "
+            "--prune-tags).",
+            applies=MAEP,
         ),
     )
     prune_tags: tuple[str, ...] = field(
         default=(),
         metadata=option(
             "MAEP: comma-separated tags whose low-attention tokens are a pruning signal (e.g. vision, or prose "
-            "when preserving code)."
+            "when preserving code).",
+            applies=MAEP,
         ),
     )
     low_attention_fraction: float = field(
         default=0.5,
         metadata=option(
-            "MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal."
+            "MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal.",
+            applies=PRUNE_TAGS,
         ),
     )
     prune_weight: float = field(
-        default=0.5, metadata=option("MAEP: weight of the pruning signal against the preservation signal.")
+        default=0.5,
+        metadata=option("MAEP: weight of the pruning signal against the preservation signal.", applies=PRUNE_TAGS),
     )
     aggregate: Literal["mean_sq", "mean"] = field(
         default="mean_sq",
-        metadata=option("MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens."),
+        metadata=option("MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens.", applies=MAEP),
     )
     greedy: bool = field(
         default=False,
         metadata=option(
-            "MAEP: remove experts step by step, re-scoring the survivors with the removed ones gone (slower)."
+            "MAEP: remove experts step by step, re-scoring the survivors with the removed ones gone (slower).",
+            applies=MAEP,
         ),
     )
     greedy_step: int | None = field(
         default=None,
-        metadata=recipe_only("Greedy MAEP: experts removed per re-scoring step (default: a sixteenth of the layer's)."),
+        metadata=recipe_only(
+            "Greedy MAEP: experts removed per re-scoring step (default: a sixteenth of the layer's).", applies=GREEDY
+        ),
     )
     seed: int = field(default=0, metadata=option("Seed for calibration windows and --method random."))
     mtp: str = field(
@@ -130,19 +142,30 @@ class PruneExpertsConfig:
             object.__setattr__(self, "ratio", DEFAULT_RATIO)
 
     def validate(self) -> None:
-        check_mtp_mode(self.mtp)
+        def refuse(template: str) -> OptionError:
+            return OptionError(template, PruneExpertsConfig)
+
+        refuse_non_finite(self)
+        if self.mtp not in MTP_MODES:
+            raise refuse(f"{named('mtp', self.mtp)}: choose keep or drop")
         if self.method not in METHODS:
-            raise UserInputError(f"unknown pruning method {self.method!r}; choose from {', '.join(METHODS)}")
+            raise refuse(f"{named('method', self.method)}: unknown pruning method; choose from {', '.join(METHODS)}")
         if (self.ratio is None) == (self.keep is None):
-            raise UserInputError("give exactly one of --ratio and --keep")
+            raise refuse(f"give exactly one of {named('ratio')} and {named('keep')}")
         if self.ratio is not None and not 0.0 < self.ratio < 1.0:
-            raise UserInputError(f"--ratio must be between 0 and 1 (exclusive), got {self.ratio}")
+            raise refuse(f"{named('ratio', self.ratio)} must be between 0 and 1 (exclusive)")
+        if self.keep is not None and self.keep < 1:
+            raise refuse(f"{named('keep', self.keep)} must be at least 1")
+        if self.min_keep is not None and self.min_keep < 1:
+            raise refuse(f"{named('min_keep', self.min_keep)} must be at least 1")
         if self.scope not in ("layer", "global"):
-            raise UserInputError(f"--scope must be layer or global, got {self.scope!r}")
+            raise refuse(f"{named('scope', self.scope)} must be layer or global")
         if self.aggregate not in ("mean_sq", "mean"):
-            raise UserInputError(f"--aggregate must be mean_sq or mean, got {self.aggregate!r}")
+            raise refuse(f"{named('aggregate', self.aggregate)} must be mean_sq or mean")
         if not 0.0 < self.low_attention_fraction <= 1.0:
-            raise UserInputError("--low-attention-fraction must be in (0, 1]")
+            raise refuse(f"{named('low_attention_fraction', self.low_attention_fraction)} must be in (0, 1]")
+        if self.greedy_step is not None and self.greedy_step < 1:
+            raise refuse(f"{named('greedy_step', self.greedy_step)} must be at least 1")
 
 
 @dataclass
@@ -346,13 +369,16 @@ def choose_removals(
         remove_total = round(config.ratio * total)
     min_keep = max(top_k, config.min_keep or top_k)
     if remove_total <= 0:
-        raise UserInputError("nothing to remove: --ratio or --keep leaves every expert")
+        chosen = named("keep", config.keep) if config.keep is not None else named("ratio", config.ratio)
+        raise OptionError(f"nothing to remove: {chosen} leaves every expert", PruneExpertsConfig)
     if config.scope == "layer":
         per_layer = {layer: remove_total / len(sizes) for layer in sizes}
         if any(not n.is_integer() for n in per_layer.values()):
-            raise UserInputError(
-                f"--scope layer removes the same number from each of {len(sizes)} MoE layers; "
-                f"{remove_total} experts do not split evenly (use another --ratio, --keep, or --scope global)"
+            raise OptionError(
+                f"{named('scope', 'layer')} removes the same number from each of {len(sizes)} MoE layers; "
+                f"{remove_total} experts do not split evenly (use another {named('ratio')}, {named('keep')}, or "
+                f"{named('scope', 'global')})",
+                PruneExpertsConfig,
             )
         removals = {}
         for scores in layer_scores:
@@ -368,8 +394,10 @@ def choose_removals(
                 removals[scores.layer] = _lowest(scores.score, count, groups, top_k)
         return removals
     if groups is not None:
-        raise UserInputError(
-            "--scope global is not supported for group-limited routers (n_group > 1); use --scope layer"
+        raise OptionError(
+            f"{named('scope', 'global')} is not supported for group-limited routers (n_group > 1); use "
+            f"{named('scope', 'layer')}",
+            PruneExpertsConfig,
         )
     removals: dict[int, list[int]] = {layer: [] for layer in sizes}
     removed = 0
@@ -528,9 +556,10 @@ def prune_experts(
     native_refusal(adapter.config, str(model_dir))
     linear = [layer for layer in adapter.moe_layers() if not adapter.softmax_attention(layer)]
     if config.method == "maep" and config.prune_tags and linear:
-        raise UserInputError(
-            f"{model_dir}: --prune-tags needs the attention each token receives, and MoE layers {linear} of this "
-            f"{adapter.family} model use linear attention; use --preserve-tags alone"
+        raise OptionError(
+            f"{model_dir}: {named('prune_tags')} needs the attention each token receives, and MoE layers {linear} of "
+            f"this {adapter.family} model use linear attention; use {named('preserve_tags')} alone",
+            PruneExpertsConfig,
         )
     batches, tags, tag_names = calibration_batches(
         adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size

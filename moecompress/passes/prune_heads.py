@@ -22,7 +22,7 @@ from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, rewrite_checkpoint
 from ..checkpoint.stream import check_output_is_not_input
 from ..device import HOST, compute_device, device_map_for, to_host
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..evals.perplexity import evaluate_windows, evaluation_report
 from ..families import FamilyAdapter, adapter_for
 from ..heads import GateMasks, HeadGates, HeadLayout, slice_attention
@@ -30,11 +30,14 @@ from ..heads.layout import UNITS
 from ..heads.selection import choose_keep, global_removal_counts, magnitude_scores, random_scores, removal_counts
 from ..heads.train import GateRun, GateSchedule, Teacher, distill, model_device, train_gates
 from ..loading import load_adapter, load_model, load_tokenizer
-from .options import option, recipe_only
+from ..vocabulary import named
+from .options import When, option, recipe_only, refuse_non_finite
 from .prune_experts import calibration_batches, update_report
 
 Method = Literal["learned", "magnitude", "random"]
 METHODS: tuple[str, ...] = ("learned", "magnitude", "random")
+LEARNED = When(named("method", "learned"), lambda c: c.method == "learned")
+DISTILLED = When(f"{named('distill_steps')} above 0", lambda c: c.distill_steps > 0)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
@@ -69,16 +72,22 @@ class PruneHeadsConfig:
             "all layers, counts differ per layer (loads after `import moecompress`)."
         ),
     )
-    steps: int = field(default=200, metadata=option("Gate-training steps.", min=0))
+    steps: int = field(default=200, metadata=option("Gate-training steps.", min=0, applies=LEARNED))
     lr: float = field(
-        default=10.0, metadata=option("Gate learning rate (plain SGD on the gate logits).", min=0, min_open=True)
+        default=10.0,
+        metadata=option("Gate learning rate (plain SGD on the gate logits).", min=0, min_open=True, applies=LEARNED),
     )
     lambda_lr: float = field(
-        default=2.0, metadata=recipe_only("Learning rate of the sparsity constraint's Lagrange multipliers (ascent).")
+        default=2.0,
+        metadata=recipe_only(
+            "Learning rate of the sparsity constraint's Lagrange multipliers (ascent).", applies=LEARNED
+        ),
     )
-    init_log_alpha: float = field(default=2.0, metadata=recipe_only("The gates' initial log-odds of being open."))
+    init_log_alpha: float = field(
+        default=2.0, metadata=recipe_only("The gates' initial log-odds of being open.", applies=LEARNED)
+    )
     temperature: float = field(
-        default=2 / 3, metadata=recipe_only("Temperature of the relaxed gate gradients pass through.")
+        default=2 / 3, metadata=recipe_only("Temperature of the relaxed gate gradients pass through.", applies=LEARNED)
     )
     noise_bias: float = field(
         default=0.0,
@@ -87,18 +96,21 @@ class PruneHeadsConfig:
             "to 0 over the warm-up (the first half of --steps). 0 (default) disables it: on tiny-moe 2.0 tied at 25% "
             "and hurt at 50% (docs/heads.md).",
             min=0,
+            applies=LEARNED,
         ),
     )
     warmup_fraction: float = field(
         default=0.5,
         metadata=recipe_only(
-            "Share of the gate-training steps over which the open-unit target ramps down and the noise bias decays."
+            "Share of the gate-training steps over which the open-unit target ramps down and the noise bias decays.",
+            applies=LEARNED,
         ),
     )
     gate_objective: Literal["lm", "kl"] = field(
         default="lm",
         metadata=option(
-            "What the gates minimise: lm (next-token cross-entropy) or kl (KL to the original model's logits)."
+            "What the gates minimise: lm (next-token cross-entropy) or kl (KL to the original model's logits).",
+            applies=LEARNED,
         ),
     )
     distill_steps: int = field(
@@ -108,31 +120,42 @@ class PruneHeadsConfig:
             min=0,
         ),
     )
-    distill_lr: float = field(default=3e-4, metadata=option("Distillation learning rate.", min=0, min_open=True))
+    distill_lr: float = field(
+        default=3e-4, metadata=option("Distillation learning rate.", min=0, min_open=True, applies=DISTILLED)
+    )
     batch_size: int = field(default=8, metadata=option("Windows per step.", min=1))
     seed: int = field(default=0, metadata=option("Seed for windows, gate noise and --method random."))
 
     def validate(self) -> None:
+        def refuse(template: str) -> OptionError:
+            return OptionError(template, PruneHeadsConfig)
+
+        refuse_non_finite(self)
         if not 0.0 < self.ratio < 1.0:
-            raise UserInputError(f"--ratio must be between 0 and 1 (exclusive), got {self.ratio}")
+            raise refuse(f"{named('ratio', self.ratio)} must be between 0 and 1 (exclusive)")
         if self.unit not in UNITS:
-            raise UserInputError(f"--unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
+            raise refuse(f"{named('unit', self.unit)} must be one of {', '.join(UNITS)}")
         if self.method not in METHODS:
-            raise UserInputError(f"unknown --method {self.method!r}; choose from {', '.join(METHODS)}")
+            raise refuse(f"{named('method', self.method)}: unknown method; choose from {', '.join(METHODS)}")
         if self.scope not in ("layer", "global"):
-            raise UserInputError(f"--scope must be layer or global, got {self.scope!r}")
+            raise refuse(f"{named('scope', self.scope)} must be layer or global")
         if self.scope == "global" and self.unit != "kv-group":
-            raise UserInputError("--scope global ranks KV groups; query-head units are pruned per layer")
+            raise refuse(f"{named('scope', 'global')} ranks KV groups; query-head units are pruned per layer")
         if self.method == "learned" and self.steps < 1:
-            raise UserInputError("--steps must be at least 1 for learned gates")
+            raise refuse(f"{named('steps', self.steps)} must be at least 1 for learned gates")
         if self.steps < 0 or self.distill_steps < 0:
-            raise UserInputError("--steps and --distill-steps cannot be negative")
+            raise refuse(f"{named('steps')} and {named('distill_steps')} cannot be negative")
+        for name in ("lr", "distill_lr", "lambda_lr", "temperature"):
+            if getattr(self, name) <= 0:
+                raise refuse(f"{named(name, getattr(self, name))} must be above 0")
+        if self.batch_size < 1:
+            raise refuse(f"{named('batch_size', self.batch_size)} must be at least 1")
         if self.noise_bias < 0:
-            raise UserInputError("--noise-bias biases gates toward closing and cannot be negative")
+            raise refuse(f"{named('noise_bias', self.noise_bias)}: biases gates toward closing and cannot be negative")
         if self.gate_objective not in ("lm", "kl"):
-            raise UserInputError(f"--gate-objective must be lm or kl, got {self.gate_objective!r}")
+            raise refuse(f"{named('gate_objective', self.gate_objective)} must be lm or kl")
         if not 0.0 < self.warmup_fraction <= 1.0:
-            raise UserInputError("the warm-up fraction must be in (0, 1]")
+            raise refuse(f"{named('warmup_fraction', self.warmup_fraction)} must be in (0, 1]")
 
 
 def head_layouts(adapter: FamilyAdapter, unit: str) -> list[HeadLayout]:

@@ -25,14 +25,15 @@ from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import check_output_is_not_input
 from ..device import compute_device, device_map_for
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluate_windows
 from ..loading import load_adapter, load_model, load_tokenizer
 from ..quantization.formats.native import ADAPTER_DTYPE
 from ..training.loop import TrainingConfig, prepare_student, round_adapters_to, train_adapters
 from ..training.replay import REPLAY_WEIGHTS, ReplaySchedule
-from .options import option
+from ..vocabulary import named
+from .options import When, option, refuse_non_finite
 from .prune_experts import update_report
 from .quantize import QuantizeConfig, quantize_checkpoint
 
@@ -73,6 +74,7 @@ class QATConfig:
             "router: the replayed experts' weights come from the student's frozen router on its own hidden states; "
             "recorded: the full-precision model's weights as recorded.",
             choices=REPLAY_WEIGHTS,
+            applies=When(f"{named('replay')} other than none", lambda c: c.replay != "none"),
         ),
     )
     steps: int = field(default=200, metadata=option("Optimiser steps.", min=1))
@@ -89,21 +91,37 @@ class QATConfig:
     seed: int = field(default=0, metadata=option("Seed for windows and batch order."))
 
     def validate(self) -> None:
+        def refuse(template: str, owner: type = QATConfig) -> OptionError:
+            return OptionError(template, owner)
+
+        refuse_non_finite(self)
         self.quantize.validate()
         if self.quantize.format != "native":
-            raise UserInputError("QAT writes the native format (its adapters live there)")
+            raise refuse(
+                f"{named('format', self.quantize.format)}: QAT writes the native format (its adapters live there)",
+                QuantizeConfig,
+            )
         if not (self.quantize.lowrank_budget or self.quantize.lowrank_rank):
-            raise UserInputError("QAT trains low-rank adapters: give --lowrank-budget B > 0 or --adapter-rank R > 0")
+            raise refuse(
+                f"QAT trains low-rank adapters: give {named('lowrank_budget')} above 0 or {named('lowrank_rank')} "
+                "above 0",
+                QuantizeConfig,
+            )
         if self.replay_weights not in REPLAY_WEIGHTS:
-            raise UserInputError(f"--replay-weights must be one of {', '.join(REPLAY_WEIGHTS)}")
-        for name in ("steps", "batch_size", "train_tokens"):
+            raise refuse(f"{named('replay_weights', self.replay_weights)} must be one of {', '.join(REPLAY_WEIGHTS)}")
+        for name in ("steps", "batch_size", "train_tokens", "seq_len"):
             if getattr(self, name) < 1:
-                raise UserInputError(f"--{name.replace('_', '-')} must be at least 1")
+                raise refuse(f"{named(name, getattr(self, name))} must be at least 1")
         if not self.lr > 0:
-            raise UserInputError("--lr must be positive")
+            raise refuse(f"{named('lr', self.lr)} must be above 0")
         if self.lm_loss_weight < 0:
-            raise UserInputError("--lm-loss-weight cannot be negative")
-        ReplaySchedule.parse(self.replay)
+            raise refuse(f"{named('lm_loss_weight', self.lm_loss_weight)} cannot be negative")
+        try:
+            ReplaySchedule.parse(self.replay)
+        except UserInputError:
+            raise refuse(
+                f"{named('replay', self.replay)}: use all, none, first:F (0 <= F <= 1) or layers:L1,L2,..."
+            ) from None
 
     def training(self) -> TrainingConfig:
         return TrainingConfig(

@@ -17,9 +17,8 @@ import torch
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
 from ..checkpoint.mtp import MTP_MODES, quantize_mtp_plan
-from ..checkpoint.mtp import check_mode as check_mtp_mode
 from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter, MoEWeights
@@ -35,12 +34,27 @@ from ..quantization.sensitivity import SENSITIVITIES, stored_layer_sensitivity
 from ..sweep import CalibrationSweep
 from ..sweep_state import LayerResult, SweepState
 from ..view_experts import ExpertSource
-from .options import option, recipe_only
+from ..vocabulary import named
+from .options import When, option, recipe_only, refuse_non_finite
 from .prune_experts import calibration_batches, update_report
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
 FORMATS: tuple[str, ...] = ("native", "gpt-oss", "compressed-tensors")
 Method = Literal["rtn", "gptq"]
+
+GPTQ = When(named("method", "gptq"), lambda c: c.method == "gptq")
+INTEGER = When(f"{named('scheme')} int4, int2 or w4a8", lambda c: c.scheme in ("int4", "int2", "w4a8"))
+MXFP4 = When(named("scheme", "mxfp4"), lambda c: c.scheme == "mxfp4")
+SALIENT = When(f"{named('salient_fraction')} above 0", lambda c: c.salient_fraction > 0)
+BUDGET = When(f"{named('lowrank_budget')} above 0", lambda c: c.lowrank_budget > 0)
+ADAPTERS = When(
+    f"{named('lowrank_budget')} or {named('lowrank_rank')} above 0",
+    lambda c: c.lowrank_budget > 0 or c.lowrank_rank > 0,
+)
+CALIBRATED = When(
+    f"calibration ({named('method', 'gptq')}, {named('salient_fraction')} or low-rank adapters)",
+    lambda c: c.method == "gptq" or c.salient_fraction > 0 or c.lowrank_budget > 0 or c.lowrank_rank > 0,
+)
 
 
 GROUP_SIZE_HELP = (
@@ -73,12 +87,14 @@ class QuantizeConfig:
         metadata=option(
             "Integer grid centred on zero, or with a per-group zero point (default: symmetric, asymmetric for int2).",
             flag="--symmetric/--asymmetric",
+            applies=INTEGER,
         ),
     )
     scale_rule: ScaleRule = field(
         default="floor",
         metadata=option(
-            "MXFP4 block exponent: floor(log2 amax) - 2 (OCP) or ceil(log2(amax/6)) (gpt-oss, never saturates)."
+            "MXFP4 block exponent: floor(log2 amax) - 2 (OCP) or ceil(log2(amax/6)) (gpt-oss, never saturates).",
+            applies=MXFP4,
         ),
     )
     salient_fraction: float = field(
@@ -97,6 +113,7 @@ class QuantizeConfig:
             "How the salient weights' positions are stored: a Rice- or Golomb-coded bitmap (within 1% of H(p) "
             "bits per position; Rice decodes faster) or raw (one bit per position, for comparison).",
             choices=BITMAP_CODES,
+            applies=SALIENT,
         ),
     )
     targets: tuple[str, ...] = field(
@@ -116,7 +133,9 @@ class QuantizeConfig:
     )
     gptq_min_tokens: int = field(
         default=64,
-        metadata=option("Experts routed fewer calibration tokens fall back to rtn (listed in the report).", min=1),
+        metadata=option(
+            "Experts routed fewer calibration tokens fall back to rtn (listed in the report).", min=1, applies=GPTQ
+        ),
     )
     gptq_damp: float = field(
         default=0.01,
@@ -124,9 +143,10 @@ class QuantizeConfig:
             "GPTQ: added to the Hessian's diagonal as this fraction of its mean, for a stable inverse.",
             min=0,
             min_open=True,
+            applies=GPTQ,
         ),
     )
-    gptq_block: int = field(default=128, metadata=recipe_only("GPTQ: columns quantised per block."))
+    gptq_block: int = field(default=128, metadata=recipe_only("GPTQ: columns quantised per block.", applies=GPTQ))
     lowrank_budget: float = field(
         default=0.0,
         metadata=option(
@@ -149,6 +169,7 @@ class QuantizeConfig:
         metadata=option(
             "load: one budget over every expert matrix, largest load × σ² first; uniform: the same rank everywhere.",
             choices=ALLOCATIONS,
+            applies=BUDGET,
         ),
     )
     load_weighting: str = field(
@@ -157,6 +178,7 @@ class QuantizeConfig:
             "gate: each routed token counts with its squared routing weight (the block-output error); tokens: "
             "every routed token counts alike (an expert's load is its share of routed tokens).",
             choices=LOAD_WEIGHTINGS,
+            applies=ADAPTERS,
         ),
     )
     sensitivity: str = field(
@@ -166,16 +188,18 @@ class QuantizeConfig:
             "(streamed layer by layer, each layer read twice): fisher-token: ‖∂loss/∂block output‖² per token; "
             "fisher: its mean per layer; none: 1 (skips the pass).",
             choices=SENSITIVITIES,
+            applies=ADAPTERS,
         ),
     )
     """Downstream factor on the low-rank objective (see :mod:`..quantization.sensitivity`)."""
     lowrank_min_tokens: int = field(
         default=64,
         metadata=recipe_only(
-            "Experts routed fewer calibration tokens get adapters from a plain SVD of their error (not whitened)."
+            "Experts routed fewer calibration tokens get adapters from a plain SVD of their error (not whitened).",
+            applies=ADAPTERS,
         ),
     )
-    seed: int = field(default=0, metadata=option("Seed for calibration windows."))
+    seed: int = field(default=0, metadata=option("Seed for calibration windows.", applies=CALIBRATED))
     mtp: str = field(
         default="keep",
         metadata=option(
@@ -196,39 +220,64 @@ class QuantizeConfig:
         try:
             return QuantScheme(self.scheme, group, symmetric, self.scale_rule, self.salient_fraction, self.bitmap)
         except ValueError as error:
+            if "group size" in str(error):
+                raise OptionError(f"{named('group_size', group)}: {error}", QuantizeConfig) from None
             raise UserInputError(str(error)) from None
 
     def validate(self) -> None:
-        check_mtp_mode(self.mtp)
+        def refuse(template: str) -> OptionError:
+            return OptionError(template, QuantizeConfig)
+
+        refuse_non_finite(self)
+        if self.mtp not in MTP_MODES:
+            raise refuse(f"{named('mtp', self.mtp)}: choose keep or drop")
         if self.scheme not in SCHEMES:
-            raise UserInputError(f"unknown scheme {self.scheme!r}; choose from {', '.join(SCHEMES)}")
+            raise refuse(f"{named('scheme', self.scheme)}: unknown scheme; choose from {', '.join(SCHEMES)}")
         if self.method not in ("rtn", "gptq"):
-            raise UserInputError(f"unknown method {self.method!r}; choose rtn or gptq")
+            raise refuse(f"{named('method', self.method)}: unknown method; choose rtn or gptq")
         if self.scheme == "mxfp4" and self.group_size not in (None, 32):
-            raise UserInputError(f"--group-size {self.group_size}: mxfp4 blocks are always 32 wide")
+            raise refuse(f"{named('group_size', self.group_size)}: mxfp4 blocks are always 32 wide")
         unknown = sorted(set(self.targets) - set(TARGETS))
         if unknown or "experts" not in self.targets:
-            raise UserInputError(f"targets must include experts and be among {', '.join(TARGETS)}; got {unknown}")
+            raise refuse(
+                f"{named('targets', self.targets)}: targets must include experts and be among {', '.join(TARGETS)}"
+            )
         if self.format not in FORMATS:
-            raise UserInputError(f"unknown format {self.format!r}; choose from {', '.join(FORMATS)}")
+            raise refuse(f"{named('format', self.format)}: unknown format; choose from {', '.join(FORMATS)}")
         if self.gptq_min_tokens < 1:
-            raise UserInputError("--gptq-min-tokens must be at least 1")
+            raise refuse(f"{named('gptq_min_tokens', self.gptq_min_tokens)} must be at least 1")
+        if self.gptq_damp <= 0:
+            raise refuse(f"{named('gptq_damp', self.gptq_damp)} must be above 0")
+        if self.gptq_block < 1:
+            raise refuse(f"{named('gptq_block', self.gptq_block)} must be at least 1")
         if self.lowrank_budget < 0:
-            raise UserInputError("--lowrank-budget is in bits per expert weight and cannot be negative")
-        if self.lowrank_rank < 0 or (self.lowrank_rank and self.lowrank_budget):
-            raise UserInputError("give either an adapter rank (at least 1) or a low-rank budget, not both")
+            raise refuse(
+                f"{named('lowrank_budget', self.lowrank_budget)} is in bits per expert weight and cannot be negative"
+            )
+        if self.lowrank_rank < 0:
+            raise refuse(f"{named('lowrank_rank', self.lowrank_rank)} must be at least 1")
+        if self.lowrank_rank and self.lowrank_budget:
+            raise refuse(f"give either {named('lowrank_rank')} or {named('lowrank_budget')}, not both")
+        if self.lowrank_min_tokens < 1:
+            raise refuse(f"{named('lowrank_min_tokens', self.lowrank_min_tokens)} must be at least 1")
         if self.rank_alloc not in ALLOCATIONS:
-            raise UserInputError(f"unknown --rank-alloc {self.rank_alloc!r}; choose from {', '.join(ALLOCATIONS)}")
+            raise refuse(f"{named('rank_alloc', self.rank_alloc)}: choose from {', '.join(ALLOCATIONS)}")
         if self.load_weighting not in LOAD_WEIGHTINGS:
-            raise UserInputError(f"unknown --load-weighting {self.load_weighting!r}; choose tokens or gate")
+            raise refuse(f"{named('load_weighting', self.load_weighting)}: choose tokens or gate")
         if self.sensitivity not in SENSITIVITIES:
-            raise UserInputError(f"unknown --sensitivity {self.sensitivity!r}; choose from {', '.join(SENSITIVITIES)}")
+            raise refuse(f"{named('sensitivity', self.sensitivity)}: choose from {', '.join(SENSITIVITIES)}")
         if self.bitmap not in BITMAP_CODES:
-            raise UserInputError(f"unknown --bitmap {self.bitmap!r}; choose from {', '.join(BITMAP_CODES)}")
+            raise refuse(f"{named('bitmap', self.bitmap)}: choose from {', '.join(BITMAP_CODES)}")
         if self.salient_fraction and self.format != "native":
-            raise UserInputError(f"salient weights are stored in the native format only, not {self.format}")
+            raise refuse(
+                f"{named('salient_fraction')}: salient weights are stored in the native format only, "
+                f"not {named('format', self.format)}"
+            )
         if (self.lowrank_budget or self.lowrank_rank) and self.format != "native":
-            raise UserInputError(f"low-rank adapters are stored in the native format only, not {self.format}")
+            raise refuse(
+                f"{named('lowrank_budget') if self.lowrank_budget else named('lowrank_rank')}: low-rank adapters are "
+                f"stored in the native format only, not {named('format', self.format)}"
+            )
         self.quant_scheme()
 
 
