@@ -85,6 +85,7 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "spiece.model",
     "tiktoken.model",
+    "tekken.json",
     "*.tiktoken",
     "*.model",
 )
