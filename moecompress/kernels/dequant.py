@@ -29,7 +29,7 @@ from . import mxfp4 as mxfp4_codes
 from .numba_threads import torch_thread_count
 
 _BITS_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ONE, _TWO, _FOUR, _SIX = np.uint64(1), np.uint64(2), np.uint64(4), np.uint64(6)
+_ONE, _TWO, _THREE, _FOUR, _FIVE, _SIX, _SEVEN = (np.uint64(k) for k in range(1, 8))
 _LOW2, _LOW4 = np.uint64(3), np.uint64(15)
 
 
@@ -84,7 +84,7 @@ def _int2_rows(packed, scales, zeros, default_zero, group_size, table, out):
                 out_row[first] = flat[base + (byte & _LOW2)]
                 out_row[first + _ONE] = flat[base + ((byte >> _TWO) & _LOW2)]
                 out_row[first + _TWO] = flat[base + ((byte >> _FOUR) & _LOW2)]
-                out_row[first + np.uint64(3)] = flat[base + (byte >> _SIX)]
+                out_row[first + _THREE] = flat[base + (byte >> _SIX)]
 
 
 @njit(parallel=True, cache=True)
@@ -99,9 +99,15 @@ def _binary_rows(packed, scales, group_size, table, out):
             start = np.uint64(group) * group_bytes
             for b in range(start, start + group_bytes):
                 byte = np.uint64(packed_row[b])
-                first = b << np.uint64(3)
-                for k in range(np.uint64(8)):
-                    out_row[first + k] = flat[base + ((byte >> k) & _ONE)]
+                first = b << _THREE
+                out_row[first] = flat[base + (byte & _ONE)]
+                out_row[first + _ONE] = flat[base + ((byte >> _ONE) & _ONE)]
+                out_row[first + _TWO] = flat[base + ((byte >> _TWO) & _ONE)]
+                out_row[first + _THREE] = flat[base + ((byte >> _THREE) & _ONE)]
+                out_row[first + _FOUR] = flat[base + ((byte >> _FOUR) & _ONE)]
+                out_row[first + _FIVE] = flat[base + ((byte >> _FIVE) & _ONE)]
+                out_row[first + _SIX] = flat[base + ((byte >> _SIX) & _ONE)]
+                out_row[first + _SEVEN] = flat[base + (byte >> _SEVEN)]
 
 
 _TABLES: dict[tuple, np.ndarray] = {}
