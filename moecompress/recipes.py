@@ -23,7 +23,6 @@ removed at the end); the last compressing pass writes the output directory.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import math
@@ -44,6 +43,7 @@ from .checkpoint.stream import check_output_is_not_input
 from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
 from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from .errors import OptionError, UserInputError
+from .files import DiskFullError, is_full, write_json, write_text
 from .passes.options import refuse_unused
 from .passes.quantize import QuantizeConfig
 from .passes.registry import PASSES
@@ -441,7 +441,7 @@ class RunState:
             if self.directory.exists():
                 shutil.rmtree(self.directory)
             self.directory.mkdir(parents=True)
-            (self.directory / INCOMPLETE_MARKER).write_text("moecompress is still running this recipe\n")
+            write_text(self.directory / INCOMPLETE_MARKER, "moecompress is still running this recipe\n")
             self._write_manifest()
         else:
             self.finished = {int(index): hashes for index, hashes in manifest.get("finished", {}).items()}
@@ -459,12 +459,10 @@ class RunState:
         return manifest if isinstance(manifest, dict) else None
 
     def _write_manifest(self) -> None:
-        temporary = self.manifest_path.with_suffix(".json.tmp")
         finished = {str(index): hashes for index, hashes in sorted(self.finished.items())}
         reports = {str(index): report for index, report in sorted(self._reports.items())}
         manifest = {"recipe": self.digest, "finished": finished, "reports": reports}
-        temporary.write_text(json.dumps(manifest) + "\n")
-        os.replace(temporary, self.manifest_path)
+        write_json(self.manifest_path, manifest, indent=None)
 
     def step(self, index: int) -> Path:
         return self.step_of(self.directory, index)
@@ -690,10 +688,12 @@ def _run_passes(
     except UserInputError:
         state.remove()
         raise
+    except DiskFullError as error:
+        raise error.writing(str(out_dir)) from error
     except OSError as error:
+        if is_full(error):
+            raise DiskFullError(str(out_dir), error.errno) from error
         state.remove()
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OSError(error.errno, error.strerror, str(out_dir)) from error
         raise
     state.remove()
     return report

@@ -15,6 +15,7 @@ from .checkpoint import CheckpointReader
 from .errors import UserInputError
 from .evals.footprint import checkpoint_footprint
 from .families import adapter_for
+from .files import write_bytes
 
 REPORT_NAME = "moecompress_report.json"
 
@@ -176,8 +177,11 @@ def draw_runs(runs: list[tuple[str, dict[str, Any]]]) -> Any:
 def plot_runs(runs: list[tuple[str, dict[str, Any]]], path: Path) -> None:
     """Perplexity against weight bytes, one point per run (and the input model once per source), saved to
     ``path``."""
-    figure = draw_runs(runs)
+    import io
+
     import matplotlib.pyplot as plt
 
-    figure.savefig(path, dpi=120)
+    figure, image = draw_runs(runs), io.BytesIO()
+    figure.savefig(image, dpi=120, format=Path(path).suffix[1:] or None)
     plt.close(figure)
+    write_bytes(path, image.getvalue())

@@ -9,32 +9,19 @@ the layers before it instead of recomputing them. Everything is safetensors and 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from .files import write_safetensors
 
 LayerResult = tuple[dict[str, torch.Tensor], Any]
 """A consumer's result for one layer: named tensors and JSON-ready metadata."""
 
 _HIDDEN = "hidden.safetensors"
-
-
-def save_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write atomically; tensors that share storage (one result under two names) are saved as copies."""
-    temporary = path.with_name(path.name + ".tmp")
-    storages: set[int] = set()
-    separate = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        separate[name] = tensor.clone() if storage in storages else tensor
-        storages.add(storage)
-    save_file(separate, str(temporary), metadata=metadata)
-    os.replace(temporary, path)
 
 
 def load_with_metadata(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -97,8 +84,8 @@ class SweepState:
         """Record ``layer`` as done: its result first, then the hidden states leaving it."""
         if result is not None:
             tensors, meta = result
-            save_atomically(self.directory / f"layer-{layer:05d}.safetensors", tensors, {"meta": json.dumps(meta)})
+            write_safetensors(self.directory / f"layer-{layer:05d}.safetensors", tensors, {"meta": json.dumps(meta)})
             self._results[layer] = result
         metadata = {"after_layer": str(layer), "result_layers": json.dumps(sorted(self._results))}
-        save_atomically(self.directory / _HIDDEN, {f"batch-{i}": h for i, h in enumerate(hidden)}, metadata)
+        write_safetensors(self.directory / _HIDDEN, {f"batch-{i}": h for i, h in enumerate(hidden)}, metadata)
         self.last_layer = layer

@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from .. import files
 from ..errors import UserInputError
+from ..files import DiskFullError, appending, is_full, tensor_bytes, write_json, write_text
 from .reader import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 
 INCOMPLETE_MARKER = "MOECOMPRESS_INCOMPLETE"
@@ -122,11 +124,6 @@ class _ShardPlan:
             self.sizes[piece.shard] += piece.length
 
 
-def _tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes (a copy only if it is not a contiguous CPU tensor)."""
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
-
-
 def _hash_range(digest: Any, path: Path, start: int, length: int) -> bool:
     """Feed ``length`` bytes of ``path`` from ``start`` to ``digest``; False if the file is missing or shorter."""
     if not path.is_file():
@@ -161,27 +158,21 @@ def _insert_in_front(path: Path, prefix: bytes) -> bool:
     fallocate = _fallocate()
     if fallocate is None or path.stat().st_size == 0:
         return False
-    descriptor = os.open(path, os.O_RDWR)
-    try:
-        if fallocate(descriptor, _FALLOC_FL_INSERT_RANGE, 0, len(prefix)) != 0:
+    with open(path, "r+b", buffering=0) as handle:
+        if fallocate(handle.fileno(), _FALLOC_FL_INSERT_RANGE, 0, len(prefix)) != 0:
             code = ctypes.get_errno()
             if code in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENODEV):
                 return False
             raise OSError(code, os.strerror(code), str(path))
-        view, done = memoryview(prefix), 0
-        while done < len(prefix):
-            done += os.pwrite(descriptor, view[done:], done)
-    finally:
-        os.close(descriptor)
+        files.write_chunk(handle, prefix)
     return True
 
 
 def _copy_behind(path: Path, prefix: bytes, data: Path) -> None:
     """Write ``prefix`` then all of ``data`` into ``path``: in the kernel where it can (``copy_file_range``)."""
     length = data.stat().st_size
-    with open(data, "rb") as source, open(path, "wb") as target:
-        target.write(prefix)
-        target.flush()
+    with open(data, "rb") as source, open(path, "wb", buffering=0) as target:
+        files.write_chunk(target, prefix)
         copied = 0
         if hasattr(os, "copy_file_range"):
             try:
@@ -199,7 +190,7 @@ def _copy_behind(path: Path, prefix: bytes, data: Path) -> None:
             chunk = source.read(min(_COPY_CHUNK, length - copied))
             if not chunk:
                 raise OSError(f"{data}: shorter than its journal says")
-            target.write(chunk)
+            files.write_chunk(target, chunk)
             copied += len(chunk)
 
 
@@ -266,9 +257,9 @@ class CheckpointWriter:
             shutil.rmtree(self.work_dir)
         self.work_dir.mkdir()
         try:
-            (self.work_dir / INCOMPLETE_MARKER).write_text("moecompress is still writing this directory\n")
-            (self.work_dir / JOURNAL_NAME).write_text(self._journal_header() + "\n")
-        except OSError:
+            write_text(self.work_dir / INCOMPLETE_MARKER, "moecompress is still writing this directory\n")
+            write_text(self.work_dir / JOURNAL_NAME, self._journal_header() + "\n")
+        except (OSError, DiskFullError):
             shutil.rmtree(self.work_dir, ignore_errors=True)
             raise
 
@@ -304,9 +295,8 @@ class CheckpointWriter:
     def _rewrite_journal(self) -> None:
         """The journal holding exactly :attr:`units`; shard data past what they hold is cut off or removed, and
         shards a killed :meth:`finish` left are removed."""
-        temporary = self.work_dir / (JOURNAL_NAME + ".tmp")
-        temporary.write_text("\n".join([self._journal_header(), *(u.to_json() for u in self.units.values())]) + "\n")
-        os.replace(temporary, self.work_dir / JOURNAL_NAME)
+        lines = [self._journal_header(), *(u.to_json() for u in self.units.values())]
+        write_text(self.work_dir / JOURNAL_NAME, "\n".join(lines) + "\n")
         sizes = dict(enumerate(self._plan.sizes))
         for path in self.work_dir.glob("shard-*.data"):
             shard = int(path.name[len("shard-") : -len(".data")]) - 1
@@ -338,7 +328,11 @@ class CheckpointWriter:
         """An OS error while writing (a full disk above all) names the output directory, not a temporary file."""
         try:
             yield
+        except DiskFullError as error:
+            raise error.writing(str(self.out_dir)) from error
         except OSError as error:
+            if is_full(error):
+                raise DiskFullError(str(self.out_dir), error.errno) from error
             raise OSError(error.errno, error.strerror, str(self.out_dir)) from error
 
     def add(self, tensors: dict[str, torch.Tensor], *, unit: str | None = None, meta: Any = None) -> None:
@@ -361,26 +355,25 @@ class CheckpointWriter:
         digest = hashlib.sha256()
         with self._naming_the_output():
             for piece in pieces:
-                with open(self.work_dir / _data_name(piece.shard), "ab") as data:
+                with appending(self.work_dir / _data_name(piece.shard), piece.length) as data:
                     if data.tell() != piece.offset:
                         raise RuntimeError(f"{data.name}: holds {data.tell()} bytes, the plan expected {piece.offset}")
                     for _key, tensor in items[piece.first : piece.first + piece.count]:
-                        view = _tensor_bytes_view(tensor)
-                        data.write(view)
+                        view = tensor_bytes(tensor)
+                        files.write_chunk(data, view)
                         digest.update(view)
                         del view
             record.sha256 = digest.hexdigest()
-            with open(self.work_dir / JOURNAL_NAME, "a") as journal:
-                journal.write(record.to_json() + "\n")
-                journal.flush()
-                os.fsync(journal.fileno())
+            line = (record.to_json() + "\n").encode()
+            with appending(self.work_dir / JOURNAL_NAME, len(line), sync=True) as journal:
+                files.write_chunk(journal, line)
         self._plan.place(record, pieces)
         self.units[name] = record
         self._keys.update(tensors)
 
     def write_json(self, name: str, content: dict[str, Any]) -> None:
         with self._naming_the_output():
-            (self.work_dir / name).write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
+            write_json(self.work_dir / name, content)
 
     def copy_side_files(self, source_dir: str | os.PathLike[str]) -> list[str]:
         """Copy the tokenizer, generation config, processor and template files (everything but weights,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -38,6 +37,7 @@ def kernels_command(json_out: Path | None, quick: bool, repeats: int | None, hbm
     goals met or not. Without a GPU it times the torch references on CPU at reduced sizes instead.
     """
     from ..errors import UserInputError
+    from ..files import write_json
 
     if json_out is not None and not json_out.parent.is_dir():
         raise UserInputError(f"{json_out}: its directory does not exist")
@@ -49,7 +49,7 @@ def kernels_command(json_out: Path | None, quick: bool, repeats: int | None, hbm
 
     result = run_benchmark(quick=quick, repeats=repeats, hbm_gbs=hbm_gbs, progress=lambda m: click.echo(m, err=True))
     if json_out is not None:
-        json_out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        write_json(json_out, result.to_json())
     click.echo(format_report(result))
     if json_out is not None:
         click.echo(f"wrote {json_out}")

@@ -6,7 +6,6 @@ turns a :class:`~moecompress.errors.UserInputError` into one line on stderr and 
 
 from __future__ import annotations
 
-import errno
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import click
 from .. import __version__
 from ..defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from ..errors import UserInputError
+from ..files import DiskFullError, is_full
 from .bench import bench_group
 from .common_options import (
     EVAL_TOKENS_HELP,
@@ -30,6 +30,7 @@ from .common_options import (
     seq_len_option,
 )
 from .export import export_command
+from .interrupts import Interrupted, handling_signals, interrupted_line, resume_hint
 from .numbers import human_bytes as _human_bytes
 from .numbers import human_int as _human_int
 from .pass_options import PassCommand, config_from_options, config_options
@@ -153,6 +154,7 @@ def eval_command(
     from ..checkpoint import resolve_model
     from ..device import using_device
     from ..evals.perplexity import evaluate
+    from ..files import write_json
     from ..loading import load_adapter
     from ..preflight import (
         check_data_spec,
@@ -185,7 +187,7 @@ def eval_command(
     if reference_dir is not None:
         payload["reference"] = str(reference_dir)
     if json_out is not None:
-        json_out.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(json_out, payload)
     click.echo(
         f"perplexity          {result.perplexity:.4f}  ({result.tokens} predicted tokens, "
         f"{result.windows} windows of {result.seq_len})"
@@ -285,10 +287,20 @@ app.add_command(bench_group)
 
 
 def main() -> None:
-    """Console entry point: run the app, mapping user errors to one line and exit code 2."""
+    """Console entry point: run the app, mapping user errors and a full disk to one line and exit code 2, and
+    SIGINT/SIGTERM to one line and 128 + the signal (:mod:`.interrupts`)."""
     debug = "--debug" in sys.argv[1:]
     try:
-        app.main(standalone_mode=False)
+        with handling_signals():
+            app.main(standalone_mode=False)
+    except Interrupted as stop:
+        click.echo(interrupted_line(app, sys.argv[1:], stop), err=True)
+        sys.exit(stop.exit_code)
+    except DiskFullError as error:
+        if debug:
+            raise
+        click.echo(f"moecompress: error: {error}{resume_hint(app, sys.argv[1:], 'make room and ')}", err=True)
+        sys.exit(2)
     except UserInputError as error:
         if debug:
             raise
@@ -297,10 +309,10 @@ def main() -> None:
     except click.exceptions.Exit as exit_:
         sys.exit(exit_.exit_code)
     except OSError as error:
-        if debug or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if debug or not is_full(error):
             raise
-        where = f" writing {error.filename}" if error.filename else ""
-        click.echo(f"moecompress: error: no space left on the device{where}; nothing was written", err=True)
+        full = DiskFullError(error.filename or "a file", error.errno)
+        click.echo(f"moecompress: error: {full}{resume_hint(app, sys.argv[1:], 'make room and ')}", err=True)
         sys.exit(2)
     except click.UsageError as error:
         if debug or type(error).__name__ == "NoArgsIsHelpError":

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserInputError
+from ..files import write_text
 
 ENV_VAR = "MOECOMPRESS_LLAMA_CPP"
 CONVERTER = "convert_hf_to_gguf.py"
@@ -76,9 +77,9 @@ def run_converter(
             "file_type": file_type,
             "result": str(result_path),
         }
-        spec_path.write_text(json.dumps(spec))
         command = [sys.executable, str(DRIVER), str(spec_path), "--", str(model_dir)]
         command += ["--outfile", str(outfile), "--outtype", outtype]
+        write_text(spec_path, json.dumps(spec))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=work)
         if done.returncode != 0 or not result_path.is_file():

@@ -15,6 +15,7 @@ from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
 from ..errors import UserInputError
 from ..families import adapter_for
+from ..files import DiskFullError
 from ..memory import release_freed_memory
 from ..preflight import check_replaceable
 from ..progress import bar as progress_bar
@@ -103,7 +104,7 @@ def export_bf16(
             }
             writer.write_json(EXPORT_REPORT, report)
             writer.finish(plain_config(reader.config))
-        except (UserInputError, OSError):
+        except (UserInputError, OSError, DiskFullError):
             writer.abort()
             raise
     return report

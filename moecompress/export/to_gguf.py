@@ -10,7 +10,6 @@ gpt-oss export) goes to the converter as it is.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..errors import UserInputError
 from ..families import FamilyAdapter, adapter_for
+from ..files import write_json
 from ..quantization.scheme import QuantScheme
 from . import ggml_blocks
 from .llama_cpp import find_converter, run_converter
@@ -236,7 +236,7 @@ def export_gguf(
         report["pre_tokenizer_fallback"] = done["pre_tokenizer_fallback"]
         os.replace(partial, out)
         report["bytes"] = out.stat().st_size
-        report_path(out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report_path(out), report)
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)

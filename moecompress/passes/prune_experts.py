@@ -17,9 +17,7 @@ layer, and never goes below ``min_keep`` (at least top-k) in any layer.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +35,7 @@ from ..checkpoint.stream import check_output_is_not_input
 from ..errors import OptionError, UserInputError
 from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter
+from ..files import write_json
 from ..loading import load_adapter, load_tokenizer
 from ..sweep import CalibrationSweep, LayerCapture
 from ..sweep_state import LayerResult, SweepState
@@ -605,10 +604,7 @@ def prune_experts(
 
 def update_report(out_dir: Path, report: dict[str, Any]) -> None:
     """Replace the output's moecompress_report.json in one step."""
-    target = out_dir / "moecompress_report.json"
-    temporary = target.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(temporary, target)
+    write_json(out_dir / "moecompress_report.json", report)
 
 
 def write_pruned(

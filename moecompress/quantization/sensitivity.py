@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..device import host_buffer, to_compute
 from ..evals.perplexity import windows_per_forward
+from ..files import write_safetensors
 from ..progress import bar as progress_bar
 from ..sweep import CalibrationSweep, split_windows
-from ..sweep_state import load_with_metadata, save_atomically
+from ..sweep_state import load_with_metadata
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
 
@@ -68,7 +69,7 @@ def block_output_fisher(
             hidden = [plan.hidden for plan in sweep.plans]
             for layer in progress_bar(layers, desc="sensitivity (forward)", unit="layer", disable=not progress):
                 if layer >= lowest:
-                    save_file({str(i): h.contiguous() for i, h in enumerate(hidden)}, f"{spill}/{layer}.safetensors")
+                    write_safetensors(f"{spill}/{layer}.safetensors", {str(i): h for i, h in enumerate(hidden)}, {})
                 module, moe = sweep.materialise(layer)
                 del moe
                 outputs = sweep.forward_layer(module, layer, hidden)
@@ -216,5 +217,5 @@ def stored_layer_sensitivity(
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     sensitivity = layer_sensitivity(model_dir, batches, mode, spill_dir=path.parent, progress=progress)
-    save_atomically(path, {str(layer): value for layer, value in sensitivity.items()}, {"key": key})
+    write_safetensors(path, {str(layer): value for layer, value in sensitivity.items()}, {"key": key})
     return sensitivity
