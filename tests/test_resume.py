@@ -1,5 +1,6 @@
-"""Resume: a recipe run killed (SIGKILL) at several points and resumed each time writes exactly the bytes of an
-uninterrupted run; the writer's journal and the sweep states survive a kill and are checked on reopening.
+"""Resume: a recipe run killed (SIGKILL, SIGTERM, SIGINT) at several points and resumed each time writes exactly the
+bytes of an uninterrupted run; SIGTERM and SIGINT end in one line giving the command that continues (exit code 128 +
+the signal); the writer's journal and the sweep states survive a kill and are checked on reopening.
 
 The recipe (prune + GPTQ + low-rank + eval) runs as one layer pipeline: the kill points are its sensitivity, its
 measuring sweep, its rewriting sweep, its written layers and the evaluation."""
@@ -42,15 +43,15 @@ def _start(recipe: Path, out: Path, *extra: str) -> subprocess.Popen:
     )
 
 
-def _kill_when(process: subprocess.Popen, condition, timeout: float = 240.0) -> bool:
-    """SIGKILL ``process`` as soon as ``condition()`` holds; False when it finished first."""
+def _kill_when(process: subprocess.Popen, condition, signum=signal.SIGKILL, timeout: float = 240.0) -> bool:
+    """Send ``signum`` to ``process`` as soon as ``condition()`` holds; False when it finished first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
         if condition():
-            process.send_signal(signal.SIGKILL)
-            process.wait()
+            process.send_signal(signum)
+            process.wait(timeout=120)
             return True
         time.sleep(0.02)
     process.kill()
@@ -74,23 +75,28 @@ def test_killed_at_several_points_and_resumed_gives_the_same_bytes(tmp_path):
     run = out.parent / ".out.run"
     work = run / ".step-0.incomplete"
     points = [
-        ("sensitivity computed", lambda: (work / "state/sensitivity.safetensors").exists()),
-        ("measuring sweep", lambda: (work / "state/measure/hidden.safetensors").exists()),
-        ("rewriting sweep", lambda: (work / "state/rewrite/hidden.safetensors").exists()),
-        ("layers written", lambda: _journal_units(work) >= 3),
-        ("evaluation", lambda: (run / "step-0").is_dir()),
+        ("sensitivity computed", lambda: (work / "state/sensitivity.safetensors").exists(), signal.SIGKILL),
+        ("measuring sweep", lambda: (work / "state/measure/hidden.safetensors").exists(), signal.SIGTERM),
+        ("rewriting sweep", lambda: (work / "state/rewrite/hidden.safetensors").exists(), signal.SIGINT),
+        ("layers written", lambda: _journal_units(work) >= 3, signal.SIGTERM),
+        ("evaluation", lambda: (run / "step-0").is_dir(), signal.SIGINT),
     ]
+    continues = f"the partial work is kept: run `moecompress run {recipe} --out {out} --quiet --resume` to continue"
     killed = []
-    for index, (name, condition) in enumerate(points):
+    for index, (name, condition, signum) in enumerate(points):
         process = _start(recipe, out, *(["--resume"] if index else []))
-        if _kill_when(process, condition):
+        if _kill_when(process, condition, signum):
             killed.append(name)
             assert not out.exists(), f"killed during {name}, the output must not exist yet"
+            if signum != signal.SIGKILL:
+                assert process.returncode == 128 + signum, (name, process.returncode, process.stderr.read())
+                line = f"moecompress: interrupted by {signal.Signals(signum).name}; {continues}"
+                assert process.stderr.read().strip().splitlines() == [line], name
         else:
             assert process.returncode == 0, process.stderr.read()
             shutil.rmtree(out)
             pytest.fail(f"the run finished before the kill point {name!r}")
-    assert killed == [name for name, _ in points]
+    assert killed == [name for name, *_ in points]
     final = _start(recipe, out, "--resume")
     assert final.wait() == 0, final.stderr.read()
     assert not run.exists()
