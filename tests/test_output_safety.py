@@ -65,6 +65,9 @@ def test_overwrite_never_replaces_a_folder_of_other_files(tmp_path, monkeypatch)
         outcome = table.run_case([*command, "--out", "proj", "--overwrite"])
         _refused(outcome, "not a moecompress output")
         assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["proj"]
+    (tmp_path / "link").symlink_to("proj")
+    _refused(table.run_case(["quantize", TINY, "--out", "link", "--overwrite", *QUICK]), "a symbolic link")
+    assert _files(tmp_path / "proj") == {k[len("proj/") :]: v for k, v in before.items()}
     (tmp_path / "afile").write_text("mine\n")
     _refused(table.run_case(["run", table.DEFAULT_RECIPE, "--out", "afile", "--overwrite"]), "afile")
     assert (tmp_path / "afile").read_text() == "mine\n"
@@ -141,7 +144,10 @@ def _hold_in_another_process(out: Path) -> subprocess.Popen:
     return holder
 
 
-def test_a_live_run_refuses_a_second_run_a_resume_and_a_restart_then_a_kill_frees_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("after_the_kill", ["--resume", "--restart"])
+def test_a_live_run_refuses_a_second_run_a_resume_and_a_restart_then_a_kill_frees_it(
+    after_the_kill, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     holder = _hold_in_another_process(tmp_path / "out")
     try:
@@ -157,17 +163,17 @@ def test_a_live_run_refuses_a_second_run_a_resume_and_a_restart_then_a_kill_free
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     assert (tmp_path / ".out.lock").exists(), "a killed holder leaves its lock file, which must not block"
-    outcome = table.run_case(["quantize", TINY, "--out", "out", "--resume", *QUICK])
+    outcome = table.run_case(["quantize", TINY, "--out", "out", after_the_kill, *QUICK])
     assert outcome.code == 0, outcome.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_two_real_runs_on_one_out(tmp_path, monkeypatch):
-    """The first run (a calibrated prune, seconds of work after its checks) holds the lock from its output checks
-    on; a second run started meanwhile is refused naming the first's pid and touches nothing; the first finishes
-    as if alone and leaves no lock or work directory behind."""
+    """The first run holds the lock from its output checks on (the whole run, seconds, where the second's refusal
+    takes a fraction of one); a second run started meanwhile is refused naming the first's pid and touches nothing;
+    the first finishes as if alone and leaves no lock or work directory behind."""
     monkeypatch.chdir(tmp_path)
-    command = ["prune", TINY, "--out", "out", "--calib-tokens", "2048", *QUICK]
+    command = ["quantize", TINY, "--out", "out", *QUICK]
     first = subprocess.Popen(
         [sys.executable, "-m", "moecompress.cli.main", *command],
         stdout=subprocess.PIPE,
