@@ -584,7 +584,10 @@ def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, 
         raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
     if out_dir.exists() or out_dir.is_symlink():
         check_replaceable(out_dir)
-    return RunState(out_dir, recipe_digest(recipe, model_dir), resume)
+    try:
+        return RunState(out_dir, recipe_digest(recipe, model_dir), resume)
+    except DiskFullError as error:
+        raise error.writing(str(out_dir)) from error
 
 
 def _run_passes(
