@@ -161,8 +161,10 @@ class QuantizedExperts(_QuantizedWeights):
         """Keep every expert's dequantised weights in memory (non-persistent), so repeated forwards, as in
         quantisation-aware training, stop unpacking the codes each time. Costs ``dtype``-size copies of the
         experts; :meth:`drop_dequantized` frees them."""
-        pairs = [self.expert_weights(expert, dtype) for expert in range(self.num_experts)]
-        self._dequantized = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+        experts, hidden, intermediate = self.num_experts, self.hidden_size, self.intermediate_size
+        gate_up = self.quantized("gate_up_proj", (experts, 2 * intermediate, hidden))
+        down = self.quantized("down_proj", (experts, hidden, intermediate))
+        self._dequantized = (gate_up.dequantize(dtype), down.dequantize(dtype))
 
     def drop_dequantized(self) -> None:
         self._dequantized = None
