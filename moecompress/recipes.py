@@ -48,6 +48,7 @@ from .passes.options import refuse_unused
 from .passes.quantize import QuantizeConfig
 from .passes.registry import PASSES
 from .progress import end_of_command, event
+from .threads import check_resume_threads, thread_count
 from .vocabulary import RecipeKeys, named
 
 CONFIGS: dict[str, type] = {name: entry.config for name, entry in PASSES.items()}
@@ -437,6 +438,8 @@ class RunState:
                 f"{self.directory}: the interrupted run used another recipe or model; "
                 "discard it with --restart to start over"
             )
+        if manifest is not None:
+            check_resume_threads(manifest.get("threads"), self.directory)
         if manifest is None:
             if self.directory.exists():
                 shutil.rmtree(self.directory)
@@ -461,7 +464,7 @@ class RunState:
     def _write_manifest(self) -> None:
         finished = {str(index): hashes for index, hashes in sorted(self.finished.items())}
         reports = {str(index): report for index, report in sorted(self._reports.items())}
-        manifest = {"recipe": self.digest, "finished": finished, "reports": reports}
+        manifest = {"recipe": self.digest, "threads": thread_count(), "finished": finished, "reports": reports}
         write_json(self.manifest_path, manifest, indent=None)
 
     def step(self, index: int) -> Path:
@@ -686,6 +689,7 @@ def _run_passes(
         report["outcome"] = measure_outcome(model_dir, final, evaluation)
         attribute_to_input(report, model_dir)
         report["versions"] = _versions()
+        report["threads"] = thread_count()
         update_report(final, report)
         _move_into_place(final, out_dir)
     except UserInputError:
