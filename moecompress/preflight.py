@@ -437,6 +437,16 @@ def check_file_target(target: Path, label: str) -> None:
     os.unlink(probe)
 
 
+def check_not_replacing_inputs(out_dir: Path, inputs: list[Path]) -> None:
+    """No input (a recipe file, a data file) lies inside ``out_dir`` when ``out_dir`` exists and would be replaced."""
+    out_dir = Path(out_dir).absolute()
+    if not out_dir.exists():
+        return
+    for source in inputs:
+        if out_dir.resolve() in Path(source).expanduser().resolve().parents:
+            raise UserInputError(f"{source}: an input inside {out_dir}, which overwriting it would delete; move it out")
+
+
 def data_paths(spec: str) -> list[Path]:
     """The local files and directories among a comma-separated data source ``spec``."""
     pieces = [piece.strip() for piece in spec.split(",") if piece.strip()]

@@ -581,12 +581,14 @@ def _run_recipe(
 
 
 def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, resume: bool) -> RunState:
-    from .preflight import check_replaceable
+    from .preflight import check_not_replacing_inputs, check_replaceable, data_paths
 
     if out_dir.exists() and not overwrite:
         raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
     if out_dir.exists() or out_dir.is_symlink():
         check_replaceable(out_dir)
+        evaluated = data_paths(recipe.evaluation.data) if recipe.evaluation is not None else []
+        check_not_replacing_inputs(out_dir, [*data_paths(recipe.calibration.source), *evaluated])
     try:
         return RunState(out_dir, recipe_digest(recipe, model_dir), resume)
     except DiskFullError as error:

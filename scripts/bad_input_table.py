@@ -77,6 +77,12 @@ SETUPS: dict[str, Callable[[Path], None]] = {
     "project_dir": lambda w: ((w / "proj").mkdir(), (w / "proj" / "notes.txt").write_text("not moecompress's\n")),
     "locked": lambda w: _held_by_another_run(w),
     "locked_partial": lambda w: ((w / ".out.run").mkdir(), _held_by_another_run(w)),
+    "inputs_in_output": lambda w: (
+        (w / "out").mkdir(),
+        (w / "out" / "moecompress_report.json").write_text("{}\n"),
+        (w / "out" / "recipe.yaml").write_text("model: builtin:tiny-moe\npasses:\n  - quantize: {}\n"),
+        (w / "out" / "notes.txt").write_text("calibration text\n" * 2000),
+    ),
 }
 
 _HELD: list[int] = []
@@ -363,6 +369,18 @@ CASES: tuple[Case, ...] = (
         "export-out-inside-input",
         ("export", "{s}/copy", "--format", "gguf", "--out", "{s}/copy/m.gguf"),
         "never writes into its input",
+    ),
+    Case(
+        "run-overwrite-deletes-the-recipe",
+        ("run", "{w}/out/recipe.yaml", "--out", OUT, "--overwrite"),
+        "which overwriting it would delete",
+        "inputs_in_output",
+    ),
+    Case(
+        "prune-overwrite-deletes-the-calibration",
+        ("prune", TINY, "--out", OUT, "--overwrite", "--calib", "{w}/out/notes.txt", "--calib-tokens", "256"),
+        "which overwriting it would delete",
+        "inputs_in_output",
     ),
     Case("quantize-out-locked", ("quantize", TINY, "--out", OUT), "another moecompress run (pid 4242", "locked"),
     Case(

@@ -97,6 +97,19 @@ def test_the_api_names_its_arguments_and_keeps_the_files(tmp_path):
         moecompress.quantize(TINY, tmp_path / "done", evaluation=None)
     assert _files(tmp_path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "proj"]
+    (tmp_path / "done" / "moecompress_report.json").write_text("{}\n")
+    (tmp_path / "done" / "notes.txt").write_text("calibration text\n" * 2000)
+    before = _files(tmp_path)
+    with pytest.raises(UserInputError, match=r"notes.txt: an input inside .*done, which overwriting it would delete"):
+        moecompress.prune(
+            TINY,
+            tmp_path / "done",
+            overwrite=True,
+            calibration={"source": str(tmp_path / "done" / "notes.txt"), "tokens": 256},
+            evaluation=None,
+        )
+    assert _files(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "proj"]
 
 
 @pytest.fixture(scope="module")

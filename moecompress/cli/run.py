@@ -65,6 +65,10 @@ def run_command(
         return
     if out_dir is None:
         raise UserInputError("--out is required (or pass --dry-run)")
+    if overwrite:
+        from ..preflight import check_not_replacing_inputs
+
+        check_not_replacing_inputs(out_dir, [recipe])
 
     def announce() -> None:
         if log_json:
