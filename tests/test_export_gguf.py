@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -19,10 +20,10 @@ import moecompress
 from moecompress.checkpoint import CheckpointReader
 from moecompress.errors import UserInputError
 from moecompress.export import ggml_blocks
-from moecompress.export.llama_cpp import ENV_VAR, find_converter, gpt2_compatible
+from moecompress.export.llama_cpp import ENV_VAR, find_converter, gpt2_compatible, run_converter
 from moecompress.export.source import NativeSource, fold
 from moecompress.export.to_bf16 import export_bf16
-from moecompress.export.to_gguf import export_gguf
+from moecompress.export.to_gguf import export_gguf, source_outtype
 from moecompress.families import adapter_for
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 from moecompress.quantization.scheme import QuantScheme
@@ -104,6 +105,46 @@ def test_integer_experts_become_q4_blocks_within_the_stated_bound(scheme, ggml_t
     assert error.exact == exact
     if not exact:
         assert 0 < error.max_rel <= 2**-8 + (2**-11 * 15 if ggml_type == "Q4_1" else 0)
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        QuantScheme("mxfp4"),
+        QuantScheme("mxfp4", scale_rule="ceil"),
+        QuantScheme("int4", 32, symmetric=True),
+        QuantScheme("int4", 32, symmetric=False),
+        QuantScheme("int2", 32, symmetric=True),
+        QuantScheme("int2", 64, symmetric=False),
+        QuantScheme("binary", 128),
+    ],
+)
+def test_measure_by_the_group_table_is_the_measure_of_every_weight(scheme):
+    q = scheme.quantize(_weights(rows=512, cols=512))
+    blocks = ggml_blocks.to_ggml(q)
+    every_weight = ggml_blocks.compare(ggml_blocks.ggml_dequantize(blocks), q.dequantize())
+    assert ggml_blocks.measure(q, blocks) == every_weight
+    table = ggml_blocks._every_group(q)
+    assert table is not None and table.numel < q.numel
+    assert set(q.dequantize().unique().tolist()) <= set(table.dequantize().unique().tolist())
+
+
+def test_4bit_blocks_repacked_from_the_stored_bytes_equal_those_from_the_codes():
+    for scheme in (QuantScheme("mxfp4"), QuantScheme("int4", 32, symmetric=True), QuantScheme("int4", 64)):
+        q = scheme.quantize(_weights())
+        blocks = torch.from_numpy(ggml_blocks.to_ggml(q).blocks).reshape(3, 96, 8, -1)
+        head = blocks.shape[-1] - 16
+        assert torch.equal(blocks[..., head:], ggml_blocks._ggml_nibbles(q.codes()))
+        half = ggml_blocks.to_ggml(
+            replace(
+                q,
+                shape=(3, 48, 256),
+                packed=q.packed[:, 48:],
+                scales=q.scales[:, 48:],
+                zeros=None if q.zeros is None else q.zeros[:, 48:],
+            )
+        )
+        assert np.array_equal(half.blocks, blocks[:, 48:].reshape(3, 48, -1).numpy())
 
 
 def test_salient_weights_have_no_ggml_block():
@@ -314,6 +355,46 @@ def test_gguf_export_keeps_our_expert_codes(native_outputs, tmp_path, family, na
     token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     got = torch.from_numpy(gguf.quants.dequantize(token_embd.data, token_embd.tensor_type)).reshape(embed.shape)
     assert torch.equal(got, embed.float())
+
+
+@needs_converter
+@pytest.mark.parametrize("name", ["mxfp4", "int4-asym"])
+def test_holes_for_the_experts_give_the_file_a_whole_dequantised_view_gives(native_outputs, tmp_path, name):
+    """The converter reading a view whose experts are holes writes what it writes from the whole dequantised view
+    (the export before the holes): the same metadata, tensors in the same order, the same non-expert bytes; only
+    the experts differ, ours in place of the converter's bf16."""
+    directory = native_outputs[("qwen3_moe", name)]
+    export_gguf(directory, tmp_path / "ours.gguf", progress=False)
+    export_bf16(directory, tmp_path / "view", progress=False)
+    with CheckpointReader(directory) as reader:
+        outtype = source_outtype(reader)
+    run_converter(find_converter(None), tmp_path / "view", tmp_path / "whole.gguf", outtype=outtype)
+    ours, whole = gguf.GGUFReader(tmp_path / "ours.gguf"), gguf.GGUFReader(tmp_path / "whole.gguf")
+    assert list(ours.fields) == list(whole.fields)
+    for key, field in ours.fields.items():
+        if key != "general.file_type" and not key.startswith("GGUF."):
+            assert field.contents() == whole.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in whole.tensors]
+    experts = 0
+    for mine, theirs in zip(ours.tensors, whole.tensors, strict=True):
+        if "_exps." in mine.name:
+            assert mine.tensor_type.name == ("MXFP4" if name == "mxfp4" else "Q4_1")
+            experts += 1
+        else:
+            assert mine.tensor_type == theirs.tensor_type
+            assert mine.data.tobytes() == theirs.data.tobytes(), mine.name
+    assert experts > 0
+
+
+@needs_converter
+def test_a_relative_path_to_an_unquantised_checkpoint_converts(tmp_path, monkeypatch):
+    """Issue 39: the converter runs in a directory of its own, where a relative path named nothing."""
+    shutil.copytree(BUILTIN, tmp_path / "big1")
+    monkeypatch.chdir(tmp_path)
+    done = run_cli("export", "big1", "--format", "gguf", "--out", "big1.gguf", "--quiet")
+    assert done.returncode == 0, done.stderr
+    reader = gguf.GGUFReader(tmp_path / "big1.gguf")
+    assert any(t.name == "blk.0.ffn_up_exps.weight" for t in reader.tensors)
 
 
 @needs_converter

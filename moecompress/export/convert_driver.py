@@ -3,21 +3,41 @@ checkout ships, which may differ from ours), with three hooks:
 
 - a BPE pre-tokenizer the converter's hash table does not know is written as the compatible type we name
   (only when the converter itself finds none);
-- expert tensors named in a safetensors file of raw GGML blocks replace the converter's own data for those names
-  (their logical shapes must agree);
+- the expert tensors we name are written as GGML blocks of the type and byte shape we give (their logical shape
+  must agree with the converter's), but their bytes are left a hole: the caller writes our blocks there
+  afterwards (the converter never computes its own data for them: it loads tensors lazily);
 - ``general.file_type`` is set to the type we name.
 
 Usage: ``python convert_driver.py SPEC.json -- CONVERTER ARGS``. SPEC: ``llama_cpp`` (the directory holding
-``convert_hf_to_gguf.py``), ``pre_tokenizer`` (or null), ``blocks`` (safetensors path or null), ``types``
-(tensor name -> GGML type name), ``file_type`` (LlamaFileType name or null), ``result`` (a JSON path written at
-the end). This file imports nothing from moecompress.
+``convert_hf_to_gguf.py``), ``pre_tokenizer`` (or null), ``holes`` (tensor name -> [GGML type name, byte shape]),
+``file_type`` (LlamaFileType name or null), ``result`` (a JSON path written at the end). This file imports nothing
+from moecompress.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+import numpy as np
+
+
+class Hole:
+    """Stands for a tensor's raw bytes in the converter's writer: as many bytes skipped (the last one written, so
+    that the file reaches its full length) in place of data."""
+
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+        self.nbytes = int(np.prod(self.shape))
+
+    def tofile(self, handle):
+        if self.nbytes:
+            handle.seek(self.nbytes - 1, os.SEEK_CUR)
+            handle.write(b"\0")
 
 
 def main(argv: list[str]) -> None:
@@ -45,20 +65,16 @@ def main(argv: list[str]) -> None:
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 
-    blocks, pending = None, set()
-    if spec.get("blocks"):
-        from safetensors import safe_open
-
-        blocks = safe_open(spec["blocks"], framework="np")
-        pending = set(blocks.keys())
-    types = spec.get("types", {})
+    holes = spec.get("holes", {})
+    pending = set(holes)
     original_add_tensor = gguf.GGUFWriter.add_tensor
 
     def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None):
         if name in pending:
             pending.discard(name)
-            qtype = gguf.GGMLQuantizationType[types[name]]
-            ours = blocks.get_tensor(name)
+            type_name, shape = holes[name]
+            qtype = gguf.GGMLQuantizationType[type_name]
+            ours = Hole(shape)
             theirs = tuple(raw_shape) if raw_shape is not None else tuple(tensor.shape)
             if raw_dtype is not None and tensor.dtype.itemsize == 1 and raw_shape is None:
                 theirs = gguf.quant_shape_from_byte_shape(theirs, raw_dtype)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..quantization.scheme import QuantizedTensor
+from ..kernels.packing import pack_codes
+from ..quantization.scheme import QuantizedTensor, QuantScheme
 
 QK = 32
 
@@ -32,14 +33,25 @@ class GGMLTensor:
     blocks: np.ndarray
 
 
-def ggml_type_for(q: QuantizedTensor) -> str:
-    """The GGML block type that holds ``q``'s codes and grid (``MXFP4``, ``Q4_0`` or ``Q4_1``)."""
-    scheme = q.scheme
+BLOCK_BYTES = {"MXFP4": 1 + QK // 2, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
+
+
+def ggml_type(scheme: QuantScheme, has_zeros: bool) -> str:
+    """The GGML block type that holds codes and grids of ``scheme`` (``MXFP4``, ``Q4_0`` or ``Q4_1``)."""
     if scheme.is_float:
         return "MXFP4"
-    if scheme.is_binary or q.zeros is None:
+    if scheme.is_binary or not has_zeros:
         return "Q4_0"
     return "Q4_1"
+
+
+def ggml_type_for(q: QuantizedTensor) -> str:
+    return ggml_type(q.scheme, q.zeros is not None)
+
+
+def byte_shape(type_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of :attr:`GGMLTensor.blocks` for a ``shape`` weight."""
+    return (*shape[:-1], shape[-1] // QK * BLOCK_BYTES[type_name])
 
 
 def _ggml_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -57,31 +69,51 @@ def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape, 2)
 
 
+def _put_packed_nibbles(packed: torch.Tensor, out: torch.Tensor) -> None:
+    """GGML's nibble bytes ``[..., n, 16]`` of our packed 4-bit codes ``[..., n·16]`` into ``out``, without
+    unpacking: GGML's byte ``2m`` takes the low nibbles of our bytes ``m`` and ``8 + m`` (weights ``2m`` and
+    ``2m + 16``), its byte ``2m + 1`` their high nibbles (weights ``2m + 1`` and ``2m + 17``)."""
+    blocks = packed.reshape(*packed.shape[:-1], -1, QK // 2)
+    first, second = blocks[..., : QK // 4], blocks[..., QK // 4 :]
+    even, odd = out[..., 0::2], out[..., 1::2]
+    torch.bitwise_and(first, 0x0F, out=even)
+    even |= second << 4
+    torch.bitwise_right_shift(first, 4, out=odd)
+    odd |= second & 0xF0
+
+
+def _quants_are_codes(q: QuantizedTensor) -> bool:
+    """Whether GGML's 4-bit quants are our stored codes: MXFP4, and 4-bit integer grids (``code - 8 + 8`` for
+    Q4_0, the code itself for Q4_1)."""
+    return q.scheme.bits == 4 and not q.scheme.is_binary
+
+
 def to_ggml(q: QuantizedTensor) -> GGMLTensor:
     """``q`` (salient weights not allowed: GGML has no place for them) as GGML blocks."""
     if q.salient is not None:
         raise ValueError("a matrix with salient weights has no GGML block type; fold it into a dense tensor")
     type_name = ggml_type_for(q)
-    codes = q.codes()
     scheme = q.scheme
-    if type_name == "MXFP4":
-        blocks = torch.cat([q.scales.unsqueeze(-1), _ggml_nibbles(codes)], dim=-1)
-        return GGMLTensor(type_name, blocks.reshape(*q.shape[:-1], -1).numpy())
-    if scheme.is_binary:
-        quants, scale = codes * 2 + 7, q.scales.float()
+    head = BLOCK_BYTES[type_name] - QK // 2
+    blocks = torch.empty((*q.shape[:-1], q.shape[-1] // QK, BLOCK_BYTES[type_name]), dtype=torch.uint8)
+    if _quants_are_codes(q):
+        _put_packed_nibbles(q.packed, blocks[..., head:])
     else:
-        quants, scale = codes, q.scales.float()
-    if type_name == "Q4_0":
-        if not scheme.is_binary:
+        codes = q.codes()
+        if scheme.is_binary:
+            quants = codes * 2 + 7
+        elif type_name == "Q4_0":
             quants = codes.to(torch.int16) - 2 ** (scheme.bits - 1) + 8
-        d = _fp16_bytes(_per_block(scale, scheme.group_size))
-        nibbles = _ggml_nibbles(quants.to(torch.uint8))
-        blocks = torch.cat([d, nibbles], dim=-1)
+        else:
+            quants = codes
+        blocks[..., head:] = _ggml_nibbles(quants.to(torch.uint8))
+    if type_name == "MXFP4":
+        blocks[..., 0] = q.scales
     else:
-        m = -(q.zeros.float() * scale)
-        d = _fp16_bytes(_per_block(scale, scheme.group_size))
-        m = _fp16_bytes(_per_block(m, scheme.group_size))
-        blocks = torch.cat([d, m, _ggml_nibbles(quants)], dim=-1)
+        scale = q.scales.float()
+        blocks[..., 0:2] = _fp16_bytes(_per_block(scale, scheme.group_size))
+        if type_name == "Q4_1":
+            blocks[..., 2:4] = _fp16_bytes(_per_block(-(q.zeros.float() * scale), scheme.group_size))
     return GGMLTensor(type_name, blocks.reshape(*q.shape[:-1], -1).numpy())
 
 
@@ -130,6 +162,42 @@ def compare(ggml_values: np.ndarray, ours: torch.Tensor) -> BlockError:
     )
 
 
+def _distinct_rows(columns: list[torch.Tensor]) -> torch.Tensor:
+    """The distinct rows, by their bits, of the same-shaped tensors ``columns`` side by side: ``[n, bytes]``
+    (at most 7 bytes in all)."""
+    raw = torch.cat([c.reshape(-1, 1).contiguous().view(torch.uint8) for c in columns], dim=1)
+    width = raw.shape[1]
+    if width == 1:
+        distinct = torch.bincount(raw[:, 0], minlength=256).nonzero().squeeze(1)
+    else:
+        key = torch.zeros(raw.shape[0], dtype=torch.int64)
+        for byte in range(width):
+            key |= raw[:, byte].to(torch.int64) << (8 * byte)
+        distinct = torch.bincount(key, minlength=1 << 16).nonzero().squeeze(1) if width == 2 else torch.unique(key)
+    return torch.stack([(distinct >> (8 * byte)).to(torch.uint8) for byte in range(width)], dim=1)
+
+
+def _every_group(q: QuantizedTensor) -> QuantizedTensor | None:
+    """A weight with one row per distinct group (scale, and zero point where stored) of ``q``, holding every code:
+    each weight's value is a function of its code and its group alone, in GGML's decoding and in ours, so comparing
+    the two on it compares every value ``q`` can hold. None where it would not be smaller than ``q``."""
+    scheme = q.scheme
+    columns = [q.scales] if q.zeros is None else [q.scales, q.zeros]
+    rows = _distinct_rows(columns)
+    if rows.shape[0] * scheme.group_size >= q.numel:
+        return None
+    width = q.scales.element_size()
+    scales = rows[:, :width].contiguous().view(q.scales.dtype)
+    zeros = None if q.zeros is None else rows[:, width:].contiguous().view(q.zeros.dtype)
+    codes = (torch.arange(scheme.group_size) % (1 << scheme.bits)).expand(rows.shape[0], -1)
+    return QuantizedTensor(scheme, tuple(codes.shape), pack_codes(codes, scheme.bits), scales, zeros)
+
+
 def measure(q: QuantizedTensor, tensor: GGMLTensor) -> BlockError:
-    """GGML's values of ``tensor`` against ``q.dequantize()`` (what our model computes with)."""
+    """GGML's values of ``tensor`` against ``q.dequantize()`` (what our model computes with). Where GGML's decoding
+    of every (code, group) pair ``q`` has equals ours (MXFP4 always), the whole matrix is exact without decoding it;
+    otherwise every weight is decoded both ways and compared."""
+    table = _every_group(q)
+    if table is not None and compare(ggml_dequantize(to_ggml(table)), table.dequantize()).exact:
+        return BlockError(0.0, 0.0, 0, q.numel)
     return compare(ggml_dequantize(tensor), q.dequantize())

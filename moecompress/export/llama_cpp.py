@@ -61,25 +61,25 @@ def run_converter(
     outfile: Path,
     *,
     outtype: str = "bf16",
-    blocks: Path | None = None,
-    types: dict[str, str] | None = None,
+    holes: dict[str, tuple[str, tuple[int, ...]]] | None = None,
     file_type: str | None = None,
 ) -> dict[str, Any]:
-    """Convert ``model_dir`` to ``outfile``; returns what the hooks did. The converter's own error output ends
-    up in a one-line :class:`UserInputError` (its last line) when it fails."""
+    """Convert ``model_dir`` to ``outfile``; returns what the hooks did. The tensors named in ``holes`` (name ->
+    GGML type name and the blocks' byte shape) are left unwritten in ``outfile``, for the caller to fill. The
+    converter's own error output ends up in a one-line :class:`UserInputError` (its last line) when it fails."""
     with tempfile.TemporaryDirectory(prefix="moecompress-convert-") as work:
         spec_path, result_path = Path(work) / "spec.json", Path(work) / "result.json"
         spec = {
             "llama_cpp": str(llama_cpp),
             "pre_tokenizer": fallback_pre_tokenizer(model_dir),
-            "blocks": None if blocks is None else str(blocks),
-            "types": types or {},
+            "holes": {name: [kind, list(shape)] for name, (kind, shape) in (holes or {}).items()},
             "file_type": file_type,
             "result": str(result_path),
         }
-        command = [sys.executable, str(DRIVER), str(spec_path), "--", str(model_dir)]
-        command += ["--outfile", str(outfile), "--outtype", outtype]
         write_text(spec_path, json.dumps(spec))
+        # The converter runs in ``work``: relative paths would name places there.
+        command = [sys.executable, str(DRIVER), str(spec_path), "--", str(Path(model_dir).absolute())]
+        command += ["--outfile", str(Path(outfile).absolute()), "--outtype", outtype]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=work)
         if done.returncode != 0 or not result_path.is_file():

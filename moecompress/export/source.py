@@ -88,15 +88,55 @@ class NativeSource:
     def outside_tensors(self) -> dict[str, torch.Tensor]:
         return self._dense_rest(self.reader.read(self.outside))
 
-    def layer(self, layer: int) -> SourceLayer:
+    def quantized_experts_module(self, layer: int) -> str | None:
+        """The layer's routed-experts module where its experts are stored quantised."""
+        if not self.adapter.is_moe_layer(layer):
+            return None
+        experts = experts_module(self.adapter, layer)
+        return experts if experts in self.modules else None
+
+    def _expert_keys(self, layer: int) -> list[str]:
+        experts = self.quantized_experts_module(layer)
+        if experts is None:
+            return []
+        names = {f"{experts}.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in QuantizedTensor.STORED_SUFFIXES}
+        return [key for key in self.layers[layer] if key in names]
+
+    def needs_fold(self, layer: int) -> bool:
+        """Whether the layer's quantised experts have low-rank adapters or salient weights (:func:`fold`)."""
+        experts = self.quantized_experts_module(layer)
+        if experts is None:
+            return False
+        salient = {f"{experts}.gate_up_proj_salient", f"{experts}.down_proj_salient"}
+        return any(key.startswith(f"{experts}.lowrank.") or key in salient for key in self.layers[layer])
+
+    def quantized_experts(self, layer: int) -> tuple[QuantizedTensor, QuantizedTensor]:
+        """The layer's stored quantised ``gate_up`` and ``down``, read alone and not decoded."""
+        experts = self.quantized_experts_module(layer)
+        assert experts is not None
+        tensors = self.reader.read(self._expert_keys(layer))
+        return self._quantized(experts, "gate_up_proj", tensors), self._quantized(experts, "down_proj", tensors)
+
+    def _unread(self, experts: str, param: str) -> torch.Tensor:
+        """A quantised expert tensor's dequantised bf16 shape, on the meta device (nothing read)."""
+        scheme = self.schemes[self.modules[experts]]
+        packed = self.reader.tensors[f"{experts}.{param}"].shape
+        return torch.empty((*packed[:-1], packed[-1] * 8 // scheme.bits), dtype=torch.bfloat16, device="meta")
+
+    def layer(self, layer: int, *, experts_read: bool = True) -> SourceLayer:
+        """Decoder layer ``layer``. With ``experts_read=False`` its quantised experts are neither read nor decoded:
+        ``moe.gate_up``/``moe.down`` are meta tensors of their dequantised shape and ``gate_up_q``/``down_q`` None."""
         adapter = self.adapter
-        tensors = self.reader.read(self.layers[layer])
+        skipped = set() if experts_read else set(self._expert_keys(layer))
+        tensors = self.reader.read([key for key in self.layers[layer] if key not in skipped])
         if not adapter.is_moe_layer(layer):
             return SourceLayer(layer, None, self._dense_rest(tensors))
         experts = experts_module(adapter, layer)
         router = f"{adapter.layer_prefix(layer)}{adapter.router_module}"
         out = SourceLayer(layer, None, {})
-        if experts in self.modules:
+        if experts in self.modules and not experts_read:
+            gate_up, down = self._unread(experts, "gate_up_proj"), self._unread(experts, "down_proj")
+        elif experts in self.modules:
             out.gate_up_q = self._quantized(experts, "gate_up_proj", tensors)
             out.down_q = self._quantized(experts, "down_proj", tensors)
             gate_up, down = out.gate_up_q.dequantize(torch.bfloat16), out.down_q.dequantize(torch.bfloat16)

@@ -1,7 +1,8 @@
 """``--format gguf``: a GGUF file for llama.cpp that keeps our quantised experts.
 
-llama.cpp's own converter writes the metadata, vocabulary and every non-expert tensor, from a bf16 view of the
-checkpoint (:mod:`.to_bf16`); the routed experts' tensors are replaced by our codes re-packed as GGML blocks
+llama.cpp's own converter writes the metadata, vocabulary and every non-expert tensor, from a view of the
+checkpoint (:mod:`.view`: unquantised per-expert layout, bf16 where we dequantise) in which the routed experts are
+holes, never decoded nor written; those are then filled with our codes re-packed as GGML blocks
 (:mod:`.ggml_blocks`): MXFP4 exactly, integer grids as Q4_0 / Q4_1 with the error measured. Matrices with
 low-rank adapters or salient weights have no GGML block form: they are refused, or with ``fold`` written
 folded into dense bf16. A checkpoint that is not in our native format (an original or pruned bf16 model, our
@@ -10,22 +11,28 @@ gpt-oss export) goes to the converter as it is.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..checkpoint import CheckpointReader, CheckpointWriter
+from ..checkpoint import CheckpointReader
 from ..errors import UserInputError
 from ..families import FamilyAdapter, adapter_for
 from ..files import write_json
-from ..quantization.scheme import QuantScheme
+from ..memory import release_freed_memory
+from ..progress import bar as progress_bar
+from ..quantization.scheme import QuantizedTensor, QuantScheme
 from . import ggml_blocks
 from .llama_cpp import find_converter, run_converter
-from .source import SourceLayer, check_exportable, quant_config
-from .to_bf16 import export_bf16
+from .source import NativeSource, check_exportable, fold, quant_config
+from .to_bf16 import dense_layer, fold_error, open_native, plain_config
+from .view import ConverterView
 
 FILE_TYPES = {"MXFP4": "MOSTLY_MXFP4_MOE", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
 BOUNDS = {
@@ -67,39 +74,103 @@ def _gguf_name(layer: int, matrix: str) -> str:
     return f"blk.{layer}.ffn_{matrix}_exps.weight"
 
 
-class _BlockCollector:
-    """Turns each layer's quantised experts into GGML blocks, measured against ours, and writes them out."""
+def _hole_shapes(moe, folded: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
+    """The expert matrices written as GGML blocks (those not folded) with their logical shapes."""
+    gate_up, down, inter = tuple(moe.gate_up.shape), tuple(moe.down.shape), moe.intermediate_size
+    out = []
+    if "gate_up" not in folded:
+        out += [("gate", (*gate_up[:-2], inter, gate_up[-1])), ("up", (*gate_up[:-2], inter, gate_up[-1]))]
+    if "down" not in folded:
+        out.append(("down", down))
+    return out
 
-    def __init__(self, writer: CheckpointWriter):
-        self.writer = writer
-        self.types: dict[str, str] = {}
-        self.errors: dict[str, dict[str, Any]] = {}
-        self.folded: dict[str, list[str]] = {}
 
-    def __call__(self, layer: SourceLayer, folded: dict[str, torch.Tensor]) -> None:
-        if layer.moe is None or layer.gate_up_q is None:
-            return
-        inter = layer.moe.intermediate_size
-        parts = []
-        if "gate_up" not in folded:
-            rows = torch.arange(2 * inter)
-            parts += [
-                ("gate", layer.gate_up_q.take_rows(rows[:inter])),
-                ("up", layer.gate_up_q.take_rows(rows[inter:])),
-            ]
-        if "down" not in folded:
-            parts.append(("down", layer.down_q))
-        if folded:
-            self.folded[str(layer.layer)] = sorted(folded)
-        tensors = {}
-        for matrix, q in parts:
-            name = _gguf_name(layer.layer, matrix)
-            blocks = ggml_blocks.to_ggml(q)
-            self.types[name] = blocks.type_name
-            self.errors[name] = {"type": blocks.type_name, **ggml_blocks.measure(q, blocks).to_dict()}
-            tensors[name] = torch.from_numpy(blocks.blocks)
-        if tensors:
-            self.writer.add(tensors, unit=f"layer-{layer.layer}")
+def _write_view(native: NativeSource, source: Path, view: Path, progress: bool) -> dict[str, Any]:
+    """The converter's view of the checkpoint (:mod:`.view`): our expert blocks' places are holes, and only layers
+    that need folding have their experts read and decoded. Returns the holes (GGUF name -> GGML type and the
+    blocks' byte shape), the folded matrices per layer and their largest bf16 rounding error."""
+    writer = ConverterView(view)
+    holes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    folded_layers: dict[str, list[str]] = {}
+    worst = 0.0
+    writer.add(native.outside_tensors())
+    for index in progress_bar(list(native.layers), desc="converter's view", unit="layer", disable=not progress):
+        needs = native.needs_fold(index)
+        layer = native.layer(index, experts_read=needs)
+        folded = fold(layer) if needs else {}
+        experts = native.quantized_experts_module(index)
+        if experts is not None:
+            if folded:
+                folded_layers[str(index)] = sorted(folded)
+                worst = max(worst, fold_error(folded))
+            scheme = native.schemes[native.modules[experts]]
+            for matrix, shape in _hole_shapes(layer.moe, folded):
+                param = "down_proj" if matrix == "down" else "gate_up_proj"
+                kind = ggml_blocks.ggml_type(scheme, f"{experts}.{param}_zeros" in native.reader.tensors)
+                holes[_gguf_name(index, matrix)] = (kind, ggml_blocks.byte_shape(kind, shape))
+        writer.add(dense_layer(native.adapter, layer, folded))
+        del layer, folded
+        release_freed_memory()
+    writer.finish(plain_config(native.reader.config), source)
+    return {"holes": holes, "folded": folded_layers, "worst": worst}
+
+
+def _hole_offsets(partial: Path, holes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """Where each hole's bytes start in the converter's file, after checking its type and size there."""
+    import gguf
+
+    found = {tensor.name: tensor for tensor in gguf.GGUFReader(partial).tensors}
+    offsets = {}
+    for name, (kind, shape) in holes.items():
+        tensor = found.get(name)
+        if tensor is None:
+            raise RuntimeError(f"the converter did not write {name}")
+        if tensor.tensor_type.name != kind or tensor.n_bytes != math.prod(shape):
+            raise RuntimeError(f"{partial}: {name} is {tensor.tensor_type.name} of {tensor.n_bytes} bytes, not {kind}")
+        offsets[name] = int(tensor.data_offset)
+    return offsets
+
+
+def _fill_blocks(
+    native: NativeSource, partial: Path, holes: dict[str, tuple[str, tuple[int, ...]]], progress: bool
+) -> dict[str, dict[str, Any]]:
+    """Our experts' GGML blocks written into their holes, one layer at a time; returns each tensor's error entry."""
+    offsets = _hole_offsets(partial, holes)
+    layers = [index for index in native.layers if native.quantized_experts_module(index) is not None]
+    errors: dict[str, dict[str, Any]] = {}
+    with open(partial, "r+b", buffering=0) as handle:
+        for index in progress_bar(layers, desc="expert blocks", unit="layer", disable=not progress):
+            gate_up_q, down_q = native.quantized_experts(index)
+            inter = gate_up_q.shape[-2] // 2
+            halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+            for matrix in ("gate", "up", "down"):
+                name = _gguf_name(index, matrix)
+                if name not in holes:
+                    continue
+                q = down_q if matrix == "down" else _rows(gate_up_q, halves[matrix])
+                blocks = ggml_blocks.to_ggml(q)
+                errors[name] = {"type": blocks.type_name, **ggml_blocks.measure(q, blocks).to_dict()}
+                if blocks.type_name != holes[name][0] or blocks.blocks.shape != holes[name][1]:
+                    raise RuntimeError(f"{name}: blocks of {blocks.type_name} {blocks.blocks.shape}, not {holes[name]}")
+                _write_at(handle.fileno(), blocks.blocks, offsets[name])
+    return errors
+
+
+def _rows(q: QuantizedTensor, rows: slice) -> QuantizedTensor:
+    """Rows ``rows`` of the output dimension as views (``take_rows`` copies them)."""
+
+    def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor[..., rows, :]
+
+    shape = (*q.shape[:-2], rows.stop - rows.start, q.shape[-1])
+    return replace(q, shape=shape, packed=pick(q.packed), scales=pick(q.scales), zeros=pick(q.zeros))
+
+
+def _write_at(fd: int, array: np.ndarray, offset: int) -> None:
+    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    while view:
+        count = os.pwrite(fd, view, offset)
+        view, offset = view[count:], offset + count
 
 
 def source_outtype(reader: CheckpointReader) -> str:
@@ -121,20 +192,6 @@ def _file_type(types: dict[str, str]) -> str | None:
     return FILE_TYPES[kinds.pop()] if len(kinds) == 1 else None
 
 
-def verify_blocks(out: Path, blocks_file: Path, names: list[str]) -> None:
-    """The written file holds exactly our blocks under each substituted name."""
-    import gguf
-    from safetensors import safe_open
-
-    reader = gguf.GGUFReader(out)
-    found = {tensor.name: tensor for tensor in reader.tensors}
-    with safe_open(blocks_file, framework="np") as ours:
-        for name in names:
-            raw = found[name].data
-            if raw.reshape(-1).view("uint8").tobytes() != ours.get_tensor(name).tobytes():
-                raise RuntimeError(f"{out}: tensor {name} does not hold the blocks written for it")
-
-
 def _export_native(
     source: Path,
     converter: Path,
@@ -145,33 +202,27 @@ def _export_native(
     needs: list[str],
     progress: bool,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A native-format checkpoint: the dequantised view through the converter with our expert blocks substituted.
-    Returns the converter driver's result and the report's entries."""
+    """A native-format checkpoint: the converter writes everything but our expert blocks, from a view of the
+    checkpoint in which their places are holes; then our blocks fill them. Returns the converter driver's result
+    and the report's entries."""
     report: dict[str, Any] = {}
-    collector = _BlockCollector(CheckpointWriter(work / "blocks", max_shard_bytes=1 << 62))
-    view = work / "view"
-    dense = export_bf16(source, view, progress=progress, layer_hook=collector)
-    collector.writer.finish({})
-    blocks_file = work / "blocks" / "model.safetensors"
-    done = run_converter(
-        converter,
-        view,
-        partial,
-        outtype=outtype,
-        blocks=blocks_file if collector.types else None,
-        types=collector.types,
-        file_type=_file_type(collector.types),
-    )
-    missing = sorted(set(collector.types) - set(done["substituted"]))
-    if missing:
-        raise RuntimeError(f"the converter did not write {missing[0]}")
-    if collector.types:
-        verify_blocks(partial, blocks_file, sorted(collector.types))
+    reader, native = open_native(source)
+    with reader:
+        plan = _write_view(native, source, work / "view", progress)
+        holes = plan["holes"]
+        types = {name: kind for name, (kind, _) in holes.items()}
+        done = run_converter(
+            converter, work / "view", partial, outtype=outtype, holes=holes, file_type=_file_type(types)
+        )
+        missing = sorted(set(holes) - set(done["substituted"]))
+        if missing:
+            raise RuntimeError(f"the converter did not write {missing[0]}")
+        errors = _fill_blocks(native, partial, holes, progress)
     report["experts"] = {
-        "written_as": sorted(set(collector.types.values())),
-        "bounds": {kind: BOUNDS[kind] for kind in sorted(set(collector.types.values()))},
-        "tensors": collector.errors,
-        "all_exact": all(entry["exact"] for entry in collector.errors.values()),
+        "written_as": sorted(set(types.values())),
+        "bounds": {kind: BOUNDS[kind] for kind in sorted(set(types.values()))},
+        "tensors": errors,
+        "all_exact": all(entry["exact"] for entry in errors.values()),
     }
     if any(scheme.activation_bits for scheme in native_schemes(config)):
         report["experts"]["activations"] = (
@@ -180,10 +231,10 @@ def _export_native(
         )
     report["folded"] = {
         "what": needs,
-        "layers": collector.folded,
+        "layers": plan["folded"],
         "how": f"folded matrices are written dense, not as GGML blocks: W_deq + L·R rounded to bf16, stored "
         f"as the converter's --outtype {outtype}",
-        "max_abs_rounding_error": dense["folded"]["max_abs_rounding_error"],
+        "max_abs_rounding_error": plan["worst"],
     }
     report["other_tensors"] = (
         f"written by the converter (--outtype {outtype}) from the dequantised view: quantised non-expert "
