@@ -67,9 +67,16 @@ def acquire(out_dir: str | os.PathLike[str], *, label: str | None = None) -> Non
     if out_dir in _held:
         return
     path = lock_path(out_dir)
-    made = _made_parents(path.parent)
+    try:
+        made = _made_parents(path.parent)
+    except OSError as error:
+        raise UserInputError(f"{label or out_dir}: cannot write in {error.filename} ({error.strerror})") from None
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            _remove_empty(made)
+            raise UserInputError(f"{label or out_dir}: cannot write in {path.parent} ({error.strerror})") from None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

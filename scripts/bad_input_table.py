@@ -382,6 +382,9 @@ CASES: tuple[Case, ...] = (
         "which overwriting it would delete",
         "inputs_in_output",
     ),
+    Case(
+        "export-out-unwritable", ("export", TINY, "--format", "bf16", "--out", "/sys/moecompress-out"), "cannot write"
+    ),
     Case("quantize-out-locked", ("quantize", TINY, "--out", OUT), "another moecompress run (pid 4242", "locked"),
     Case(
         "quantize-resume-locked",
