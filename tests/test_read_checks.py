@@ -175,3 +175,38 @@ def test_a_cached_hub_id_resolves_when_the_hub_cannot_be_reached(tmp_path):
     (repo / "refs" / "main").write_text(commit)
     line, seconds = _resolve_in_child("tiny-org/tiny-moe", cache, HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9")
     assert line == str(repo / "snapshots" / commit) and seconds < 5, (line, seconds)
+
+
+def test_a_repository_the_hub_does_not_have_is_refused_after_one_request(tmp_path):
+    """A Hub that answers (a local server standing in for it) and says 404 RepoNotFound: one request, one line."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    paths = []
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            paths.append(self.path)
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        line, seconds = _resolve_in_child(
+            "no-such-org/no-such-model", tmp_path / "hub", HF_HUB_OFFLINE="0", HF_ENDPOINT=endpoint
+        )
+    finally:
+        server.shutdown()
+    assert line == "refused: no-such-org/no-such-model: no such local directory or Hub repository", line
+    # (huggingface_hub also GETs /api/agent-harnesses by itself, which is no request for the model)
+    asked = [path.split("?")[0] for path in paths if "no-such" in path]
+    assert asked == ["/api/models/no-such-org/no-such-model"] and seconds < 5, (asked, seconds)
