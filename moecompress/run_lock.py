@@ -95,8 +95,9 @@ def acquire(out_dir: str | os.PathLike[str], *, label: str | None = None) -> Non
         if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
             break
         os.close(descriptor)
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, f"{os.getpid()}\n{_command()}\n".encode(), 0)
+    holder = f"{os.getpid()}\n{_command()}\n".encode()
+    os.pwrite(descriptor, holder, 0)
+    os.ftruncate(descriptor, len(holder))
     _held[out_dir] = (descriptor, made)
 
 
