@@ -17,13 +17,14 @@ import torch
 from helpers import run_cli
 
 import moecompress
-from moecompress.checkpoint import CheckpointReader
+from moecompress.checkpoint import CheckpointReader, CheckpointWriter
 from moecompress.errors import UserInputError
 from moecompress.export import ggml_blocks
 from moecompress.export.llama_cpp import ENV_VAR, find_converter, gpt2_compatible, run_converter
 from moecompress.export.source import NativeSource, fold
 from moecompress.export.to_bf16 import export_bf16
 from moecompress.export.to_gguf import export_gguf, source_outtype
+from moecompress.export.view import ConverterView
 from moecompress.families import adapter_for
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 from moecompress.quantization.scheme import QuantScheme
@@ -154,6 +155,41 @@ def test_salient_weights_have_no_ggml_block():
     q = QuantScheme("int2").quantize(weight, keep)
     with pytest.raises(ValueError, match="salient"):
         ggml_blocks.to_ggml(q)
+
+
+def test_the_converter_view_is_sharded_like_a_written_checkpoint_with_holes_for_the_experts(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    units = [
+        {f"model.layers.{layer}.w{i}": torch.randn(128, 256, generator=generator).to(torch.bfloat16) for i in range(4)}
+        for layer in range(3)
+    ]
+    holes = {"model.layers.0.w1", "model.layers.1.w0", "model.layers.1.w3", "model.layers.2.w2"}
+    side = tmp_path / "side"
+    side.mkdir()
+    (side / "tokenizer.json").write_text("{}")
+    (side / "model.safetensors").write_bytes(b"not copied")
+    shard_bytes = 3 * 128 * 256 * 2
+    writer = CheckpointWriter(tmp_path / "full", max_shard_bytes=shard_bytes)
+    view = ConverterView(tmp_path / "view", max_shard_bytes=shard_bytes)
+    for unit in units:
+        writer.add(unit)
+        view.add({k: torch.empty(t.shape, dtype=t.dtype, device="meta") if k in holes else t for k, t in unit.items()})
+    writer.finish({"architectures": ["X"]})
+    view.finish({"architectures": ["X"]}, side)
+    index = "model.safetensors.index.json"
+    weight_map = json.loads((tmp_path / "view" / index).read_text())["weight_map"]
+    assert weight_map == json.loads((tmp_path / "full" / index).read_text())["weight_map"]
+    assert sorted(p.name for p in (tmp_path / "view").iterdir()) == sorted(
+        [index, "config.json", "tokenizer.json", *set(weight_map.values())]
+    )
+    with CheckpointReader(tmp_path / "view") as reader:
+        for unit in units:
+            for key, tensor in unit.items():
+                assert torch.equal(reader.tensor(key), torch.zeros_like(tensor) if key in holes else tensor)
+    for name in set(weight_map.values()):
+        stat = (tmp_path / "view" / name).stat()
+        held = [k for k, file in weight_map.items() if file == name and k not in holes]
+        assert stat.st_blocks * 512 < stat.st_size or len(held) == sum(v == name for v in weight_map.values())
 
 
 @pytest.fixture(scope="module")
