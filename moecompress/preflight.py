@@ -143,7 +143,11 @@ def check_prune_heads(adapter: Any, config: Any, model_dir: Path) -> None:
     layouts = head_layouts(adapter, config.unit)
     _check_input(adapter, layouts, model_dir, config.unit)
     if config.scope == "layer":
-        removal_counts(layouts, config.ratio)
+        try:
+            removal_counts(layouts, config.ratio)
+        except OptionError as error:
+            error.owner = error.owner or type(config)
+            raise
     else:
         total = sum(layout.units for layout in layouts)
         remove = round(config.ratio * total)

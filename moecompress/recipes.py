@@ -356,6 +356,8 @@ def read_recipe_text(path: Path) -> str:
 def load_recipe(path: Path) -> Recipe:
     try:
         document = recipe_yaml.load(read_recipe_text(path))
+    except recipe_yaml.RecipeYAMLError as error:
+        raise UserInputError(f"{path}: {error}") from None
     except yaml.YAMLError as error:
         raise UserInputError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
     return parse_recipe(document, str(path))
@@ -544,8 +546,20 @@ def run_recipe(
             return _run_recipe(
                 recipe, model_dir, out_dir, overwrite=overwrite, progress=progress, resume=resume, chained=chained
             )
+    except OptionError as error:
+        raise _spelled(recipe, error) from None
     finally:
         end_of_command()
+
+
+def _spelled(recipe: Recipe, error: OptionError) -> OptionError:
+    """An error found while running, spelled as the recipe's caller spells options (unless already spelled): the
+    pass it names is the one whose config owns the option (the only one, for a one-pass recipe)."""
+    if recipe.vocabulary is None or error.vocabulary is not None:
+        return error
+    owners = [{type(config), *((QuantizeConfig,) if name == "qat" else ())} for name, config in recipe.passes]
+    index = next((i for i, own in enumerate(owners) if error.owner in own), 0 if len(owners) == 1 else None)
+    return recipe.vocabulary.bind(error, index)
 
 
 def _check_ranks(recipe: Recipe, resume: bool) -> None:

@@ -214,6 +214,51 @@ SETUPS.update(
 )
 
 
+# issue 40: ignored options and recipes
+_BOMB = "\n".join(
+    ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    + [f"{chr(98 + i)}: &{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]
+)
+SETUPS.update(
+    {
+        "dup_passes": _recipe("model: builtin:tiny-moe\npasses: [{quantize: {}}]\npasses: [{prune_experts: {}}]\n"),
+        "dup_nested": _recipe("model: builtin:tiny-moe\npasses:\n  - quantize: {scheme: int4, scheme: int2}\n"),
+        "alias": _recipe("model: &m builtin:tiny-moe\nx: *m\npasses: [{quantize: {}}]\n"),
+        "alias_bomb": _recipe(_BOMB + "\nmodel: *i\npasses: [{quantize: {}}]\n"),
+        "r_gptq_damp": _recipe("model: builtin:tiny-moe\npasses:\n  - quantize: {method: rtn, gptq_damp: 0.1}\n"),
+        "r_rank_alloc": _recipe(
+            "model: builtin:tiny-moe\npasses:\n  - quantize: {}\n  - lowrank: {rank_alloc: uniform}\n"
+        ),
+        "r_budget_nan": _recipe(
+            "model: builtin:tiny-moe\npasses:\n  - quantize: {}\n  - lowrank: {lowrank_budget: .nan}\n"
+        ),
+        "r_budget_big": _recipe(
+            "model: builtin:tiny-moe\npasses:\n  - quantize: {}\n  - lowrank: {lowrank_budget: 12}\n"
+        ),
+        "r_min_keep": _recipe("model: builtin:tiny-moe\npasses:\n  - prune_experts: {scope: layer, min_keep: 3}\n"),
+        "r_calib_rtn": _recipe(
+            "model: builtin:tiny-moe\ncalibration: {tokens: 4096}\npasses:\n  - quantize: {scheme: int4}\n"
+        ),
+        "r_seq_len": _recipe(
+            "model: builtin:tiny-moe\ncalibration: {seq_len: 100000, tokens: 200000}\npasses:\n"
+            "  - prune_experts: {ratio: 0.25}\n"
+        ),
+        "r_eval_tokens": _recipe("model: builtin:tiny-moe\npasses:\n  - quantize: {}\n  - eval: {tokens: 1}\n"),
+        "r_ratio_inf": _recipe("model: builtin:tiny-moe\npasses:\n  - prune_experts: {ratio: .inf}\n"),
+        "r_heads_steps": _recipe(
+            "model: builtin:tiny-moe\npasses:\n  - prune_heads: {ratio: 0.5, method: magnitude, steps: 10}\n"
+        ),
+        "r_replay_weights": _recipe("model: builtin:tiny-moe\npasses:\n  - qat: {replay_weights: recorded}\n"),
+        "r_long_key": _recipe("model: builtin:tiny-moe\npasses:\n  - quantize: {" + "k" * 1000 + ": 1}\n"),
+        "r_not_a_number": _recipe("model: builtin:tiny-moe\npasses:\n  - prune_experts: {ratio: a lot}\n"),
+        "r_greedy_reap": _recipe("model: builtin:tiny-moe\npasses:\n  - prune_experts: {method: reap, greedy: true}\n"),
+        "r_image_size": _recipe(
+            "model: builtin:tiny-moe\ncalibration: {image_size: 64}\npasses:\n  - prune_experts: {}\n"
+        ),
+    }
+)
+
+
 CASES: tuple[Case, ...] = (
     # inspect
     Case("inspect-missing", ("inspect", "{w}/nowhere"), "no such model directory"),
@@ -520,6 +565,272 @@ CASES: tuple[Case, ...] = (
         "push-not-an-output", ("push", "{w}/empty", "--repo-id", "me/t", "--dry-run"), "not a moecompress", "empty_dir"
     ),
     Case("push-bad-repo-id", ("push", "{s}/copy", "--repo-id", "no-slash", "--dry-run"), "expected ORG/NAME"),
+    # issue 40: ignored options and recipes
+    Case("prune-min-keep-layer-scope", ("prune", TINY, "--out", OUT, "--min-keep", "3"), "--min-keep 3 applies only"),
+    Case("prune-greedy-reap", ("prune", TINY, "--out", OUT, "--method", "reap", "--greedy"), "--greedy applies only"),
+    Case(
+        "prune-preserve-tags-frequency",
+        ("prune", TINY, "--out", OUT, "--method", "frequency", "--preserve-tags", "code"),
+        "--preserve-tags code applies only with --method maep",
+    ),
+    Case(
+        "prune-aggregate-random",
+        ("prune", TINY, "--out", OUT, "--method", "random", "--aggregate", "mean"),
+        "--aggregate mean applies only",
+    ),
+    Case(
+        "prune-low-attention-without-prune-tags",
+        ("prune", TINY, "--out", OUT, "--low-attention-fraction", "0.3"),
+        "applies only with --method maep and --prune-tags",
+    ),
+    Case("prune-weight-without-prune-tags", ("prune", TINY, "--out", OUT, "--prune-weight", "0.7"), "--prune-tags"),
+    Case("prune-ratio-nan", ("prune", TINY, "--out", OUT, "--ratio", "nan"), "nan is not a finite number"),
+    Case("prune-ratio-inf", ("prune", TINY, "--out", OUT, "--ratio", "inf"), "inf is not a finite number"),
+    Case(
+        "prune-low-attention-nan",
+        ("prune", TINY, "--out", OUT, "--prune-tags", "code", "--low-attention-fraction", "nan"),
+        "not a finite number",
+    ),
+    Case(
+        "prune-eval-tokens-no-eval",
+        ("prune", TINY, "--out", OUT, "--no-eval", "--eval-tokens", "512"),
+        "--eval-tokens applies only with an evaluation",
+    ),
+    Case(
+        "prune-eval-data-no-eval",
+        ("prune", TINY, "--out", OUT, "--no-eval", "--eval-data", "builtin:code"),
+        "--eval-data applies only with an evaluation",
+    ),
+    Case(
+        "prune-image-size-text-source",
+        ("prune", TINY, "--out", OUT, "--image-size", "64"),
+        "--image-size applies only with an image calibration source",
+    ),
+    Case(
+        "quantize-asymmetric-mxfp4",
+        ("quantize", TINY, "--out", OUT, "--asymmetric"),
+        "--asymmetric applies only with --scheme int4, int2 or w4a8",
+    ),
+    Case(
+        "quantize-symmetric-binary",
+        ("quantize", TINY, "--out", OUT, "--scheme", "binary", "--symmetric"),
+        "--symmetric applies only",
+    ),
+    Case(
+        "quantize-scale-rule-int4",
+        ("quantize", TINY, "--out", OUT, "--scheme", "int4", "--scale-rule", "ceil"),
+        "--scale-rule ceil applies only with --scheme mxfp4",
+    ),
+    Case(
+        "quantize-gptq-damp-rtn",
+        ("quantize", TINY, "--out", OUT, "--gptq-damp", "0.1"),
+        "--gptq-damp 0.1 applies only with --method gptq",
+    ),
+    Case("quantize-gptq-min-tokens-rtn", ("quantize", TINY, "--out", OUT, "--gptq-min-tokens", "8"), "--method gptq"),
+    Case(
+        "quantize-bitmap-without-salient",
+        ("quantize", TINY, "--out", OUT, "--bitmap", "golomb"),
+        "applies only with --salient-fraction above 0",
+    ),
+    Case(
+        "quantize-rank-alloc-without-budget",
+        ("quantize", TINY, "--out", OUT, "--rank-alloc", "uniform"),
+        "--rank-alloc uniform applies only with --lowrank-budget above 0",
+    ),
+    Case(
+        "quantize-sensitivity-without-adapters",
+        ("quantize", TINY, "--out", OUT, "--sensitivity", "none"),
+        "--sensitivity none applies only",
+    ),
+    Case(
+        "quantize-load-weighting-without-adapters",
+        ("quantize", TINY, "--out", OUT, "--load-weighting", "tokens"),
+        "--load-weighting tokens applies only",
+    ),
+    Case(
+        "quantize-seed-rtn", ("quantize", TINY, "--out", OUT, "--seed", "3"), "--seed 3 applies only with calibration"
+    ),
+    Case(
+        "quantize-calib-rtn",
+        ("quantize", TINY, "--out", OUT, "--calib", "builtin:code"),
+        "--calib applies only with a pass that calibrates",
+    ),
+    Case(
+        "quantize-calib-tokens-rtn",
+        ("quantize", TINY, "--out", OUT, "--calib-tokens", "4096"),
+        "--calib-tokens applies only with a pass that calibrates",
+    ),
+    Case(
+        "quantize-seq-len-rtn-no-eval",
+        ("quantize", TINY, "--out", OUT, "--no-eval", "--seq-len", "128"),
+        "--seq-len applies only with calibration or an evaluation",
+    ),
+    Case(
+        "quantize-lowrank-budget-nan",
+        ("quantize", TINY, "--out", OUT, "--lowrank-budget", "nan"),
+        "nan is not a finite number",
+    ),
+    Case(
+        "quantize-lowrank-budget-inf",
+        ("quantize", TINY, "--out", OUT, "--lowrank-budget", "inf"),
+        "inf is not a finite number",
+    ),
+    Case(
+        "quantize-lowrank-budget-larger-than-input",
+        ("quantize", TINY, "--out", OUT, "--lowrank-budget", "12"),
+        "would make the experts at least 16.250 bits per weight",
+    ),
+    Case(
+        "quantize-int2-budget-larger-than-input",
+        ("quantize", TINY, "--out", OUT, "--scheme", "int2", "--lowrank-budget", "15"),
+        "not fewer than the input's 16.000",
+    ),
+    Case(
+        "quantize-salient-fraction-nan",
+        ("quantize", TINY, "--out", OUT, "--salient-fraction", "nan"),
+        "not a finite number",
+    ),
+    Case(
+        "quantize-gptq-damp-inf",
+        ("quantize", TINY, "--out", OUT, "--method", "gptq", "--gptq-damp", "inf"),
+        "not a finite number",
+    ),
+    Case(
+        "qat-replay-weights-without-replay",
+        ("qat", TINY, "--out", OUT, "--scheme", "int2", "--replay-weights", "recorded"),
+        "--replay-weights recorded applies only with --replay other than none",
+    ),
+    Case(
+        "qat-rank-alloc-with-adapter-rank",
+        ("qat", TINY, "--out", OUT, "--scheme", "int2", "--adapter-rank", "4", "--rank-alloc", "uniform"),
+        "--rank-alloc uniform applies only with --lowrank-budget above 0",
+    ),
+    Case(
+        "qat-asymmetric-mxfp4",
+        ("qat", TINY, "--out", OUT, "--scheme", "mxfp4", "--asymmetric"),
+        "--asymmetric applies only",
+    ),
+    Case("qat-lr-nan", ("qat", TINY, "--out", OUT, "--scheme", "int2", "--lr", "nan"), "not a finite number"),
+    Case(
+        "qat-budget-larger-than-input",
+        ("qat", TINY, "--out", OUT, "--scheme", "int2", "--lowrank-budget", "14"),
+        "not fewer than the input's",
+    ),
+    Case(
+        "qat-eval-tokens-no-eval",
+        ("qat", TINY, "--out", OUT, "--scheme", "int2", "--no-eval", "--eval-tokens", "512"),
+        "--eval-tokens applies only with an evaluation",
+    ),
+    Case(
+        "prune-heads-steps-magnitude",
+        ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5", "--method", "magnitude", "--steps", "10"),
+        "--steps 10 applies only with --method learned",
+    ),
+    Case(
+        "prune-heads-gate-objective-random",
+        ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5", "--method", "random", "--gate-objective", "kl"),
+        "--gate-objective kl applies only",
+    ),
+    Case(
+        "prune-heads-distill-lr-without-distillation",
+        ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5", "--distill-steps", "0", "--distill-lr", "0.001"),
+        "--distill-lr 0.001 applies only with --distill-steps above 0",
+    ),
+    Case(
+        "prune-heads-noise-bias-magnitude",
+        ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5", "--method", "magnitude", "--noise-bias", "1.0"),
+        "--noise-bias 1.0 applies only",
+    ),
+    Case("prune-heads-lr-nan", ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5", "--lr", "nan"), "not a finite"),
+    Case(
+        "prune-heads-eval-data-no-eval",
+        ("prune-heads", TINY, "--out", OUT, "--ratio", "0.5", "--no-eval", "--eval-data", "builtin:code"),
+        "--eval-data applies only with an evaluation",
+    ),
+    Case("run-duplicate-passes", ("run", "{w}/recipe.yaml", "--out", OUT), "duplicate key 'passes'", "dup_passes"),
+    Case("run-duplicate-nested-key", ("run", "{w}/recipe.yaml", "--out", OUT), "duplicate key 'scheme'", "dup_nested"),
+    Case("run-alias", ("run", "{w}/recipe.yaml", "--out", OUT), "recipes do not take YAML aliases", "alias"),
+    Case("run-alias-bomb", ("run", "{w}/recipe.yaml", "--out", OUT), "recipes do not take YAML aliases", "alias_bomb"),
+    Case(
+        "run-gptq-damp-rtn",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[0].quantize.gptq_damp 0.1 applies only with passes[0].quantize.method gptq",
+        "r_gptq_damp",
+    ),
+    Case(
+        "run-lowrank-rank-alloc-without-budget",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[1].lowrank.rank_alloc uniform applies only",
+        "r_rank_alloc",
+    ),
+    Case(
+        "run-lowrank-budget-nan",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[1].lowrank.lowrank_budget nan is not a finite number",
+        "r_budget_nan",
+    ),
+    Case(
+        "run-lowrank-budget-larger-than-input",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[1].lowrank.lowrank_budget 12.0 would make the experts",
+        "r_budget_big",
+    ),
+    Case(
+        "run-min-keep-layer-scope",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[0].prune_experts.min_keep 3 applies only with passes[0].prune_experts.scope global",
+        "r_min_keep",
+    ),
+    Case(
+        "run-calibration-with-rtn",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "calibration.tokens applies only with a pass that calibrates",
+        "r_calib_rtn",
+    ),
+    Case(
+        "run-seq-len-beyond-positions",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "calibration.seq_len 100000 exceeds the model's max_position_embeddings",
+        "r_seq_len",
+    ),
+    Case(
+        "run-eval-tokens-1",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[1].eval.tokens 1 must be",
+        "r_eval_tokens",
+    ),
+    Case("run-ratio-inf", ("run", "{w}/recipe.yaml", "--out", OUT), "ratio inf is not a finite", "r_ratio_inf"),
+    Case(
+        "run-heads-steps-magnitude",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[0].prune_heads.steps 10 applies only with passes[0].prune_heads.method learned",
+        "r_heads_steps",
+    ),
+    Case(
+        "run-qat-replay-weights",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[0].qat.replay_weights recorded applies only",
+        "r_replay_weights",
+    ),
+    Case("run-long-unknown-key", ("run", "{w}/recipe.yaml", "--out", OUT), "kkk...: unknown key", "r_long_key"),
+    Case(
+        "run-ratio-not-a-number",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[0].prune_experts.ratio a lot is not a number",
+        "r_not_a_number",
+    ),
+    Case(
+        "run-greedy-reap",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "passes[0].prune_experts.greedy true applies only",
+        "r_greedy_reap",
+    ),
+    Case(
+        "run-image-size-text-source",
+        ("run", "{w}/recipe.yaml", "--out", OUT),
+        "calibration.image_size applies only",
+        "r_image_size",
+    ),
 )
 
 

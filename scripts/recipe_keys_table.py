@@ -15,6 +15,7 @@ from moecompress.cli.main import app
 from moecompress.cli.pass_options import PassCommand
 from moecompress.passes.options import choices_of, field_default, flag_of, option_of, type_name, value_type
 from moecompress.passes.registry import PASSES
+from moecompress.vocabulary import RecipeKeys
 
 OUT = Path(__file__).parent.parent / "docs" / "recipe_keys.md"
 
@@ -27,7 +28,9 @@ fails when it is out of date).
 
 A recipe sets a key as `- quantize: {scheme: int4, group_size: 64}`; `lowrank` sets the quantize pass's low-rank
 keys (`lowrank_budget`, `rank_alloc`, ...) right after it. *recipe only* marks a tuning knob the commands leave at
-its default. A pass's `seed` defaults to the recipe's `calibration.seed`.
+its default. A pass's `seed` defaults to the recipe's `calibration.seed`. A key marked *Only with ...* is refused
+where the pass's other keys leave it unused (`gptq_damp` with `method: rtn`), on the command line and in the API
+too; leaving it out is always accepted.
 """
 
 
@@ -74,9 +77,10 @@ def _rows(cls: type, command: str | None) -> list[str]:
             flag = "`" + flag_of(field, declared).replace("/", "` / `") + "`"
             if declared.shared:
                 flag += f" (the {command} command's own)" if command else ""
-        rows.append(
-            f"| `{field.name}` | {_cell(kind)} | {_value(field_default(field))} | {flag} | {_cell(declared.help)} |"
-        )
+        what = declared.help
+        if declared.applies is not None:
+            what += f" Only with {RecipeKeys({}).render(declared.applies.text, cls)}; refused elsewhere."
+        rows.append(f"| `{field.name}` | {_cell(kind)} | {_value(field_default(field))} | {flag} | {_cell(what)} |")
     return rows
 
 

@@ -186,3 +186,96 @@ def test_import_sets_no_process_state_and_the_cli_sets_huge_pages():
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1"
+
+
+def _cli_message(args) -> str:
+    from moecompress.cli.main import app
+
+    with pytest.raises(UserInputError) as raised:
+        app.main(list(args), standalone_mode=False)
+    return str(raised.value)
+
+
+def _recipe_message(tmp_path, text) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: builtin:tiny-moe\n" + text)
+    return _cli_message(["run", str(path), "--out", str(tmp_path / "r")])
+
+
+def _api_message(call, **kwargs) -> str:
+    with pytest.raises(UserInputError) as raised:
+        call(**kwargs)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("cli", "recipe", "api", "names"),
+    [
+        (
+            ["eval", "builtin:tiny-moe", "--seq-len", "100000"],
+            "calibration: {seq_len: 100000, tokens: 200000}\npasses: [{prune_experts: {}}]\n",
+            (moecompress.evaluate, {"model": "builtin:tiny-moe", "seq_len": 100000}),
+            ("--seq-len 100000", "calibration.seq_len 100000", "evaluate(): seq_len=100000"),
+        ),
+        (
+            ["quantize", "builtin:tiny-moe", "--lowrank-budget", "12"],
+            "passes: [{quantize: {}}, {lowrank: {lowrank_budget: 12}}]\n",
+            (moecompress.quantize, {"lowrank_budget": 12.0}),
+            ("--lowrank-budget 12.0", "passes[1].lowrank.lowrank_budget 12.0", "quantize(): lowrank_budget=12.0"),
+        ),
+        (
+            ["quantize", "builtin:tiny-moe", "--gptq-damp", "0.1"],
+            "passes: [{quantize: {gptq_damp: 0.1}}]\n",
+            (moecompress.quantize, {"gptq_damp": 0.1}),
+            ("--gptq-damp 0.1", "passes[0].quantize.gptq_damp 0.1", "quantize(): gptq_damp=0.1"),
+        ),
+        (
+            ["prune", "builtin:tiny-moe", "--keep", "9"],
+            "passes: [{prune_experts: {keep: 9}}]\n",
+            (moecompress.prune, {"keep": 9}),
+            ("--keep 9", "passes[0].prune_experts.keep 9", "prune(): keep=9"),
+        ),
+        (
+            ["prune", "builtin:tiny-moe", "--ratio", "0.25", "--calib-tokens", "100"],
+            "calibration: {tokens: 100}\npasses: [{prune_experts: {ratio: 0.25}}]\n",
+            (moecompress.prune, {"ratio": 0.25, "calibration": {"tokens": 100}}),
+            ("--calib-tokens 100", "calibration.tokens 100", "prune(): calibration={'tokens': 100}"),
+        ),
+        (
+            ["prune", "builtin:tiny-moe", "--scope", "layer", "--min-keep", "3"],
+            "passes: [{prune_experts: {scope: layer, min_keep: 3}}]\n",
+            (moecompress.prune, {"scope": "layer", "min_keep": 3}),
+            ("--min-keep 3", "passes[0].prune_experts.min_keep 3", "prune(): min_keep=3"),
+        ),
+    ],
+    ids=["seq_len", "lowrank_budget", "gptq_damp", "keep", "calib_tokens", "min_keep"],
+)
+def test_the_same_bad_value_is_named_as_each_caller_spells_it(tmp_path, cli, recipe, api, names):
+    """Issue 40: a refusal names the option as the caller wrote it: the flag, the recipe key's path, the argument."""
+    call, kwargs = api
+    if call is not moecompress.evaluate:
+        kwargs = {"model": "builtin:tiny-moe", "out": tmp_path / "a", "evaluation": None, **kwargs}
+        cli = [*cli, "--out", str(tmp_path / "c"), "--no-eval"]
+    messages = (_cli_message(cli), _recipe_message(tmp_path, recipe), _api_message(call, **kwargs))
+    for message, name in zip(messages, names, strict=True):
+        assert message.startswith(name), (message, name)
+    assert "passes[" not in messages[0] + messages[2] and "--" not in messages[1] + messages[2], messages
+    assert "max_tokens" not in messages[2], messages
+    assert not any(p.exists() for p in (tmp_path / "a", tmp_path / "c", tmp_path / "r"))
+
+
+def test_evaluate_blames_the_window_not_a_default_the_caller_did_not_set():
+    """A window longer than the default token count names the window, which the caller set, and says the count is
+    a default; a count the caller gave is named itself."""
+    from moecompress.errors import OptionError
+    from moecompress.preflight import check_eval_window
+    from moecompress.vocabulary import Arguments
+
+    arguments = Arguments("evaluate", {("calibration", "seq_len"): "seq_len", ("evaluation", "tokens"): "max_tokens"})
+    with pytest.raises(OptionError) as raised:
+        check_eval_window(20000, 16384, given=False)
+    assert str(raised.value).startswith("--seq-len 20000 is longer than the 16384 tokens evaluated by default")
+    assert str(arguments.bind(raised.value)).startswith("evaluate(): seq_len=20000 is longer than the 16384 tokens")
+    with pytest.raises(UserInputError) as raised:
+        moecompress.evaluate("builtin:tiny-moe", seq_len=512, max_tokens=100)
+    assert str(raised.value).startswith("evaluate(): max_tokens=100 is less than one window of seq_len=512")

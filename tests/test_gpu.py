@@ -99,7 +99,7 @@ def test_gptq_int4(tmp_path: Path, lowrank: float) -> None:
 
 def test_streamed_evaluation(tmp_path: Path) -> None:
     """An INT2 output (written on the CPU) evaluated against tiny-moe on each device."""
-    quantized = _quantize(tmp_path / "int2", "cpu", scheme="int2").out
+    quantized = moecompress.quantize("builtin:tiny-moe", tmp_path / "int2", scheme="int2", evaluation=None).out
     figures = {
         device: moecompress.evaluate(quantized, "builtin:tiny-moe", seq_len=128, max_tokens=1024, device=device)
         for device in ("cpu", "cuda")

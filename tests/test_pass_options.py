@@ -156,3 +156,62 @@ def test_keep_alone_prunes_to_that_count_from_the_command_line_and_from_a_recipe
     ((_, from_recipe),) = parse_recipe({"model": "M", "passes": [{"prune_experts": {"keep": 4}}]}).passes
     assert from_cli == from_recipe and (from_cli.ratio, from_cli.keep) == (None, 4)
     assert PASSES["prune_experts"].config().ratio == 0.25
+
+
+def _ignored_cases():
+    """Every generated option of prune and quantize that the command's defaults leave unused (its ``applies`` is
+    false on them), given with its own default value."""
+    from moecompress.passes.options import option_of as declared_of
+
+    cases = []
+    for command_name in ("prune", "quantize", "prune-heads"):
+        command = app.commands[command_name]
+        cls = next(PASSES[name].config for name in command.pass_names)
+        for param in command.params:
+            if not hasattr(param, GENERATED):
+                continue
+            field = next(f for f in dataclasses.fields(cls) if f.name == param.name)
+            applies = declared_of(field).applies
+            if applies is None or applies.test(cls(ratio=0.5) if command_name == "prune-heads" else cls()):
+                continue
+            if param.is_flag or param.secondary_opts:
+                args = [param.opts[0]]
+            else:
+                default = param.default if param.default is not None else "1"
+                args = [param.opts[0], str(default)]
+            cases.append(pytest.param(command_name, args, id=f"{command_name} {' '.join(args)}"))
+    return cases
+
+
+@pytest.mark.parametrize(("command_name", "args"), _ignored_cases())
+def test_an_option_the_defaults_leave_unused_is_refused_when_given(command_name, args, tmp_path):
+    """Defaults are not "given": the same value left out passes this check, given it is refused naming the flag."""
+    from moecompress.errors import UserInputError
+
+    base = [command_name, "builtin:tiny-moe", "--out", str(tmp_path / "o"), "--no-eval"]
+    base += ["--ratio", "0.5"] if command_name == "prune-heads" else []
+    with pytest.raises(UserInputError, match="applies only with") as raised:
+        app.main([*base, *args], standalone_mode=False)
+    assert str(raised.value).startswith(args[0] + " "), str(raised.value)
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_applies_table_covers_the_issue_examples():
+    """The options issue 40 found silently ignored are declared with the condition they need."""
+    from moecompress.passes.prune_experts import PruneExpertsConfig
+    from moecompress.passes.quantize import QuantizeConfig
+
+    expected = {
+        (QuantizeConfig, "symmetric"): QuantizeConfig(scheme="mxfp4"),
+        (QuantizeConfig, "gptq_damp"): QuantizeConfig(method="rtn"),
+        (QuantizeConfig, "scale_rule"): QuantizeConfig(scheme="int4"),
+        (QuantizeConfig, "rank_alloc"): QuantizeConfig(lowrank_rank=4),
+        (PruneExpertsConfig, "min_keep"): PruneExpertsConfig(scope="layer"),
+        (PruneExpertsConfig, "greedy"): PruneExpertsConfig(method="reap"),
+    }
+    for (cls, name), config in expected.items():
+        declared = option_of(next(f for f in dataclasses.fields(cls) if f.name == name))
+        assert declared.applies is not None and not declared.applies.test(config), (cls.__name__, name)
+    assert option_of(next(f for f in dataclasses.fields(QuantizeConfig) if f.name == "symmetric")).applies.test(
+        QuantizeConfig(scheme="int2")
+    )

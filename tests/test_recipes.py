@@ -37,7 +37,7 @@ def test_the_default_recipe_is_maep_mxfp4_lowrank_and_eval():
         (_recipe({"quantize": {"schem": "int4"}}), "passes[0].quantize.schem: unknown key"),
         (_recipe({"prune_experts": {"ratio": "a lot"}}), "passes[0].prune_experts.ratio a lot is not a number"),
         (_recipe({"prune_experts": {"scope": "everywhere"}}), "passes[0].prune_experts.scope everywhere is not one of"),
-        (_recipe({"prune_experts": {"ratio": 1.5}}), "passes[0].prune_experts.ratio 1.5: must be between 0 and 1"),
+        (_recipe({"prune_experts": {"ratio": 1.5}}), "passes[0].prune_experts.ratio 1.5 must be between 0 and 1"),
         (_recipe({"quantize": {"scheme": "int3"}}), "passes[0].quantize.scheme int3: unknown scheme"),
         (_recipe({"quantize": {}}, {"prune_experts": {}}), "passes[1].prune_experts: pruning must come before"),
         (_recipe({"quantize": {}}, {"qat": {}}), "passes[1].qat: the model is already quantised by passes[0].quantize"),
@@ -46,8 +46,14 @@ def test_the_default_recipe_is_maep_mxfp4_lowrank_and_eval():
         (_recipe({"eval": {}}, {"quantize": {}}), "passes[1].quantize: eval must be the last pass"),
         (_recipe({"teleport": {}}), "passes[0].teleport: unknown pass"),
         (_recipe(), "passes: expected a non-empty list"),
-        (_recipe({"quantize": {}}, calibration={"tokens": 10, "seq_len": 256}), "calibration.tokens 10 is less than one window of calibration.seq_len 256"),
-        (_recipe({"qat": {"quantize": {"group_size": "big"}}}), "passes[0].qat.quantize.group_size big is not a whole number"),
+        (
+            _recipe({"quantize": {}}, calibration={"tokens": 10, "seq_len": 256}),
+            "calibration.tokens 10 is less than one window of calibration.seq_len 256",
+        ),
+        (
+            _recipe({"qat": {"quantize": {"group_size": "big"}}}),
+            "passes[0].qat.quantize.group_size big is not a whole number",
+        ),
     ],
 )
 def test_bad_recipes_name_the_key(document, message):
@@ -162,3 +168,77 @@ def test_log_json_gives_one_json_object_per_stderr_line(tmp_path):
     assert summary["outcome"]["experts"] == [32, 24]
     both = run_cli("run", str(_small_recipe(tmp_path)), "--out", str(tmp_path / "x"), "--quiet", "--log-json")
     assert both.returncode == 2 and "exclude each other" in both.stderr
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (_recipe({"quantize": {"method": "rtn", "gptq_damp": 0.01}}), "passes[0].quantize.gptq_damp 0.01 applies only"),
+        (_recipe({"quantize": {"scheme": "mxfp4", "symmetric": False}}), "passes[0].quantize.symmetric false"),
+        (_recipe({"quantize": {"scheme": "int4", "scale_rule": "ceil"}}), "passes[0].quantize.scale_rule ceil"),
+        (_recipe({"quantize": {}}, {"lowrank": {"rank_alloc": "uniform"}}), "passes[1].lowrank.rank_alloc uniform"),
+        (_recipe({"quantize": {}}, {"lowrank": {"lowrank_budget": float("nan")}}), "lowrank_budget nan is not a fin"),
+        (_recipe({"prune_experts": {"min_keep": 3}}), "passes[0].prune_experts.min_keep 3 applies only with"),
+        (_recipe({"prune_experts": {"method": "reap", "greedy": True}}), "passes[0].prune_experts.greedy true"),
+        (_recipe({"prune_experts": {"greedy_step": 2}}), "passes[0].prune_experts.greedy_step 2 applies only"),
+        (_recipe({"prune_experts": {"ratio": float("inf")}}), "passes[0].prune_experts.ratio inf is not a finite"),
+        (_recipe({"prune_heads": {"method": "magnitude", "steps": 5}}), "passes[0].prune_heads.steps 5 applies"),
+        (_recipe({"qat": {"replay_weights": "recorded"}}), "passes[0].qat.replay_weights recorded applies only"),
+        (
+            _recipe({"qat": {"quantize": {"scheme": "mxfp4", "symmetric": True, "lowrank_budget": 0.375}}}),
+            "passes[0].qat.quantize.symmetric true applies only",
+        ),
+        (_recipe({"quantize": {}}, calibration={"tokens": 4096}), "calibration.tokens applies only with a pass"),
+        (_recipe({"quantize": {}}, calibration={"seq_len": 128}), "calibration.seq_len applies only with"),
+        (_recipe({"prune_experts": {}}, calibration={"image_size": 64}), "calibration.image_size applies only"),
+        (_recipe({"quantize": {}}, {"eval": {"tokens": 1}}), "passes[1].eval.tokens 1 must be at least 2"),
+        (_recipe({"quantize": {"targets": ["experts", 7]}}), "passes[0].quantize.targets"),
+        (_recipe({"quantize": {"x" * 500: 1}}), "..."),
+    ],
+)
+def test_keys_a_pass_ignores_and_values_no_pass_can_use_are_refused_by_path(document, message):
+    with pytest.raises(UserInputError) as raised:
+        parse_recipe(document)
+    assert message in str(raised.value) and len(str(raised.value)) < 400, str(raised.value)
+
+
+def test_a_key_that_applies_is_accepted():
+    recipe = parse_recipe(_recipe({"quantize": {"scheme": "int4", "symmetric": False, "method": "gptq"}}))
+    assert recipe.passes[0][1].symmetric is False
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "model: builtin:tiny-moe\npasses: [{quantize: {}}]\npasses: [{prune_experts: {}}]\n",
+            "duplicate key 'passes'",
+        ),
+        ("model: builtin:tiny-moe\npasses:\n  - quantize: {scheme: int4, scheme: int2}\n", "duplicate key 'scheme'"),
+        ("model: a\nmodel: b\npasses: [{quantize: {}}]\n", "line 2, column 1: duplicate key 'model' (first on line 1)"),
+        ("model: &m builtin:tiny-moe\nx: *m\npasses: [{quantize: {}}]\n", "alias *m: recipes do not take YAML aliases"),
+    ],
+)
+def test_duplicate_keys_and_aliases_are_refused(tmp_path, text, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    with pytest.raises(UserInputError) as raised:
+        load_recipe(path)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_an_alias_bomb_is_refused_in_bounded_memory_with_a_short_line(tmp_path):
+    """The issue's 365-byte bomb grew to a 580 MB message and 2.6 GB RSS (the value's repr in ``model:``'s
+    message); aliases are refused at the first one."""
+    import resource
+
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\nmodel: *i\npasses: [{quantize: {}}]\n")
+    assert path.stat().st_size < 500
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(UserInputError) as raised:
+        load_recipe(path)
+    assert "aliases" in str(raised.value) and len(str(raised.value)) < 200
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB

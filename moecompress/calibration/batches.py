@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserInputError
+from ..errors import OptionError
+from ..vocabulary import named
 from .documents import Document
 
 DOCUMENT_SEPARATOR = "\n\n"
@@ -64,13 +65,14 @@ def consecutive_windows(stream: TokenStream, seq_len: int, max_tokens: int | Non
     """Consecutive non-overlapping windows of ``seq_len`` tokens from the start (a partial last window is dropped),
     at most ``max_tokens`` tokens in all."""
     if seq_len < 2:
-        raise UserInputError(f"--seq-len must be at least 2, got {seq_len}")
+        raise OptionError(f"{named('calibration.seq_len', seq_len)} must be at least 2")
     count = len(stream) // seq_len
     if max_tokens is not None:
         count = min(count, max_tokens // seq_len)
     if count == 0:
-        raise UserInputError(
-            f"the data holds {len(stream)} tokens, fewer than one window of {seq_len} (or --max-tokens is too small)"
+        raise OptionError(
+            f"the data holds {len(stream)} tokens, fewer than one window of {seq_len} (or "
+            f"{named('evaluation.tokens')} is too small)"
         )
     used = count * seq_len
     return TokenWindows(
@@ -87,9 +89,9 @@ def sampled_windows(stream: TokenStream, seq_len: int, num_tokens: int, seed: in
     available = len(stream) // seq_len
     count = max(1, num_tokens // seq_len)
     if available < count:
-        raise UserInputError(
+        raise OptionError(
             f"the calibration data holds {available * seq_len} tokens in whole windows of {seq_len}, fewer than the "
-            f"{count * seq_len} asked for; lower --calib-tokens or add data"
+            f"{count * seq_len} asked for; lower {named('calibration.tokens')} or add data"
         )
     generator = torch.Generator(device="cpu").manual_seed(seed)
     starts = torch.randperm(available, generator=generator, device="cpu")[:count].sort().values * seq_len

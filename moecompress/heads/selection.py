@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserInputError
+from ..errors import OptionError
+from ..vocabulary import named
 from .layout import HeadLayout
 
 
@@ -35,14 +36,14 @@ def removal_counts(layouts: list[HeadLayout], ratio: float) -> list[int]:
         count = round(ratio * layout.units)
         what = "KV groups" if layout.unit == "kv-group" else "query heads"
         if count == 0:
-            raise UserInputError(f"layer {layer}: --ratio {ratio} of {layout.units} {what} removes none")
+            raise OptionError(f"layer {layer}: {named('ratio', ratio)} of {layout.units} {what} removes none")
         if count >= layout.units:
-            raise UserInputError(f"layer {layer}: --ratio {ratio} removes every one of its {layout.units} {what}")
+            raise OptionError(f"layer {layer}: {named('ratio', ratio)} removes every one of its {layout.units} {what}")
         if layout.unit == "query-head":
             if count % layout.kv_heads:
-                raise UserInputError(
+                raise OptionError(
                     f"layer {layer}: {count} query heads do not split evenly over {layout.kv_heads} KV groups "
-                    f"(query heads stay uniform within groups; pick another --ratio)"
+                    f"(query heads stay uniform within groups; pick another {named('ratio')})"
                 )
         counts.append(count)
     return counts
@@ -55,9 +56,9 @@ def global_removal_counts(layouts: list[HeadLayout], ratio: float, scores: list[
     total = sum(layout.units for layout in layouts)
     remove = round(ratio * total)
     if remove == 0:
-        raise UserInputError(f"--ratio {ratio} of {total} KV groups removes none")
+        raise OptionError(f"{named('ratio', ratio)} of {total} KV groups removes none")
     if remove > total - len(layouts):
-        raise UserInputError(f"--ratio {ratio} would remove every KV group of some layer")
+        raise OptionError(f"{named('ratio', ratio)} would remove every KV group of some layer")
     ranked = sorted(
         (float(s[u]) / max(float(s.abs().mean()), 1e-12), layer, u)
         for layer, s in enumerate(scores)

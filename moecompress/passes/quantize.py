@@ -294,7 +294,7 @@ def _format_module(name: str):
 def _check_format(adapter: FamilyAdapter, config: QuantizeConfig, scheme: QuantScheme) -> None:
     reason = _format_module(config.format).unsupported(adapter, scheme, tuple(config.targets))
     if reason:
-        raise UserInputError(reason)
+        raise OptionError(reason, QuantizeConfig)
 
 
 def _refuse_quantized_input(source: dict[str, Any], model_dir: Path) -> None:
@@ -324,9 +324,10 @@ class _TensorQuantizer:
                 out[key] = tensor
                 continue
             if tensor.shape[-1] % self.scheme.group_size:
-                raise UserInputError(
+                raise OptionError(
                     f"{key}: input dimension {tensor.shape[-1]} is not a multiple of the group size "
-                    f"{self.scheme.group_size}; drop this target or pick another --group-size"
+                    f"{self.scheme.group_size}; drop this target or pick another {named('group_size')}",
+                    QuantizeConfig,
                 )
             out[key] = self.scheme.quantize(tensor)
             self.keys.append(key)

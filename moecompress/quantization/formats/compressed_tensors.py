@@ -41,8 +41,10 @@ from typing import Any
 
 import torch
 
+from ...errors import OptionError
 from ...families import FamilyAdapter
 from ...kernels.packing import pack_codes
+from ...vocabulary import named
 from ..experts import QuantizedMoE
 from ..scheme import QuantizedTensor, QuantScheme
 
@@ -77,9 +79,9 @@ def supports(scheme: QuantScheme) -> str | None:
     What the loaders then do with it differs by scheme; see :func:`loader_caveats`.
     """
     if scheme.salient_fraction:
-        return "compressed-tensors has no salient (sparse bf16) weights; use --format native"
+        return f"compressed-tensors has no salient (sparse bf16) weights; use {named('format', 'native')}"
     if scheme.is_binary:
-        return "compressed-tensors has no sign-bit (binary) weights; use --format native"
+        return f"compressed-tensors has no sign-bit (binary) weights; use {named('format', 'native')}"
     if scheme.is_float:
         return None if scheme.group_size == 32 else f"MXFP4 blocks are 32 wide, not {scheme.group_size}"
     if not 1 <= scheme.bits <= 8:
@@ -240,8 +242,9 @@ def fused_experts_problem(adapter: FamilyAdapter) -> str | None:
         return None
     alternative = "native or gpt-oss" if adapter.family == "gpt_oss" else "native"
     return (
-        f"--format compressed-tensors writes routed experts as per-expert linears; {adapter.family} stores them "
-        f"fused and stock transformers has no per-expert loader for it (use --format {alternative})"
+        f"{named('format', 'compressed-tensors')} writes routed experts as per-expert linears; {adapter.family} "
+        f"stores them fused and stock transformers has no per-expert loader for it (use {named('format')} "
+        f"{alternative})"
     )
 
 
@@ -256,7 +259,7 @@ def expert_tensors(
     ``[E, H, I]``) as per-expert gate/up/down linears under the family's on-disk keys."""
     problem = fused_experts_problem(adapter)
     if problem:
-        raise ValueError(problem)
+        raise ValueError(str(OptionError(problem)))
     experts, rows, _ = gate_up.shape
     inter = rows // 2
     gate_rows, up_rows = torch.arange(inter), torch.arange(inter, rows)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...families import FamilyAdapter
+from ...vocabulary import named
 from ..experts import QuantizedMoE
 from ..scheme import QuantizedTensor, QuantScheme
 from .native import experts_module
@@ -21,13 +22,13 @@ MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
     """Why this export cannot hold the request, or None."""
     if adapter.family != "gpt_oss":
-        return f"--format gpt-oss is the GPT-OSS family's own layout; this model is {adapter.family}"
+        return f"{named('format', 'gpt-oss')} is the GPT-OSS family's own layout; this model is {adapter.family}"
     if scheme.name != "mxfp4":
-        return f"--format gpt-oss holds MXFP4 only, not {scheme.name}"
+        return f"{named('format', 'gpt-oss')} holds MXFP4 only, not {named('scheme', scheme.name)}"
     if scheme.salient_fraction:
-        return "--format gpt-oss has no salient weights; use --format native"
+        return f"{named('format', 'gpt-oss')} has no salient weights; use {named('format', 'native')}"
     if tuple(targets) != ("experts",):
-        return "--format gpt-oss quantises the routed experts only (drop --targets)"
+        return f"{named('format', 'gpt-oss')} quantises the routed experts only (drop {named('targets')})"
     return None
 
 
