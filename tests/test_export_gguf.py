@@ -5,8 +5,10 @@ a directory holding a built ``llama-tokenize``."""
 
 import json
 import os
+import resource
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -420,6 +422,25 @@ def test_holes_for_the_experts_give_the_file_a_whole_dequantised_view_gives(nati
             assert mine.tensor_type == theirs.tensor_type
             assert mine.data.tobytes() == theirs.data.tobytes(), mine.name
     assert experts > 0
+
+
+@needs_converter
+def test_a_file_size_limit_while_exporting_is_one_line_naming_the_output(native_outputs, tmp_path):
+    """The view (whose holes still count towards a file's size) and the expert blocks are written by us: a full disk
+    there is one line naming the GGUF file, and nothing is left behind."""
+    entry = "import signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); sys.argv[0] = 'moecompress'; "
+    entry += "from moecompress.cli.main import main; main()"
+    out = tmp_path / "model.gguf"
+    argv = [sys.executable, "-c", entry, "export", str(native_outputs[("qwen3_moe", "mxfp4")]), "--format", "gguf"]
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))  # the view's first shard is larger
+
+    done = subprocess.run([*argv, "--out", str(out)], capture_output=True, text=True, preexec_fn=limited)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"file-size limit reached writing {out}" in lines[0], done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @needs_converter

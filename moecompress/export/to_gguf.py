@@ -24,7 +24,7 @@ import torch
 from ..checkpoint import CheckpointReader
 from ..errors import UserInputError
 from ..families import FamilyAdapter, adapter_for
-from ..files import write_json
+from ..files import DiskFullError, is_full, write_json
 from ..memory import release_freed_memory
 from ..progress import bar as progress_bar
 from ..quantization.scheme import QuantizedTensor, QuantScheme
@@ -275,7 +275,12 @@ def export_gguf(
         work.mkdir(parents=True)
         report: dict[str, Any] = {"format": "gguf", "source": str(source), "converter": str(converter)}
         if native:
-            done, details = _export_native(source, converter, partial, work, config, outtype, needs, progress)
+            try:
+                done, details = _export_native(source, converter, partial, work, config, outtype, needs, progress)
+            except OSError as error:
+                if is_full(error):  # the view and the blocks are written here, not by the converter
+                    raise DiskFullError(str(out), error.errno) from error
+                raise
             report.update(details)
         else:
             done = run_converter(converter, source, partial, outtype=outtype)
