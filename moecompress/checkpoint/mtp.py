@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter
+from ..vocabulary import named
 
 MtpMode = Literal["keep", "drop"]
 MTP_MODES: tuple[str, ...] = ("keep", "drop")
@@ -54,7 +55,7 @@ def is_mtp_module(adapter: FamilyAdapter, name: str) -> bool:
 
 def check_mode(mode: str) -> None:
     if mode not in MTP_MODES:
-        raise UserInputError(f"--mtp must be keep or drop, got {mode!r}")
+        raise OptionError(f"{named('mtp', mode)}: choose keep or drop")
 
 
 def without_mtp(config: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +74,9 @@ def mtp_removals(adapter: FamilyAdapter, router_bias: torch.Tensor | None, count
     balancing that bias was raised for experts the router's affinities under-select, so a high bias marks the
     least used experts. With expert groups the same number goes from every group, as for the main layers."""
     if router_bias is None:
-        raise UserInputError("the MTP layer has no e_score_correction_bias to rank its experts by; pass --mtp drop")
+        raise OptionError(
+            f"the MTP layer has no e_score_correction_bias to rank its experts by; pass {named('mtp', 'drop')}"
+        )
     from ..passes.prune_experts import _lowest
 
     return _lowest(-router_bias.double(), count, groups, adapter.top_k)
@@ -203,7 +206,9 @@ def _with_mtp_counts(
     if per_layer is not None:
         per_layer.update({str(layer): n for layer, n in counts.items()})
     elif any(n != int(text[adapter.num_experts_key(text)]) for n in counts.values()):
-        raise UserInputError("the MTP layer would keep a different expert count than the main layers; pass --mtp drop")
+        raise OptionError(
+            f"the MTP layer would keep a different expert count than the main layers; pass {named('mtp', 'drop')}"
+        )
     return config
 
 

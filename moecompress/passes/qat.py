@@ -189,7 +189,11 @@ def qat_checkpoint(
         raise UserInputError(f"{out_dir.absolute()}: output directory exists (pass --overwrite to replace it)")
     adapter = load_adapter(model_dir)
     schedule = ReplaySchedule.parse(config.replay)
-    schedule.check_layers(adapter.moe_layers())
+    try:
+        schedule.check_layers(adapter.moe_layers())
+    except OptionError as error:
+        error.owner = error.owner or QATConfig
+        raise
     tokenizer = load_tokenizer(model_dir)
     train_stream = tokenize_documents(load_documents(data, default_part="calib"), tokenizer)
     train_windows = sampled_windows(train_stream, config.seq_len, config.train_tokens, config.seed)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter
+from ..vocabulary import named
 
 REPLAY_WEIGHTS: tuple[str, ...] = ("router", "recorded")
 
@@ -57,7 +58,10 @@ class ReplaySchedule:
     def check_layers(self, moe_layers: list[int]) -> None:
         unknown = sorted(set(self.layers or ()) - set(moe_layers))
         if unknown:
-            raise UserInputError(f"--replay layers {unknown} are not MoE layers; the MoE layers are {moe_layers}")
+            raise OptionError(
+                f"{named('replay', self.describe())}: layers {unknown} are not MoE layers; the MoE layers are "
+                f"{moe_layers}"
+            )
 
     def layers_at(self, step: int, steps: int, moe_layers: list[int]) -> set[int]:
         """The MoE layers whose routes are replayed at ``step`` (0-based) of ``steps``."""
@@ -99,7 +103,7 @@ class RouteReplay:
 
     def __init__(self, model: torch.nn.Module, adapter: FamilyAdapter, weights: str = "router"):
         if weights not in REPLAY_WEIGHTS:
-            raise UserInputError(f"--replay-weights {weights!r}: choose from {', '.join(REPLAY_WEIGHTS)}")
+            raise OptionError(f"{named('replay_weights', weights)}: choose from {', '.join(REPLAY_WEIGHTS)}")
         self.weights = weights
         self.adapter = adapter
         self.rule = adapter.routing_rule()
