@@ -210,8 +210,9 @@ def evaluate(
     device: str | None = None,
 ) -> EvalResult:
     """Perplexity of ``model`` on ``data`` (built-in sources: their held-out part) over windows of ``seq_len``
-    tokens, at most ``max_tokens`` of them (None: all); with ``reference``, also KL(reference ‖ model), the
-    reference's perplexity and routing agreement. As ``moecompress eval``, with the same checks before any work.
+    tokens, at most ``max_tokens`` of them (None: all; default 16384); with ``reference``, also KL(reference ‖
+    model), the reference's perplexity and routing agreement. As ``moecompress eval``, with the same checks before
+    any work.
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``; default auto) is where the layers compute."""
     from .device import parse_device, using_device
     from .errors import OptionError

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from .pass_options import FiniteFloat
+
 
 @click.group("bench")
 def bench_group() -> None:
@@ -25,7 +27,7 @@ def bench_group() -> None:
 )
 @click.option(
     "--hbm-gbs",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(min=0, min_open=True),
     default=None,
     help="HBM bandwidth in GB/s for the %HBM columns (default: 4800 on an H200, else no column).",
 )
