@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.w4a8 import fake_quantize_activations
-from . import dispatch
+from . import cpu_forward, dispatch
 from .salient import VALUE_DTYPE, SalientWeights, decode_positions, expert_offsets
 from .scheme import QuantizedTensor, QuantScheme
 
@@ -170,12 +170,16 @@ class QuantizedExperts(_QuantizedWeights):
         self._dequantized = None
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.expert_weight("gate_up_proj", expert, dtype), self.expert_weight("down_proj", expert, dtype)
+
+    def expert_weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``expert``'s ``gate_up_proj`` or ``down_proj``, dequantised (or from the cache)."""
         cached = getattr(self, "_dequantized", None)
         if cached is not None and cached[0].dtype == dtype:
-            return cached[0][expert], cached[1][expert]
-        gate_up = self.quantized("gate_up_proj", (2 * self.intermediate_size, self.hidden_size), expert)
-        down = self.quantized("down_proj", (self.hidden_size, self.intermediate_size), expert)
-        return gate_up.dequantize(dtype), down.dequantize(dtype)
+            return cached[0 if name == "gate_up_proj" else 1][expert]
+        inter, hidden = self.intermediate_size, self.hidden_size
+        shape = (2 * inter, hidden) if name == "gate_up_proj" else (hidden, inter)
+        return self.quantized(name, shape, expert).dequantize(dtype)
 
     def forward(
         self,
@@ -212,11 +216,17 @@ class QuantizedExperts(_QuantizedWeights):
                 out[expert, rows] = self._expert_forward(expert, per_expert[expert, rows]).to(out.dtype)
         return out.reshape(hidden_states.shape)
 
+    def _project(self, name: str, expert: int, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """``x @ W[expert]ᵀ`` for weight ``name``: the fused CPU kernel where it applies, else dequantise and
+        ``F.linear``."""
+        out = cpu_forward.expert_linear(self, name, expert, x) if fused else None
+        return F.linear(x, self.expert_weight(name, expert, x.dtype)) if out is None else out
+
     def _expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s output for tokens ``x`` ``[T, H]``, unweighted."""
-        gate_up_weight, down_weight = self.expert_weights(expert, x.dtype)
         inter = self.intermediate_size
-        gate_up = F.linear(self._inputs(x), gate_up_weight)
+        fused = getattr(self, "_dequantized", None) is None and cpu_forward.fused_ready(self, x)
+        gate_up = self._project("gate_up_proj", expert, self._inputs(x), fused)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[expert].to(gate_up.dtype)
         gate, up = (
@@ -224,7 +234,8 @@ class QuantizedExperts(_QuantizedWeights):
             self.lowrank.apply(expert, "up", x, gate_up[:, inter:]),
         )
         hidden = self.activation(gate, up)
-        expert_out = self.lowrank.apply(expert, "down", hidden, F.linear(self._inputs(hidden), down_weight))
+        down = self._project("down_proj", expert, self._inputs(hidden), fused)
+        expert_out = self.lowrank.apply(expert, "down", hidden, down)
         if self.down_proj_bias is not None:
             expert_out = expert_out + self.down_proj_bias[expert].to(expert_out.dtype)
         return expert_out
