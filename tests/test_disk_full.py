@@ -49,13 +49,14 @@ def _main(*argv: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def _fail_at(monkeypatch, matches, nth: int, code: int = errno.ENOSPC) -> list[str]:
-    """Make the ``nth`` write to a file whose path ``matches`` fail with ``code``; returns the paths written."""
+def _fail_at(monkeypatch, matches, nth: int, code: int = errno.ENOSPC) -> list:
+    """Make the first write to the ``nth`` file opened whose path ``matches`` fail with ``code`` (each append is an
+    opening of its own); returns the handles opened."""
     real, seen = files.write_chunk, []
 
     def write_chunk(handle, data):
-        if matches(Path(handle.name)):
-            seen.append(handle.name)
+        if matches(Path(handle.name)) and not any(handle is other for other in seen):
+            seen.append(handle)
             if len(seen) == nth:
                 raise OSError(code, os.strerror(code))
         real(handle, data)
@@ -69,9 +70,9 @@ def _units(run: Path) -> int:
     return len(journal.read_text().splitlines()) - 1 if journal.is_file() else 0
 
 
-# Each kind of file a run writes: which write to fail (the nth to a matching path), and what the failed run must have
-# kept. The sensitivity's own state, the rewriting sweep's and the report the writer writes take the same paths as
-# the spill, the measuring sweep's state and the report after the evaluation.
+# Each kind of file a run writes: which file to fail (the nth opened with a matching path), and what the failed run
+# must have kept. The sensitivity's own state, the rewriting sweep's and the report the writer writes take the same
+# paths as the spill, the measuring sweep's state and the report after the evaluation.
 KINDS = {
     "sensitivity spill": (
         lambda p: p.parent.name.startswith("fisher-inputs-"),
@@ -83,7 +84,7 @@ KINDS = {
         2,
         lambda run: (run / ".step-0.incomplete/state/measure/hidden.safetensors").is_file(),
     ),
-    "output shard": (lambda p: p.name.startswith("shard-"), 40, lambda run: _units(run) == 2),
+    "output shard": (lambda p: p.name.startswith("shard-"), 3, lambda run: _units(run) == 2),
     "journal": (lambda p: p.name == "journal.jsonl", 3, lambda run: _units(run) == 2),
     "run manifest": (lambda p: p.name == "manifest.json.tmp", 2, lambda run: (run / "step-0").is_dir()),
     "report after the evaluation": (
@@ -113,7 +114,7 @@ def test_a_full_disk_in_each_kind_of_file_keeps_the_work_and_resume_finishes(kin
     with pytest.MonkeyPatch.context() as patch:
         seen = _fail_at(patch, matches, nth)
         code, err = _main(*argv)
-    assert len(seen) == nth, f"the run wrote {len(seen)} such files, the fault was for write {nth}"
+    assert len(seen) == nth, f"the run opened {len(seen)} such files, the fault was for file {nth}"
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
