@@ -1,5 +1,7 @@
 """The adapters understand each family: layout round trips and the MoE view reproduces the stock block."""
 
+import shutil
+
 import pytest
 import torch
 from helpers import load_stock, tree_hashes
@@ -7,7 +9,7 @@ from helpers import load_stock, tree_hashes
 from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
-from moecompress.synthetic import FAMILIES, build_tiny_model
+from moecompress.synthetic import FAMILIES, build_tiny_model, tiny_tokenizer
 
 
 def _load_stock(directory, config_dict):
@@ -136,7 +138,9 @@ def test_prune_tags_on_linear_attention_moe_layers_is_one_line_exit_2(tiny_check
     """MAEP's --prune-tags ranks tokens by the attention they receive, which a linear-attention layer does not give."""
     from helpers import run_cli
 
-    source = tiny_checkpoints["qwen3_next"]
+    source = tmp_path / "qwen3_next"
+    shutil.copytree(tiny_checkpoints["qwen3_next"], source)
+    tiny_tokenizer().save_pretrained(source)  # without one, the missing tokenizer is refused first
     args = ("--calib", "builtin:prose,builtin:code", "--prune-tags", "code", "--seq-len", "64", "--no-eval")
     result = run_cli("prune", str(source), "--out", str(tmp_path / "p"), *args)
     assert result.returncode == 2, result.stderr
