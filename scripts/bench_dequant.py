@@ -6,7 +6,8 @@ each output dtype by both paths on ``--threads`` threads. Weights/s counts both 
 of interleaved repetitions (background load hits both paths alike): wall time, and the process's CPU time (all
 threads, user and system), which a loaded machine disturbs less; ``identical`` compares the two outputs' bits.
 
-Prints a markdown table, then one JSON object; exits 1 if an output differs from the old path's.
+Then a memory-speed reference: the same outputs allocated and filled once, per dtype. Prints a markdown table, then
+one JSON object; exits 1 if an output differs from the old path's.
 
 Run: python scripts/bench_dequant.py [--experts 8] [--threads 2] [--repeats 5] [--old-repeats 2]
      [--dtypes bfloat16,float32] [--schemes mxfp4-floor,...]
@@ -20,6 +21,7 @@ import platform
 import sys
 import time
 
+import numpy as np
 import torch
 
 from moecompress.quantization.scheme import QuantizedTensor, QuantScheme
@@ -84,6 +86,20 @@ def measure(tensors: list[QuantizedTensor], dtype: torch.dtype, repeats: int, ol
     }
 
 
+def fill_rate(dtype: torch.dtype, experts: int, repeats: int) -> float:
+    """Weights/s of allocating the outputs of one call as the new path does (numpy memory) and writing every element
+    once with torch's threaded ``fill_``: what memory speed allows a dequantisation that returns new tensors."""
+    bits_dtype = {2: np.int16, 4: np.int32, 8: np.int64}[torch.empty(0, dtype=dtype).element_size()]
+    shapes = [(experts, *GATE_UP), (experts, *DOWN)]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = [torch.from_numpy(np.empty(shape, bits_dtype)).view(dtype).fill_(1.0) for shape in shapes]
+        best = min(best, time.perf_counter() - start)
+        del outputs
+    return sum(np.prod(shape) for shape in shapes) / best
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, default=8)
@@ -124,6 +140,12 @@ def main() -> int:
                 flush=True,
             )
     print()
+    fills = {str(dtype).removeprefix("torch."): fill_rate(dtype, args.experts, args.repeats) for dtype in dtypes}
+    print(
+        "Memory-speed reference, the same outputs allocated and filled (M weights/s): "
+        + ", ".join(f"{name} {rate / 1e6:.0f}" for name, rate in fills.items())
+    )
+    print()
     summary = {
         "experts": args.experts,
         "threads": args.threads,
@@ -132,6 +154,7 @@ def main() -> int:
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "rows": rows,
+        "fill_weights_per_s": fills,
     }
     print(json.dumps(summary))
     return 0 if all(row["identical"] for row in rows) else 1
