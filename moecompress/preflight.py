@@ -227,9 +227,9 @@ def _check_passes(
 
 def _calibrates(name: str, config: Any) -> bool:
     """Whether the pass reads calibration windows (plain RTN quantisation reads none)."""
-    if name != "quantize":
-        return True
-    return config.method == "gptq" or bool(config.salient_fraction or config.lowrank_budget or config.lowrank_rank)
+    from .passes.quantize import CALIBRATED
+
+    return name != "quantize" or CALIBRATED.test(config)
 
 
 def _check_pass(

@@ -440,8 +440,6 @@ class RunState:
                 f"{self.directory}: the interrupted run used another recipe or model; "
                 "discard it with --restart to start over"
             )
-        if manifest is not None:
-            check_resume_threads(manifest.get("threads"), self.directory)
         if manifest is None:
             if self.directory.exists():
                 shutil.rmtree(self.directory)
@@ -449,6 +447,7 @@ class RunState:
             write_text(self.directory / INCOMPLETE_MARKER, "moecompress is still running this recipe\n")
             self._write_manifest()
         else:
+            check_resume_threads(manifest.get("threads"), self.directory)
             self.finished = {int(index): hashes for index, hashes in manifest.get("finished", {}).items()}
             self._reports = {int(index): report for index, report in manifest.get("reports", {}).items()}
 
