@@ -87,6 +87,30 @@ def test_quantized_output_loads_through_the_plugin_with_the_reported_perplexity(
     assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
 
 
+TEXT_ONLY_AUTO_FAMILIES = ("llama4", "qwen3_5_moe")
+"""Vision-language releases from whose config `AutoModelForCausalLM` builds the text-only class
+(`Llama4ForCausalLM`, `Qwen3_5MoeForCausalLM`: decoder layers under `model.layers`, not `language_model.`)."""
+
+
+@pytest.mark.parametrize("family", TEXT_ONLY_AUTO_FAMILIES)
+def test_quantized_vision_language_output_loads_text_only_through_auto_model_for_causal_lm(
+    family, with_tokenizer, tmp_path
+):
+    out = tmp_path / "quantized"
+    _run("quantize", with_tokenizer(family), out, "--scheme", "int4", "--group-size", "32")
+    full = getattr(transformers, adapter_for(_config(out)).auto_class).from_pretrained(out, dtype=torch.float32)
+    text, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    assert not loading["missing_keys"] and not loading["mismatched_keys"], loading
+    text_adapter = adapter_for(text.config.to_dict())
+    for layer in text_adapter.moe_layers():
+        assert type(text_adapter.experts_of(text, layer)).__name__ == "QuantizedExperts"
+    ids = torch.arange(48).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(text.eval()(input_ids=ids).logits, full.eval()(input_ids=ids).logits)
+
+
 FP8_FAMILIES = ("glm4_moe", "kimi_k2", "qwen3_next", "minimax_m2")
 """Families whose hub releases ship block-FP8 (GLM-4.5-FP8, Kimi-K2, Qwen3-Next-*-FP8, MiniMax-M2)."""
 

@@ -22,6 +22,8 @@ from .modules import QuantizedExperts, QuantizedLinear, SalientSizes, _Quantized
 from .scheme import QuantScheme
 
 QUANT_METHOD = "moecompress"
+_PROBE_PARAMETER = "weight"
+"""The parameter name a module's name is renamed with (transformers' rules rename tensor names, not modules')."""
 FORMAT_VERSION = 1
 
 
@@ -156,6 +158,26 @@ def check_all_loaded(model: torch.nn.Module) -> None:
                     raise ValueError(f"{name}.{param_name} is missing from the checkpoint")
 
 
+def loaded_module_names(model, names: list[str]) -> dict[str, str]:
+    """Each on-disk module name's name in ``model``, renamed as transformers renames that module's tensors at load:
+    the conversion mapping of the class being built, then its base-model prefix added or dropped. The same
+    checkpoint then loads into the vision-language class (``model.language_model.layers``) and into the text-only
+    class ``AutoModelForCausalLM`` builds from it (``model.layers``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [
+        rule for rule in get_model_conversion_mapping(model, add_legacy=False) if isinstance(rule, WeightRenaming)
+    ]
+    leaf = "." + _PROBE_PARAMETER
+    modules = {name + leaf: module for name, module in model.named_modules()}
+    loaded = {}
+    for name in names:
+        renamed, _ = rename_source_key(name + leaf, renamings, [], model.base_model_prefix, modules)
+        loaded[name] = renamed.removesuffix(leaf) if renamed in modules else name
+    return loaded
+
+
 def replace_quantized_modules(
     model: torch.nn.Module, config: MoecompressConfig, names: dict[str, str] | None = None, adapter=None
 ) -> None:
@@ -171,7 +193,8 @@ def replace_quantized_modules(
     adapter = adapter or adapter_for(model.config.to_dict())
     hidden = int(adapter.text_config["hidden_size"])
     if names is None:
-        names = {adapter.runtime_module_name(name): name for name in config.modules if not is_mtp_module(adapter, name)}
+        on_disk = [name for name in config.modules if not is_mtp_module(adapter, name)]
+        names = {runtime: name for name, runtime in loaded_module_names(model, on_disk).items()}
     for name, full_name in names.items():
         try:
             module = model.get_submodule(name)
