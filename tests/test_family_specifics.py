@@ -66,3 +66,39 @@ def test_kimi_linear_attention_kinds_from_the_release_config_match_transformers(
     adapter = adapter_for(config)
     assert [adapter.softmax_attention(i) for i in range(5)] == [kind == "full_attention" for kind in expected]
     assert adapter.top_k == 2
+
+
+KIMI_K2_STOCK_LOAD = 'DeepseekV3ForCausalLM.from_pretrained(DIR, model_type="deepseek_v3")'
+
+
+def test_kimi_k2_stock_load_stated_in_the_docs_loads_the_release_and_its_outputs(tmp_path):
+    """Kimi-K2's ``config.json`` keeps ``model_type: kimi_k2``, for which transformers has no rule merging the
+    per-expert tensors: ``DeepseekV3ForCausalLM.from_pretrained(DIR)`` alone leaves the routed experts random."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+    from helpers import load_stock
+    from transformers import DeepseekV3ForCausalLM
+
+    from moecompress.cli.main import app
+    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+
+    assert KIMI_K2_STOCK_LOAD in (Path(__file__).parents[1] / "docs" / "families.md").read_text()
+    release = save_tiny_model("kimi_k2", tmp_path / "release")
+    tiny_tokenizer().save_pretrained(release)
+    commands = {
+        "pruned": ["prune", "--keep", "4", "--calib-tokens", "256"],
+        "quantized": ["quantize", "--scheme", "int4", "--group-size", "32"],
+    }
+    for name, (command, *options) in commands.items():
+        out = ["--out", str(tmp_path / name), "--seq-len", "32", "--eval-tokens", "64"]
+        result = CliRunner().invoke(app, [command, str(release), *out, *options])
+        assert result.exit_code == 0, result.output
+    ids = torch.arange(40).unsqueeze(0)
+    for directory in (release, tmp_path / "pruned", tmp_path / "quantized"):
+        model, loading = DeepseekV3ForCausalLM.from_pretrained(
+            directory, model_type="deepseek_v3", dtype=torch.float32, output_loading_info=True
+        )
+        assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+        with torch.no_grad():
+            torch.testing.assert_close(model.eval()(input_ids=ids).logits, load_stock(directory)(input_ids=ids).logits)
