@@ -470,7 +470,8 @@ def markdown(entries: list[MoEType], module_only: list[tuple[str, str]], command
     kinds = Counter(e.kind.split(" of ")[0] for e in entries if e.model_type not in RELEASE_ONLY)
     by_kind = ", ".join(f"{kind} {count}" for kind, count in kinds.most_common())
     checked = any(e.checks for e in entries)
-    head = ["`model_type`", "kind", "expert count", "experts module", "status"] + (list(CHECKS) if checked else [])
+    head = ["`model_type`", "kind", "expert count", "experts module", "status", "config asked"]
+    head += list(CHECKS) if checked else []
     rows = [
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -478,7 +479,7 @@ def markdown(entries: list[MoEType], module_only: list[tuple[str, str]], command
     for e in entries:
         status = f"supported ({e.reason})" if e.status == "supported" else f"{e.status}: {e.reason}"
         cells = [f"`{e.model_type}`", e.kind, f"`{e.evidence}`", f"`{e.experts_module}`" if e.experts_module else "—"]
-        cells.append(status.replace("|", "\\|"))
+        cells += [status.replace("|", "\\|"), e.tiny_config]
         if checked:
             cells += [e.checks.get(name, "") for name in CHECKS]
         rows.append("| " + " | ".join(cells) + " |")
@@ -493,7 +494,9 @@ def markdown(entries: list[MoEType], module_only: list[tuple[str, str]], command
             + ", ".join(f"`{key}`" for key in EXPERT_COUNT_KEYS)
             + "); the experts module is the first `*Experts` / `*MoE` class of its modeling files. The status is "
             "what `adapter_for` (what `inspect` and every command call first) says about a tiny config of the stock "
-            "config class; a refusal is its message, without the list of supported families it ends with.",
+            "config class (config asked: the tests' `TINY_CONFIGS` entry, or the stock class with 8 experts, hidden "
+            "64, 2 layers..., each size the class refuses left at its default); a refusal is its message, without "
+            "the list of supported families it ends with.",
             "",
             *rows,
             "",
