@@ -151,3 +151,33 @@ def test_output_owns_writable_memory() -> None:
     dense = salient.apply(q.dequantize(torch.float32))
     assert dense.view(-1)[5] == -2.0
     assert dequant.binary(q.packed, q.scales, 64, q.shape, torch.float64) is not None
+
+
+def test_binary_every_scale_bit_pattern_matches_the_reference() -> None:
+    """All 65,536 bf16 scales (zeros of both signs, subnormals, infinities, NaNs) with random signs: the kernel
+    selects between the table's ``-s`` and ``+s`` 32 codes at a time, so each lane must pick its own code's bit."""
+    scheme = QuantScheme("binary", group_size=32)
+    generator = torch.Generator().manual_seed(10)
+    scales = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(2048, 32)
+    packed = torch.randint(0, 256, (2048, 128), generator=generator, dtype=torch.int32).to(torch.uint8)
+    q = QuantizedTensor(scheme, (2048, 1024), packed, scales)
+    for dtype in (*DTYPES, torch.float64):
+        assert q._dequantize_fast(dtype) is not None
+        assert_same(q.dequantize(dtype), q._dequantize_reference(dtype))
+
+
+def test_binary_code_bits_land_on_their_own_weights() -> None:
+    """One set bit per row, at every position of a 256-weight row: a lane or byte order slip moves the ``+s``."""
+    scheme = QuantScheme("binary", group_size=64)
+    positions = torch.arange(256)
+    codes = torch.zeros(256, 256, dtype=torch.uint8)
+    codes[positions, positions] = 1
+    packed = (codes.reshape(256, 32, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1).to(torch.uint8)
+    scales = torch.full((256, 4), 0.5, dtype=torch.bfloat16)
+    dense = QuantizedTensor(scheme, (256, 256), packed, scales).dequantize(torch.bfloat16)
+    assert torch.equal(dense, torch.where(codes.bool(), 0.5, -0.5).to(torch.bfloat16))
+
+
+def test_binary_group_sizes_off_the_lane_width_take_the_reference() -> None:
+    q = QuantScheme("binary", group_size=32).quantize(weights(11, (4, 64)))
+    assert dequant.binary(q.packed, q.scales.repeat_interleave(2, -1), 16, q.shape, torch.bfloat16) is None

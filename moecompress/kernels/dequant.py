@@ -8,7 +8,8 @@ followed by its ``.to(dtype)``, so the output is bit-identical to ``QuantizedTen
 - INT4 / INT2 (and W4A8's weights): a weight is ``(c - z) * s`` rounded to bfloat16, a function of the bf16 scale
   bits and of ``d = c - z``, so ``[65536 scales, 2 * (2**bits - 1) + 1 differences]`` covers every zero point in
   ``0 .. 2**bits - 1`` (the ones the quantiser writes; others take the reference path);
-- binary: ``[65536 scales, 2 codes]`` (``-s``, ``+s``).
+- binary: ``[65536 scales, 2 codes]`` (``-s``, ``+s``), read once per group; 32 codes at a time select between
+  the two (a vector blend, no lookup per weight).
 
 Tables are built on first use per output dtype (the INT4 one is 4 MiB in bf16). Nothing but the output is
 allocated per call: no float32 copy, no unpacked codes. The functions return None when the layout is not one the
@@ -21,7 +22,9 @@ import math
 
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from . import binary as binary_codes
 from . import intq
@@ -29,7 +32,7 @@ from . import mxfp4 as mxfp4_codes
 from .numba_threads import torch_thread_count
 
 _BITS_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ONE, _TWO, _THREE, _FOUR, _FIVE, _SIX, _SEVEN = (np.uint64(k) for k in range(1, 8))
+_ONE, _TWO, _THREE, _FOUR, _SIX = (np.uint64(k) for k in (1, 2, 3, 4, 6))
 _LOW2, _LOW4 = np.uint64(3), np.uint64(15)
 
 
@@ -87,27 +90,55 @@ def _int2_rows(packed, scales, zeros, default_zero, group_size, table, out):
                 out_row[first + _THREE] = flat[base + (byte >> _SIX)]
 
 
+_SIGN_LANES = 32
+
+
+@intrinsic
+def _store_signs(typingctx, packed_row, byte_index, out_row, out_index, negative, positive):
+    """``out_row[out_index : out_index + 32]`` = ``positive`` where bit ``k`` of the little-endian 32-bit word at
+    ``packed_row[byte_index]`` is set, else ``negative``: one vector select on the word as a 32-lane mask, which
+    LLVM lowers to a mask-register blend and full-width stores (generic IR; any target legalises it)."""
+    if packed_row.layout != "C" or out_row.layout != "C":
+        return None
+    element = out_row.dtype
+    signature = types.void(packed_row, byte_index, out_row, out_index, negative, positive)
+
+    def codegen(context, builder, sig, args):
+        packed, byte_at, out, out_at, negative_value, positive_value = args
+        vector = ir.VectorType(context.get_value_type(element), _SIGN_LANES)
+        lane_zeros = ir.Constant(ir.VectorType(ir.IntType(32), _SIGN_LANES), [0] * _SIGN_LANES)
+
+        def splat(value, value_type):
+            scalar = context.cast(builder, value, value_type, element)
+            first = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(first, ir.Constant(vector, ir.Undefined), lane_zeros)
+
+        packed_data = context.make_array(sig.args[0])(context, builder, packed).data
+        word_at = builder.bitcast(builder.gep(packed_data, [byte_at]), ir.IntType(_SIGN_LANES).as_pointer())
+        mask = builder.bitcast(builder.load(word_at, align=1), ir.VectorType(ir.IntType(1), _SIGN_LANES))
+        chosen = builder.select(mask, splat(positive_value, sig.args[5]), splat(negative_value, sig.args[4]))
+        out_data = context.make_array(sig.args[2])(context, builder, out).data
+        out_at_vector = builder.bitcast(builder.gep(out_data, [out_at]), vector.as_pointer())
+        builder.store(chosen, out_at_vector, align=element.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @njit(parallel=True, cache=True)
 def _binary_rows(packed, scales, group_size, table, out):
     rows, groups = scales.shape
     flat = table.ravel()
-    group_bytes = np.uint64(group_size // 8)
+    lanes = np.uint64(_SIGN_LANES)
+    group_weights = np.uint64(group_size)
     for row in prange(rows):
         packed_row, out_row, scale_row = packed[row], out[row], scales[row]
         for group in range(groups):
             base = np.uint64(scale_row[group]) << _ONE
-            start = np.uint64(group) * group_bytes
-            for b in range(start, start + group_bytes):
-                byte = np.uint64(packed_row[b])
-                first = b << _THREE
-                out_row[first] = flat[base + (byte & _ONE)]
-                out_row[first + _ONE] = flat[base + ((byte >> _ONE) & _ONE)]
-                out_row[first + _TWO] = flat[base + ((byte >> _TWO) & _ONE)]
-                out_row[first + _THREE] = flat[base + ((byte >> _THREE) & _ONE)]
-                out_row[first + _FOUR] = flat[base + ((byte >> _FOUR) & _ONE)]
-                out_row[first + _FIVE] = flat[base + ((byte >> _FIVE) & _ONE)]
-                out_row[first + _SIX] = flat[base + ((byte >> _SIX) & _ONE)]
-                out_row[first + _SEVEN] = flat[base + (byte >> _SEVEN)]
+            negative, positive = flat[base], flat[base + _ONE]
+            start = np.uint64(group) * group_weights
+            for first in range(start, start + group_weights, lanes):
+                _store_signs(packed_row, first >> _THREE, out_row, first, negative, positive)
 
 
 _TABLES: dict[tuple, np.ndarray] = {}
@@ -218,7 +249,7 @@ def binary(
     packed: torch.Tensor, scales: torch.Tensor, group_size: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor | None:
     """Sign bits ``[..., K/8]`` with bf16 group scales ``[..., K/G]`` as ``dtype`` ``shape`` (``+s`` for 1)."""
-    if not _supported(shape, dtype) or shape[-1] % group_size or group_size % 8:
+    if not _supported(shape, dtype) or shape[-1] % group_size or group_size % _SIGN_LANES:
         return None
     packed_rows = _rows(packed, shape, shape[-1] // 8, torch.uint8)
     scale_rows = _rows(scales, shape, shape[-1] // group_size, torch.bfloat16)
