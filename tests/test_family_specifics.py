@@ -102,3 +102,51 @@ def test_kimi_k2_stock_load_stated_in_the_docs_loads_the_release_and_its_outputs
         assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
         with torch.no_grad():
             torch.testing.assert_close(model.eval()(input_ids=ids).logits, load_stock(directory)(input_ids=ids).logits)
+
+
+def test_kimi_k25_in_save_pretrained_layout_is_read_pruned_and_quantised_as_its_release(tmp_path):
+    """``save_pretrained`` of the stock Kimi-K2.5 class writes ``language_model.model.blocks.*`` (text config
+    ``model_type: deepseek_v3``); the release writes ``language_model.model.layers.*`` (``kimi_k2``). Both hold the
+    same model: inspect counts the same classes, prune keeps the same experts and writes what stock transformers
+    loads, quantize writes what loads through the plugin, each in the layout read."""
+    import json
+
+    import transformers
+    from click.testing import CliRunner
+    from safetensors import safe_open
+
+    from moecompress.cli.main import app
+    from moecompress.summary import summarize
+    from moecompress.synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
+
+    saved, release = tmp_path / "saved", tmp_path / "release"
+    build_tiny_model("kimi_k25").save_pretrained(saved)
+    save_tiny_model("kimi_k25", release)
+    for directory in (saved, release):
+        tiny_tokenizer().save_pretrained(directory)
+    with safe_open(saved / "model.safetensors", "pt") as shard:
+        assert any(key.startswith("language_model.model.blocks.") for key in shard.keys())
+    assert summarize(saved)["parameters"] == summarize(release)["parameters"]
+
+    def run(command, source, *options):
+        out = tmp_path / f"{command}-{source.name}"
+        args = [command, str(source), "--out", str(out), "--seq-len", "32", "--eval-tokens", "64", *options]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        return out, json.loads((out / "moecompress_report.json").read_text())
+
+    pruned, report = run("prune", saved, "--keep", "4", "--calib-tokens", "256")
+    assert report["layers"] == run("prune", release, "--keep", "4", "--calib-tokens", "256")[1]["layers"]
+    quantized, _ = run("quantize", saved, "--scheme", "int4", "--group-size", "32")
+    adapter = adapter_for(json.loads((saved / "config.json").read_text()))
+    for out in (pruned, quantized):
+        with safe_open(out / "model.safetensors", "pt") as shard:
+            assert not any(key.startswith("language_model.model.layers.") for key in shard.keys())
+        model, loading = transformers.AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
+        assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+        for layer in adapter.moe_layers():
+            experts = adapter.experts_of(model, layer)
+            if out == pruned:
+                assert experts.gate_up_proj.shape[0] == 4
+            else:
+                assert type(experts).__name__ == "QuantizedExperts"
