@@ -6,8 +6,10 @@ each output dtype by both paths on ``--threads`` threads. Weights/s counts both 
 of interleaved repetitions (background load hits both paths alike): wall time, and the process's CPU time (all
 threads, user and system), which a loaded machine disturbs less; ``identical`` compares the two outputs' bits.
 
-Then a memory-speed reference: the same outputs allocated and filled once, per dtype. Prints a markdown table, then
-one JSON object; exits 1 if an output differs from the old path's.
+First a memory-speed reference per dtype: the same outputs allocated and filled once (and, apart, allocated and
+touched once per page: the fresh pages alone); ``fill / old`` is the ratio a dequantisation writing at that fill
+speed would reach. Prints a markdown table, the references, then one JSON object (with the load average at the
+start and the end); exits 1 if an output differs from the old path's.
 
 Run: python scripts/bench_dequant.py [--experts 8] [--threads 2] [--repeats 5] [--old-repeats 2]
      [--dtypes bfloat16,float32] [--schemes mxfp4-floor,...]
@@ -86,18 +88,34 @@ def measure(tensors: list[QuantizedTensor], dtype: torch.dtype, repeats: int, ol
     }
 
 
-def fill_rate(dtype: torch.dtype, experts: int, repeats: int) -> float:
+def fill_rate(dtype: torch.dtype, experts: int, repeats: int, touch_only: bool = False) -> float:
     """Weights/s of allocating the outputs of one call as the new path does (numpy memory) and writing every element
-    once with torch's threaded ``fill_``: what memory speed allows a dequantisation that returns new tensors."""
+    once with torch's threaded ``fill_``: what memory speed allows a dequantisation that returns new tensors. With
+    ``touch_only``, one element per 4 KiB page is written instead: the cost of the fresh pages alone (the kernel
+    zeroes each page on first touch)."""
     bits_dtype = {2: np.int16, 4: np.int32, 8: np.int64}[torch.empty(0, dtype=dtype).element_size()]
     shapes = [(experts, *GATE_UP), (experts, *DOWN)]
+    page = 4096 // np.dtype(bits_dtype).itemsize
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        outputs = [torch.from_numpy(np.empty(shape, bits_dtype)).view(dtype).fill_(1.0) for shape in shapes]
+        outputs = [torch.from_numpy(np.empty(shape, bits_dtype)).view(dtype) for shape in shapes]
+        for output in outputs:
+            if touch_only:
+                output.view(-1)[::page].fill_(1.0)
+            else:
+                output.fill_(1.0)
         best = min(best, time.perf_counter() - start)
         del outputs
     return sum(np.prod(shape) for shape in shapes) / best
+
+
+def load_average() -> str:
+    try:
+        with open("/proc/loadavg") as handle:
+            return " ".join(handle.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def main() -> int:
@@ -118,35 +136,48 @@ def main() -> int:
         for dtype in dtypes:
             scheme.quantize(torch.randn(2, 4, 256)).dequantize(dtype)
 
+    fills = {str(dtype).removeprefix("torch."): fill_rate(dtype, args.experts, args.repeats) for dtype in dtypes}
+    touches = {
+        str(dtype).removeprefix("torch."): fill_rate(dtype, args.experts, args.repeats, touch_only=True)
+        for dtype in dtypes
+    }
     rows = []
     print(f"{args.experts} experts, gate_up {GATE_UP} + down {DOWN}, {args.threads} threads, torch {torch.__version__}")
+    start_load = load_average()
+    print(f"load average at the start: {start_load}")
     print()
     print("M weights/s by wall time, then by CPU time")
     print()
-    print("| scheme | dtype | old | new | new / old | old (CPU) | new (CPU) | new / old (CPU) | identical |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print(
+        "| scheme | dtype | old | new | new / old | old (CPU) | new (CPU) | new / old (CPU) | fill / old | identical |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for label in args.schemes.split(","):
         tensors = quantized(SCHEMES[label], args.experts, generator)
         for dtype in dtypes:
             result = measure(tensors, dtype, args.repeats, args.old_repeats)
             result.update(scheme=label, dtype=str(dtype).removeprefix("torch."))
+            result["fill_ratio"] = fills[result["dtype"]] / result["old_weights_per_s"]
             rows.append(result)
             print(
                 f"| {label} | {result['dtype']} | {result['old_weights_per_s'] / 1e6:.1f} | "
                 f"{result['new_weights_per_s'] / 1e6:.0f} | {result['ratio']:.1f}x | "
                 f"{result['old_cpu_weights_per_s'] / 1e6:.1f} | {result['new_cpu_weights_per_s'] / 1e6:.0f} | "
-                f"{result['cpu_ratio']:.1f}x | "
+                f"{result['cpu_ratio']:.1f}x | {result['fill_ratio']:.1f}x | "
                 f"{'yes' if result['identical'] else 'NO'} |",
                 flush=True,
             )
     print()
-    fills = {str(dtype).removeprefix("torch."): fill_rate(dtype, args.experts, args.repeats) for dtype in dtypes}
     print(
         "Memory-speed reference, the same outputs allocated and filled (M weights/s): "
         + ", ".join(f"{name} {rate / 1e6:.0f}" for name, rate in fills.items())
+        + "; allocated and touched once per page: "
+        + ", ".join(f"{name} {rate / 1e6:.0f}" for name, rate in touches.items())
     )
+    print(f"load average at the end: {load_average()}")
     print()
     summary = {
+        "loadavg_start": start_load,
         "experts": args.experts,
         "threads": args.threads,
         "repeats": args.repeats,
@@ -155,6 +186,8 @@ def main() -> int:
         "torch": torch.__version__,
         "rows": rows,
         "fill_weights_per_s": fills,
+        "touch_weights_per_s": touches,
+        "loadavg_end": load_average(),
     }
     print(json.dumps(summary))
     return 0 if all(row["identical"] for row in rows) else 1
