@@ -1,12 +1,12 @@
 """The plugin's CPU forward: the fused dequantise-and-multiply kernels compute what dequantising and ``F.linear``
-compute, and the experts module routes through them only where they apply (few tokens, 4-bit codes, no salient
-weights, no gradient), giving the reference forward's output either way."""
+compute, and the experts module routes through them or the packed-INT4 matmul only where they apply (few tokens,
+4-bit codes, no salient weights, no gradient), giving the reference forward's output either way."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moecompress.kernels import cpu_matmul
+from moecompress.kernels import cpu_matmul, int4pack
 from moecompress.quantization import cpu_forward
 from moecompress.quantization.modules import QuantizedExperts
 from moecompress.quantization.scheme import QuantScheme
@@ -89,25 +89,66 @@ def _routing(tokens: int, experts: int = 6, top_k: int = 2) -> tuple[torch.Tenso
     return ids, torch.rand(tokens, top_k, generator=generator).softmax(-1)
 
 
+def _record_calls(monkeypatch, owner, function_name: str) -> list[int]:
+    calls = []
+    original = getattr(owner, function_name)
+    monkeypatch.setattr(owner, function_name, lambda x, *rest: calls.append(x.shape[0]) or original(x, *rest))
+    return calls
+
+
 @pytest.mark.parametrize("name", ["mxfp4", "int4-g32", "int4-asym", "w4a8"])
 @pytest.mark.parametrize("tokens", [1, 5, 12, 40])
-def test_experts_forward_equals_the_reference(monkeypatch, name, tokens):
-    """Decode (1 token), a short prefill (most experts within the fused kernel's token limit) and a longer one
-    (dequantise then matmul), with low-rank adapters, against ``MOECOMPRESS_KERNELS=reference``."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_forward_equals_the_reference(monkeypatch, name, tokens, dtype):
+    """Decode (1 token), a short prefill (most experts within the fast routes' token limits) and a longer one
+    (dequantise then matmul), with low-rank adapters, against ``MOECOMPRESS_KERNELS=reference``: bf16 inputs go
+    through the packed-INT4 matmul, float32 ones through the fused numba kernel."""
     module = _experts(SCHEMES[name], ranks={"gate": [2, 0, 3, 0, 1, 0], "down": [0, 4, 0, 0, 0, 2]})
-    hidden = torch.randn(tokens, 128).bfloat16()
+    hidden = torch.randn(tokens, 128).to(dtype)
     ids, weights = _routing(tokens)
-    calls = []
-    original = cpu_matmul.mxfp4_linear if SCHEMES[name].is_float else cpu_matmul.int4_linear
-    monkeypatch.setattr(cpu_matmul, original.__name__, lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    fused = _record_calls(monkeypatch, cpu_matmul, "mxfp4_linear" if SCHEMES[name].is_float else "int4_linear")
+    repacked = _record_calls(monkeypatch, int4pack, "linear")
     with torch.inference_mode():
         out = module(hidden, ids, weights)
         monkeypatch.setenv("MOECOMPRESS_KERNELS", "reference")
         expected = module(hidden, ids, weights)
-    limit = cpu_forward.FUSED_MAX_TOKENS["mxfp4" if name == "mxfp4" else "int4"]
+    kind = "mxfp4" if name == "mxfp4" else "int4"
+    limit = (cpu_forward.REPACKED_MAX_TOKENS if dtype == torch.bfloat16 else cpu_forward.FUSED_MAX_TOKENS)[kind]
     counts = torch.bincount(ids.flatten(), minlength=6)
-    assert sorted(calls) == sorted(2 * [int(n) for n in counts if 0 < n <= limit])  # gate_up and down each
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    expected_calls = sorted(2 * [int(n) for n in counts if 0 < n <= limit])  # gate_up and down each
+    assert (sorted(repacked), sorted(fused)) == (
+        (expected_calls, []) if dtype == torch.bfloat16 else ([], expected_calls)
+    )
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    if name == "w4a8" and dtype == torch.bfloat16:
+        tolerance = 5e-2  # the int8 activations turn a bf16 rounding difference upstream into a whole step
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_repacked_copy_is_kept_off_the_state_dict_and_follows_replaced_codes(monkeypatch):
+    module = _experts(SCHEMES["int4-g32"])
+    keys = set(module.state_dict())
+    ids, weights = _routing(1)
+    hidden = torch.randn(1, 128).bfloat16()
+    with torch.inference_mode():
+        before = module(hidden, ids, weights)
+        assert set(module.state_dict()) == keys
+        module.gate_up_proj = torch.nn.Parameter(module.gate_up_proj.data ^ 0x11, requires_grad=False)
+        after = module(hidden, ids, weights)
+        monkeypatch.setenv("MOECOMPRESS_KERNELS", "reference")
+        expected = module(hidden, ids, weights)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_repack_can_be_turned_off(monkeypatch):
+    module = _experts(SCHEMES["mxfp4"])
+    monkeypatch.setenv("MOECOMPRESS_CPU_REPACK", "0")
+    monkeypatch.setattr(int4pack, "linear", lambda *args: pytest.fail("repacked route with MOECOMPRESS_CPU_REPACK=0"))
+    ids, weights = _routing(1)
+    with torch.inference_mode():
+        module(torch.randn(1, 128).bfloat16(), ids, weights)
+    assert "_repacked" not in module.__dict__
 
 
 def test_gradients_and_salient_weights_take_the_reference(monkeypatch):
@@ -116,6 +157,7 @@ def test_gradients_and_salient_weights_take_the_reference(monkeypatch):
     assert not cpu_forward.fused_ready(module, x)
     assert cpu_forward.fused_ready(module, x.detach())
     monkeypatch.setattr(cpu_matmul, "mxfp4_linear", lambda *args: pytest.fail("fused kernel under autograd"))
+    monkeypatch.setattr(int4pack, "linear", lambda *args: pytest.fail("packed-INT4 matmul under autograd"))
     ids, weights = _routing(2)
     module(x, ids, weights).float().sum().backward()
     assert x.grad is not None
