@@ -1,9 +1,11 @@
 """GGUF export and streamed evaluation of an MXFP4 output against copying and evaluating its input (issue 38).
 
-Makes (once, kept in --dir) a one-layer random checkpoint of Qwen3-30B-A3B's layer shapes (128 experts of
-2048 x 768) and its ``moecompress quantize --scheme mxfp4`` output, then times, each as its own process:
-``cp -r`` of the output, ``moecompress export --format gguf`` of it, ``cp -r`` again, and ``moecompress eval`` of
-the input and of the output on the same windows (``--eval-tokens``). Prints wall and CPU seconds and the ratios.
+Makes (once, kept in --dir) random checkpoints of Qwen3-30B-A3B's layer shapes (128 experts of 2048 x 768) with
+1 and ``--layers`` layers, and their ``moecompress quantize --scheme mxfp4`` outputs. For each, ``--repeats``
+times, side by side: ``cp -r`` of the output and ``moecompress export --format gguf`` of it, each a fresh process;
+then, in this (warm) process, ``shutil.copytree`` of the output and the export as an API call (``export_gguf``,
+the first call of which warms the process up and is reported apart). Optionally ``moecompress eval`` of the
+1-layer input and output on the same windows (``--eval``). Prints wall and CPU seconds and the ratios (medians).
 
     python scripts/bench_export.py --dir /tmp/bench-export --llama-cpp /tmp/lcp/llama_cpp_python-0.3.36
 """
@@ -15,12 +17,15 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import moecompress
+from moecompress.export.to_gguf import export_gguf
 from moecompress.synthetic import write_synthetic_qwen3_moe
 
 BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
@@ -37,46 +42,94 @@ def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}
 
 
+def timed_here(call: Callable[[], object]) -> dict[str, float]:
+    """Wall and CPU seconds of ``call`` in this process (its children's CPU included)."""
+    before, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    call()
+    wall = time.perf_counter() - start
+    after, children_after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
+    cpu += sum(getattr(children_after, f) - getattr(children, f) for f in ("ru_utime", "ru_stime"))
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
+
+
+def quantized_checkpoint(directory: Path, layers: int, env: dict[str, str]) -> Path:
+    source, quantized = directory / f"in-{layers}", directory / f"mxfp4-{layers}"
+    if not quantized.exists():
+        if not source.exists():
+            write_synthetic_qwen3_moe(
+                source, layers, 2048, 128, 768, BUILTIN, heads=32, kv_heads=4, head_dim=128, top_k=8
+            )
+        command = ["moecompress", "quantize", str(source), "--out", str(quantized), "--scheme", "mxfp4", "--no-eval"]
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    return quantized
+
+
+def median(runs: list[dict[str, float]], key: str) -> float:
+    return round(statistics.median(run[key] for run in runs), 3)
+
+
+def compare_export_with_copy(quantized: Path, work: Path, llama_cpp: str, repeats: int, env: dict[str, str]):
+    copy, gguf = work / "copy", work / "out.gguf"
+
+    def fresh() -> None:
+        shutil.rmtree(copy, ignore_errors=True)
+        gguf.unlink(missing_ok=True)
+        subprocess.run(["sync"], check=True)
+
+    def api_export() -> None:
+        export_gguf(quantized, gguf, llama_cpp=llama_cpp, progress=False)
+
+    cli = ["moecompress", "export", str(quantized), "--format", "gguf", "--out", str(gguf), "--quiet"]
+    cli += ["--llama-cpp", llama_cpp]
+    runs: dict[str, list[dict[str, float]]] = {"cp -r": [], "CLI export": [], "copytree": [], "API export": []}
+    fresh()
+    first_api = timed_here(api_export)
+    for _ in range(repeats):
+        fresh()
+        runs["cp -r"].append(timed(["cp", "-r", str(quantized), str(copy)], env))
+        fresh()
+        runs["CLI export"].append(timed(cli, env))
+        fresh()
+        runs["copytree"].append(timed_here(lambda: shutil.copytree(quantized, copy)))
+        fresh()
+        runs["API export"].append(timed_here(api_export))
+    result: dict[str, object] = {
+        "output_bytes": sum(p.stat().st_size for p in quantized.iterdir()),
+        "gguf_bytes": gguf.stat().st_size,
+        "first_API_export_in_this_process": first_api,
+        "runs": runs,
+    }
+    fresh()
+    for what, against in (("CLI export", "cp -r"), ("API export", "copytree")):
+        for key in ("wall_s", "cpu_s"):
+            result[f"{what} / {against} ({key}, medians)"] = round(
+                median(runs[what], key) / max(median(runs[against], key), 1e-3), 2
+            )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--llama-cpp", required=True, help="a llama.cpp checkout or unpacked llama-cpp-python sdist")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the second checkpoint (0: none)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eval", action="store_true", help="also time moecompress eval of the 1-layer model")
     parser.add_argument("--eval-tokens", type=int, default=512)
-    parser.add_argument("--no-eval", action="store_true")
     args = parser.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    source, quantized = args.dir / "in", args.dir / "mxfp4"
-    if not source.exists():
-        write_synthetic_qwen3_moe(source, 1, 2048, 128, 768, BUILTIN, heads=32, kv_heads=4, head_dim=128, top_k=8)
-    if not quantized.exists():
-        subprocess.run(
-            ["moecompress", "quantize", str(source), "--out", str(quantized), "--scheme", "mxfp4", "--no-eval"],
-            check=True,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-    copy, gguf = args.dir / "copy", args.dir / "mxfp4.gguf"
-    results: dict[str, object] = {"output_bytes": sum(p.stat().st_size for p in quantized.iterdir())}
-    runs = []
-    for step in ("copy", "export", "copy"):
-        shutil.rmtree(copy, ignore_errors=True)
-        gguf.unlink(missing_ok=True)
-        subprocess.run(["sync"], check=True)
-        if step == "copy":
-            runs.append(("copy", timed(["cp", "-r", str(quantized), str(copy)], env)))
-        else:
-            command = ["moecompress", "export", str(quantized), "--format", "gguf", "--out", str(gguf), "--quiet"]
-            runs.append(("export", timed([*command, "--llama-cpp", args.llama_cpp], env)))
-            results["gguf_bytes"] = gguf.stat().st_size
-    shutil.rmtree(copy, ignore_errors=True)
-    copies = [r for name, r in runs if name == "copy"]
-    export = next(r for name, r in runs if name == "export")
-    results["copy"] = copies
-    results["export"] = export
-    results["export_over_copy_wall"] = round(export["wall_s"] / (sum(c["wall_s"] for c in copies) / len(copies)), 2)
-    if not args.no_eval:
+    args.dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, object] = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3]}
+    for layers in sorted({1, args.layers} - {0}):
+        quantized = quantized_checkpoint(args.dir, layers, env)
+        work = args.dir / f"work-{layers}"
+        work.mkdir(exist_ok=True)
+        results[f"{layers} layer(s)"] = compare_export_with_copy(quantized, work, args.llama_cpp, args.repeats, env)
+    if args.eval:
         evals = {}
-        for name, model in (("input", source), ("output", quantized)):
+        for name, model in (("input", args.dir / "in-1"), ("output", args.dir / "mxfp4-1")):
             out = args.dir / f"eval-{name}.json"
             command = ["moecompress", "eval", str(model), "--eval-tokens", str(args.eval_tokens)]
             command += ["--json-out", str(out)]
@@ -84,6 +137,7 @@ def main() -> None:
         results["eval"] = evals
         results["eval_output_over_input_wall"] = round(evals["output"]["wall_s"] / evals["input"]["wall_s"], 2)
         results["eval_output_over_input_cpu"] = round(evals["output"]["cpu_s"] / evals["input"]["cpu_s"], 2)
+    results["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     json.dump(results, sys.stdout, indent=2)
     print()
 

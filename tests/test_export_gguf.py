@@ -543,3 +543,132 @@ def test_gpt_oss_export_converts_to_the_same_mxfp4_values(tiny_with_tokenizer, t
     quantize_checkpoint(source, tmp_path / "export", QuantizeConfig(format="gpt-oss"), progress=False)
     export_gguf(tmp_path / "export", tmp_path / "gpt-oss.gguf", progress=False)
     assert _check_gguf_experts(tmp_path / "gpt-oss.gguf", _plugin_experts(tmp_path / "native"), exact=True) == {"MXFP4"}
+
+
+def _torch_to_ggml(q):
+    """The re-pack before the numpy one (torch, whole tensor at once): the vectorised one must give its bytes."""
+    type_name = ggml_blocks.ggml_type_for(q)
+    head = ggml_blocks.BLOCK_BYTES[type_name] - 16
+    blocks = torch.empty((*q.shape[:-1], q.shape[-1] // 32, head + 16), dtype=torch.uint8)
+    if q.scheme.bits == 4 and not q.scheme.is_binary:
+        quants = q.codes()
+    elif q.scheme.is_binary:
+        quants = q.codes() * 2 + 7
+    elif type_name == "Q4_0":
+        quants = q.codes().to(torch.int16) - 2 ** (q.scheme.bits - 1) + 8
+    else:
+        quants = q.codes()
+    blocks[..., head:] = ggml_blocks._ggml_nibbles(quants.to(torch.uint8))
+
+    def fp16_bytes(values):
+        values = values.repeat_interleave(q.scheme.group_size // 32, dim=-1)
+        return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape, 2)
+
+    if type_name == "MXFP4":
+        blocks[..., 0] = q.scales
+    else:
+        blocks[..., 0:2] = fp16_bytes(q.scales.float())
+        if type_name == "Q4_1":
+            blocks[..., 2:4] = fp16_bytes(-(q.zeros.float() * q.scales.float()))
+    return blocks.reshape(*q.shape[:-1], -1).numpy()
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        QuantScheme("mxfp4"),
+        QuantScheme("int4", 32, symmetric=True),
+        QuantScheme("int4", 64, symmetric=False),
+        QuantScheme("int4", 128, symmetric=False),
+        QuantScheme("int2", 32, symmetric=False),
+        QuantScheme("binary"),
+        QuantScheme("w4a8"),
+    ],
+)
+def test_vectorised_repack_in_small_chunks_gives_the_bytes_of_the_torch_repack(scheme, monkeypatch):
+    monkeypatch.setattr(ggml_blocks, "CHUNK_BYTES", 40 * 128)  # 40 rows a chunk: chunks end inside an expert
+    q = scheme.quantize(_weights())
+    half = replace(
+        q,
+        shape=(3, 48, 256),
+        packed=q.packed[:, 48:],
+        scales=q.scales[:, 48:],
+        zeros=None if q.zeros is None else q.zeros[:, 48:],
+    )
+    for matrix in (q, half):
+        assert np.array_equal(ggml_blocks.to_ggml(matrix).blocks, _torch_to_ggml(matrix))
+        joined = b"".join(chunk.tobytes() for chunk in ggml_blocks.ggml_chunks(matrix))
+        assert joined == _torch_to_ggml(matrix).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_exports_finite_check_finds_one_bad_value_in_any_chunk(dtype, bad):
+    from moecompress.export import source
+
+    values = torch.randn(3 * (1 << 18) + 5).to(dtype)
+    assert not source.holds_non_finite(values)
+    for where in (0, (1 << 18) - 1, 1 << 18, values.numel() - 1):
+        spoiled = values.clone()
+        spoiled[where] = bad
+        assert source.holds_non_finite(spoiled), where
+    assert source.holds_non_finite(torch.tensor([1.0, bad], dtype=torch.float64))
+
+
+def test_a_nan_in_a_dense_weight_is_refused_naming_it(native_outputs, tmp_path):
+    from moecompress.export.to_bf16 import open_native
+
+    directory = tmp_path / "spoiled"
+    shutil.copytree(native_outputs[("qwen3_moe", "mxfp4")], directory)
+    reader, native = open_native(directory)
+    with reader:
+        key = next(k for k in native.outside if reader.dtype_of(k).is_floating_point and "embed" in k)
+        info, dtype = reader.tensors[key], reader.dtype_of(key)
+        with open(directory / info.file, "r+b") as handle:
+            handle.seek(info.offset + dtype.itemsize * 7)
+            handle.write(torch.tensor([float("nan")], dtype=dtype).view(torch.uint8).numpy().tobytes())
+        with pytest.raises(UserInputError, match=f"tensor '{key}' holds NaN or Inf"):
+            native.outside_tensors()
+
+
+@needs_converter
+def test_the_converter_in_our_process_writes_the_subprocess_bytes_and_leaves_our_modules(
+    native_outputs, tmp_path, monkeypatch
+):
+    """In-process, the converter imports its own gguf-py; afterwards ``import gguf`` is ours again and nothing of
+    its modules or paths is left."""
+    from moecompress.export import converter_scope, llama_cpp
+
+    def no_subprocess(*args):
+        raise AssertionError("the in-process route ran a subprocess")
+
+    ours_gguf, path, argv = sys.modules["gguf"], list(sys.path), list(sys.argv)
+    directory = native_outputs[("qwen3_moe", "mxfp4")]
+    export_bf16(directory, tmp_path / "view", progress=False)
+    files = {}
+    for route in (True, False):
+        files[route] = tmp_path / f"in_process_{route}.gguf"
+        with monkeypatch.context() as patch:
+            if route:
+                patch.setattr(llama_cpp, "_run_subprocess", no_subprocess)
+            done = run_converter(find_converter(None), tmp_path / "view", files[route], in_process=route)
+        assert done["substituted"] == [] and done["hole_offsets"] == {}
+    assert files[True].read_bytes() == files[False].read_bytes()
+    assert sys.modules["gguf"] is ours_gguf and sys.path == path and sys.argv == argv
+    assert not [name for name in sys.modules if name.split(".")[0] in ("conversion", "convert_hf_to_gguf")]
+    assert converter_scope.usable()
+
+
+@needs_converter
+def test_the_converters_failure_in_our_process_is_one_line(tmp_path):
+    from moecompress.export import converter_scope
+
+    shutil.copytree(BUILTIN, tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    assert converter_scope.usable()
+    with pytest.raises(UserInputError, match=r"converter failed on .*not supported") as caught:
+        run_converter(find_converter(None), tmp_path / "model", tmp_path / "out.gguf", in_process=True)
+    assert "\n" not in str(caught.value)
+    assert sys.modules["gguf"].__file__.startswith(str(Path(gguf.__file__).parent))

@@ -1,17 +1,19 @@
-"""Runs llama.cpp's ``convert_hf_to_gguf.py`` unmodified, in its own process (it imports the ``gguf`` package its
-checkout ships, which may differ from ours), with three hooks:
+"""Runs llama.cpp's ``convert_hf_to_gguf.py`` unmodified, with the ``gguf`` package its checkout ships (which may
+differ from ours): in its own process, or in ours with its modules swapped in (:mod:`.converter_scope`). Three hooks:
 
 - a BPE pre-tokenizer the converter's hash table does not know is written as the compatible type we name
   (only when the converter itself finds none);
 - the expert tensors we name are written as GGML blocks of the type and byte shape we give (their logical shape
   must agree with the converter's), but their bytes are left a hole: the caller writes our blocks there
-  afterwards (the converter never computes its own data for them: it loads tensors lazily);
+  afterwards (the converter never computes its own data for them: it loads tensors lazily); where each hole
+  starts in the output file is noted as the writer reaches it;
 - ``general.file_type`` is set to the type we name.
 
 Usage: ``python convert_driver.py SPEC.json -- CONVERTER ARGS``. SPEC: ``llama_cpp`` (the directory holding
 ``convert_hf_to_gguf.py``), ``pre_tokenizer`` (or null), ``holes`` (tensor name -> [GGML type name, byte shape]),
-``file_type`` (LlamaFileType name or null), ``result`` (a JSON path written at the end). This file imports nothing
-from moecompress.
+``file_type`` (LlamaFileType name or null), ``result`` (a JSON path written at the end). The result:
+``pre_tokenizer_fallback``, ``substituted`` (the holes' names) and ``hole_offsets`` (name -> byte offset, for the
+holes written straight into ``--outfile``). This file imports nothing from moecompress.
 """
 
 from __future__ import annotations
@@ -30,22 +32,20 @@ class Hole:
 
     dtype = np.dtype(np.uint8)
 
-    def __init__(self, shape):
-        self.shape = tuple(shape)
+    def __init__(self, name, shape, written):
+        self.name, self.shape, self.written = name, tuple(shape), written
         self.nbytes = int(np.prod(self.shape))
 
     def tofile(self, handle):
+        self.written[self.name] = (getattr(handle, "name", None), handle.tell())
         if self.nbytes:
             handle.seek(self.nbytes - 1, os.SEEK_CUR)
             handle.write(b"\0")
 
 
-def main(argv: list[str]) -> None:
-    split = argv.index("--")
-    spec = json.loads(Path(argv[split - 1]).read_text())
-    root = Path(spec["llama_cpp"])
-    sys.path.insert(0, str(root))
-    sys.path.insert(1, str(root / "gguf-py"))
+def convert(spec: dict, args: list[str]) -> dict:
+    """Runs the converter on ``args`` with the hooks of ``spec``; returns the result. The converter's directory and
+    its ``gguf-py`` must come first on ``sys.path``."""
     import convert_hf_to_gguf
     import gguf  # the converter's own copy
     from conversion import base
@@ -67,6 +67,7 @@ def main(argv: list[str]) -> None:
 
     holes = spec.get("holes", {})
     pending = set(holes)
+    written = {}
     original_add_tensor = gguf.GGUFWriter.add_tensor
 
     def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None):
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> None:
             pending.discard(name)
             type_name, shape = holes[name]
             qtype = gguf.GGMLQuantizationType[type_name]
-            ours = Hole(shape)
+            ours = Hole(name, shape, written)
             theirs = tuple(raw_shape) if raw_shape is not None else tuple(tensor.shape)
             if raw_dtype is not None and tensor.dtype.itemsize == 1 and raw_shape is None:
                 theirs = gguf.quant_shape_from_byte_shape(theirs, raw_dtype)
@@ -96,10 +97,26 @@ def main(argv: list[str]) -> None:
 
         gguf.GGUFWriter.add_file_type = add_file_type
 
-    sys.argv = ["convert_hf_to_gguf.py", *argv[split + 1 :]]
+    sys.argv = ["convert_hf_to_gguf.py", *args]
     convert_hf_to_gguf.main()
     if pending:
         raise ValueError(f"the converter wrote no tensor named {sorted(pending)[0]!r} ({len(pending)} left)")
+    outfile = Path(args[args.index("--outfile") + 1]).resolve()
+    used["hole_offsets"] = {
+        name: offset
+        for name, (path, offset) in written.items()
+        if isinstance(path, str) and Path(path).resolve() == outfile
+    }
+    return used
+
+
+def main(argv: list[str]) -> None:
+    split = argv.index("--")
+    spec = json.loads(Path(argv[split - 1]).read_text())
+    root = Path(spec["llama_cpp"])
+    sys.path.insert(0, str(root))
+    sys.path.insert(1, str(root / "gguf-py"))
+    used = convert(spec, argv[split + 1 :])
     Path(spec["result"]).write_text(json.dumps(used))
 
 

@@ -14,6 +14,8 @@ GGML blocks hold 32 consecutive weights of a row; a 4-bit block stores weight ``
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,21 +67,26 @@ def _per_block(scales: torch.Tensor, group_size: int) -> torch.Tensor:
     return scales.repeat_interleave(group_size // QK, dim=-1)
 
 
-def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape, 2)
+def _fp16_bits(values: torch.Tensor) -> np.ndarray:
+    return values.to(torch.float16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
 
 
-def _put_packed_nibbles(packed: torch.Tensor, out: torch.Tensor) -> None:
-    """GGML's nibble bytes ``[..., n, 16]`` of our packed 4-bit codes ``[..., n·16]`` into ``out``, without
-    unpacking: GGML's byte ``2m`` takes the low nibbles of our bytes ``m`` and ``8 + m`` (weights ``2m`` and
-    ``2m + 16``), its byte ``2m + 1`` their high nibbles (weights ``2m + 1`` and ``2m + 17``)."""
-    blocks = packed.reshape(*packed.shape[:-1], -1, QK // 2)
-    first, second = blocks[..., : QK // 4], blocks[..., QK // 4 :]
-    even, odd = out[..., 0::2], out[..., 1::2]
-    torch.bitwise_and(first, 0x0F, out=even)
-    even |= second << 4
-    torch.bitwise_right_shift(first, 4, out=odd)
-    odd |= second & 0xF0
+_LOW = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
+def _repacked_nibbles(packed: np.ndarray, out: np.ndarray) -> None:
+    """GGML's 16 nibble bytes per block of our packed 4-bit codes (``[n, 16]`` uint8, contiguous) into ``out``
+    (``[n, 8]`` uint16), without unpacking. Our bytes ``0..7`` of a block (``first``) hold weights ``0..15``, bytes
+    ``8..15`` (``second``) weights ``16..31``; GGML's byte ``2m`` is the low nibbles of ``first[m]`` and
+    ``second[m]``, its byte ``2m + 1`` their high nibbles. Both are formed eight bytes at a time in a uint64 and then
+    interleaved as the low and high bytes of uint16s."""
+    halves = packed.view(np.uint64)
+    first, second = halves[:, 0], halves[:, 1]
+    lows = (first & _LOW) | ((second & _LOW) << np.uint64(4))
+    highs = ((first >> np.uint64(4)) & _LOW) | (second & ~_LOW)
+    np.copyto(out, highs.view(np.uint8).reshape(-1, 8))
+    out <<= 8
+    out |= lows.view(np.uint8).reshape(-1, 8)
 
 
 def _quants_are_codes(q: QuantizedTensor) -> bool:
@@ -88,16 +95,34 @@ def _quants_are_codes(q: QuantizedTensor) -> bool:
     return q.scheme.bits == 4 and not q.scheme.is_binary
 
 
-def to_ggml(q: QuantizedTensor) -> GGMLTensor:
-    """``q`` (salient weights not allowed: GGML has no place for them) as GGML blocks."""
+def block_dtype(type_name: str) -> np.dtype:
+    """One GGML block as a packed record: the scale fields (``e`` the E8M0 byte; ``d``, ``m`` fp16 bits), then the
+    16 bytes of quants."""
+    head = {"MXFP4": [("e", "u1")], "Q4_0": [("d", "<u2")], "Q4_1": [("d", "<u2"), ("m", "<u2")]}[type_name]
+    return np.dtype([*head, ("qs", "V16")])
+
+
+CHUNK_BYTES = 1 << 21
+"""About how many bytes of our codes one chunk re-packs: small enough for its temporaries to stay in cache."""
+
+
+def _row_chunks(rows: int, cols: int) -> list[slice]:
+    step = max(1, CHUNK_BYTES // max(1, cols // 2))
+    return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def ggml_chunks(q: QuantizedTensor) -> Iterator[np.ndarray]:
+    """``q`` (salient weights not allowed: GGML has no place for them) as GGML blocks, in file order, a few rows at a
+    time: each chunk a 1-D array of :func:`block_dtype` records, overwritten by the next one. ``q``'s tensors may be
+    views (rows of a fused matrix) or memory-mapped: a chunk reads only its rows."""
     if q.salient is not None:
         raise ValueError("a matrix with salient weights has no GGML block type; fold it into a dense tensor")
     type_name = ggml_type_for(q)
     scheme = q.scheme
-    head = BLOCK_BYTES[type_name] - QK // 2
-    blocks = torch.empty((*q.shape[:-1], q.shape[-1] // QK, BLOCK_BYTES[type_name]), dtype=torch.uint8)
+    lead, rows, cols = math.prod(q.shape[:-2]), math.prod(q.shape[-2:-1]), q.shape[-1]
+    dtype = block_dtype(type_name)
     if _quants_are_codes(q):
-        _put_packed_nibbles(q.packed, blocks[..., head:])
+        packed, nibbles = q.packed.reshape(lead, rows, -1), None
     else:
         codes = q.codes()
         if scheme.is_binary:
@@ -106,15 +131,40 @@ def to_ggml(q: QuantizedTensor) -> GGMLTensor:
             quants = codes.to(torch.int16) - 2 ** (scheme.bits - 1) + 8
         else:
             quants = codes
-        blocks[..., head:] = _ggml_nibbles(quants.to(torch.uint8))
-    if type_name == "MXFP4":
-        blocks[..., 0] = q.scales
-    else:
-        scale = q.scales.float()
-        blocks[..., 0:2] = _fp16_bytes(_per_block(scale, scheme.group_size))
-        if type_name == "Q4_1":
-            blocks[..., 2:4] = _fp16_bytes(_per_block(-(q.zeros.float() * scale), scheme.group_size))
-    return GGMLTensor(type_name, blocks.reshape(*q.shape[:-1], -1).numpy())
+        packed, nibbles = None, _ggml_nibbles(quants.to(torch.uint8)).reshape(lead, rows, -1)
+    scales = q.scales.reshape(lead, rows, -1)
+    zeros = None if q.zeros is None else q.zeros.reshape(lead, rows, -1)
+    chunks = _row_chunks(rows, cols)
+    if not chunks or cols == 0:
+        return
+    wide = np.empty((chunks[0].stop * (cols // QK), QK // 4), np.uint16)
+    buffer = np.empty(len(wide), dtype)
+    for index in range(lead):
+        for part in chunks:
+            out = buffer[: (part.stop - part.start) * (cols // QK)]
+            if packed is not None:
+                codes = np.ascontiguousarray(packed[index, part].numpy()).reshape(-1, QK // 2)
+                quants = wide[: len(out)]
+                _repacked_nibbles(codes, quants)
+                out["qs"] = quants.view("V16").reshape(-1)
+            else:
+                out["qs"] = np.ascontiguousarray(nibbles[index, part].numpy()).view("V16").reshape(-1)
+            block_scales = scales[index, part]
+            if type_name == "MXFP4":
+                out["e"] = block_scales.numpy().reshape(-1)
+            else:
+                scale = block_scales.float()
+                out["d"] = _fp16_bits(_per_block(scale, scheme.group_size))
+                if type_name == "Q4_1":
+                    out["m"] = _fp16_bits(_per_block(-(zeros[index, part].float() * scale), scheme.group_size))
+            yield out
+
+
+def to_ggml(q: QuantizedTensor) -> GGMLTensor:
+    """``q`` as GGML blocks, whole (:func:`ggml_chunks` joined)."""
+    type_name = ggml_type_for(q)
+    blocks = np.concatenate([np.empty(0, np.uint8), *(chunk.view(np.uint8).copy() for chunk in ggml_chunks(q))])
+    return GGMLTensor(type_name, blocks.reshape(byte_shape(type_name, tuple(q.shape))))
 
 
 @dataclass(frozen=True)
@@ -193,11 +243,12 @@ def _every_group(q: QuantizedTensor) -> QuantizedTensor | None:
     return QuantizedTensor(scheme, tuple(codes.shape), pack_codes(codes, scheme.bits), scales, zeros)
 
 
-def measure(q: QuantizedTensor, tensor: GGMLTensor) -> BlockError:
-    """GGML's values of ``tensor`` against ``q.dequantize()`` (what our model computes with). Where GGML's decoding
-    of every (code, group) pair ``q`` has equals ours (MXFP4 always), the whole matrix is exact without decoding it;
-    otherwise every weight is decoded both ways and compared."""
+def measure(q: QuantizedTensor, tensor: GGMLTensor | None = None) -> BlockError:
+    """GGML's values of ``tensor`` (``q``'s blocks, made here if not given) against ``q.dequantize()`` (what our model
+    computes with). Where GGML's decoding of every (code, group) pair ``q`` has equals ours (MXFP4 always), the whole
+    matrix is exact without decoding it; otherwise every weight is decoded both ways and compared. The table is small:
+    it is decoded by the reference (bit-identical to the kernels, which would cost a second to load)."""
     table = _every_group(q)
-    if table is not None and compare(ggml_dequantize(to_ggml(table)), table.dequantize()).exact:
+    if table is not None and compare(ggml_dequantize(to_ggml(table)), table._dequantize_reference()).exact:
         return BlockError(0.0, 0.0, 0, q.numel)
-    return compare(ggml_dequantize(tensor), q.dequantize())
+    return compare(ggml_dequantize(tensor if tensor is not None else to_ggml(q)), q.dequantize())

@@ -1,4 +1,6 @@
-"""Finding llama.cpp's converter and running it (through :mod:`.convert_driver`) in a subprocess."""
+"""Finding llama.cpp's converter and running it (through :mod:`.convert_driver`): in this process with its modules
+swapped in (:mod:`.converter_scope`), which spares a second interpreter and its imports (torch among them), or in a
+subprocess where that is not possible."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from ..errors import UserInputError
 from ..files import write_text
+from . import converter_scope
 
 ENV_VAR = "MOECOMPRESS_LLAMA_CPP"
 CONVERTER = "convert_hf_to_gguf.py"
@@ -63,23 +66,36 @@ def run_converter(
     outtype: str = "bf16",
     holes: dict[str, tuple[str, tuple[int, ...]]] | None = None,
     file_type: str | None = None,
+    in_process: bool = True,
 ) -> dict[str, Any]:
     """Convert ``model_dir`` to ``outfile``; returns what the hooks did. The tensors named in ``holes`` (name ->
     GGML type name and the blocks' byte shape) are left unwritten in ``outfile``, for the caller to fill. The
-    converter's own error output ends up in a one-line :class:`UserInputError` (its last line) when it fails."""
+    converter's own error output ends up in a one-line :class:`UserInputError` (its last line) when it fails.
+    ``in_process``: in this process where :mod:`.converter_scope` can (a single thread, modules that import here),
+    else in a subprocess."""
+    spec = {
+        "llama_cpp": str(llama_cpp),
+        "pre_tokenizer": fallback_pre_tokenizer(model_dir),
+        "holes": {name: [kind, list(shape)] for name, (kind, shape) in (holes or {}).items()},
+        "file_type": file_type,
+    }
+    args = [str(Path(model_dir).absolute()), "--outfile", str(Path(outfile).absolute()), "--outtype", outtype]
+    if in_process and converter_scope.usable():
+        try:
+            return converter_scope.run(llama_cpp, spec, args)
+        except converter_scope.ImportFailed:
+            pass
+        except RuntimeError as error:
+            raise UserInputError(f"llama.cpp's converter failed on {model_dir}: {error}") from None
+    return _run_subprocess(spec, args, model_dir)
+
+
+def _run_subprocess(spec: dict[str, Any], args: list[str], model_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="moecompress-convert-") as work:
         spec_path, result_path = Path(work) / "spec.json", Path(work) / "result.json"
-        spec = {
-            "llama_cpp": str(llama_cpp),
-            "pre_tokenizer": fallback_pre_tokenizer(model_dir),
-            "holes": {name: [kind, list(shape)] for name, (kind, shape) in (holes or {}).items()},
-            "file_type": file_type,
-            "result": str(result_path),
-        }
-        write_text(spec_path, json.dumps(spec))
+        write_text(spec_path, json.dumps({**spec, "result": str(result_path)}))
         # The converter runs in ``work``: relative paths would name places there.
-        command = [sys.executable, str(DRIVER), str(spec_path), "--", str(Path(model_dir).absolute())]
-        command += ["--outfile", str(Path(outfile).absolute()), "--outtype", outtype]
+        command = [sys.executable, str(DRIVER), str(spec_path), "--", *args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=work)
         if done.returncode != 0 or not result_path.is_file():

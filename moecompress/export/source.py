@@ -6,10 +6,12 @@ original on-disk names (per-expert layout), so a stock converter sees an ordinar
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..checkpoint import CheckpointReader, group_keys_by_layer
@@ -22,6 +24,33 @@ from ..quantization.salient import SalientWeights, decode_positions
 from ..quantization.scheme import QuantizedTensor, QuantScheme
 
 MATRICES = ("gate", "up", "down")
+
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, np.uint16, 0x7F80),
+    torch.float16: (torch.int16, np.uint16, 0x7C00),
+    torch.float32: (torch.int32, np.uint32, 0x7F800000),
+}
+_FINITE_CHUNK = 1 << 18
+
+
+def holds_non_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating-point tensor holds NaN or Inf (exponent bits all ones), checked in numpy a cache-sized
+    chunk at a time: an export reads little float data (dense modules, integer grids' scales), too little to pay
+    for loading the reader's compiled kernel."""
+    layout = _EXPONENT_BITS.get(tensor.dtype)
+    if layout is None:
+        return tensor.is_floating_point() and tensor.element_size() > 1 and not bool(torch.isfinite(tensor).all())
+    signed, unsigned, mask = layout
+    bits = tensor.detach().contiguous().reshape(-1).view(signed).numpy().view(unsigned)
+    mask = unsigned(mask)
+    scratch = np.empty(min(_FINITE_CHUNK, bits.size), unsigned)
+    for start in range(0, bits.size, _FINITE_CHUNK):
+        chunk = bits[start : start + _FINITE_CHUNK]
+        exponent = scratch[: chunk.size]
+        np.bitwise_and(chunk, mask, out=exponent)
+        if (exponent == mask).any():
+            return True
+    return False
 
 
 @dataclass
@@ -63,6 +92,35 @@ class NativeSource:
         self.lowrank: dict[str, dict[str, list[int]]] = qc.get("lowrank", {})
         self.salient: dict[str, dict[str, list[int]]] = qc.get("salient", {})
         self.layers, self.outside = group_keys_by_layer(reader, adapter)
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def _read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The reader's tensors, refused if a float one holds NaN or Inf (:func:`holds_non_finite`)."""
+        tensors = self.reader.read(keys, check_finite=False)
+        for key, tensor in tensors.items():
+            if tensor.is_floating_point() and holds_non_finite(tensor):
+                where = self.reader.directory / self.reader.tensors[key].file
+                raise UserInputError(f"{where}: tensor {key!r} holds NaN or Inf values")
+        return tensors
+
+    def _mapped(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """``keys`` as tensors over a copy-on-write memory map of their shard (nothing read until used), where they
+        are stored plainly in a safetensors shard; the others read (:meth:`_read`)."""
+        reader, out, rest = self.reader, {}, []
+        for key in keys:
+            info = reader.tensors[key]
+            dtype = reader.dtype_of(key)
+            plain = key not in reader._encoded and info.file not in reader._pickled and not dtype.is_floating_point
+            if not plain:
+                rest.append(key)
+                continue
+            if info.file not in self._maps:
+                with open(reader.directory / info.file, "rb") as handle:
+                    self._maps[info.file] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            count = math.prod(info.shape) * dtype.itemsize
+            raw = torch.frombuffer(self._maps[info.file], dtype=torch.uint8, count=count, offset=info.offset)
+            out[key] = raw.view(dtype).reshape(info.shape)
+        return {**out, **self._read(rest)}
 
     def _quantized(self, module: str, param: str, tensors: dict[str, torch.Tensor]) -> QuantizedTensor:
         scheme = self.schemes[self.modules[module]]
@@ -86,7 +144,7 @@ class NativeSource:
         return tensors
 
     def outside_tensors(self) -> dict[str, torch.Tensor]:
-        return self._dense_rest(self.reader.read(self.outside))
+        return self._dense_rest(self._read(self.outside))
 
     def quantized_experts_module(self, layer: int) -> str | None:
         """The layer's routed-experts module where its experts are stored quantised."""
@@ -111,10 +169,11 @@ class NativeSource:
         return any(key.startswith(f"{experts}.lowrank.") or key in salient for key in self.layers[layer])
 
     def quantized_experts(self, layer: int) -> tuple[QuantizedTensor, QuantizedTensor]:
-        """The layer's stored quantised ``gate_up`` and ``down``, read alone and not decoded."""
+        """The layer's stored quantised ``gate_up`` and ``down``, not decoded: integer tensors (codes, MXFP4 scales)
+        memory-mapped, float ones (integer grids' scales) read."""
         experts = self.quantized_experts_module(layer)
         assert experts is not None
-        tensors = self.reader.read(self._expert_keys(layer))
+        tensors = self._mapped(self._expert_keys(layer))
         return self._quantized(experts, "gate_up_proj", tensors), self._quantized(experts, "down_proj", tensors)
 
     def _unread(self, experts: str, param: str) -> torch.Tensor:
@@ -128,7 +187,7 @@ class NativeSource:
         ``moe.gate_up``/``moe.down`` are meta tensors of their dequantised shape and ``gate_up_q``/``down_q`` None."""
         adapter = self.adapter
         skipped = set() if experts_read else set(self._expert_keys(layer))
-        tensors = self.reader.read([key for key in self.layers[layer] if key not in skipped])
+        tensors = self._read([key for key in self.layers[layer] if key not in skipped])
         if not adapter.is_moe_layer(layer):
             return SourceLayer(layer, None, self._dense_rest(tensors))
         experts = experts_module(adapter, layer)

@@ -115,8 +115,19 @@ def _write_view(native: NativeSource, source: Path, view: Path, progress: bool) 
     return {"holes": holes, "folded": folded_layers, "worst": worst}
 
 
-def _hole_offsets(partial: Path, holes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:
-    """Where each hole's bytes start in the converter's file, after checking its type and size there."""
+def _hole_offsets(
+    partial: Path, holes: dict[str, tuple[str, tuple[int, ...]]], noted: dict[str, int]
+) -> dict[str, int]:
+    """Where each hole's bytes start in the converter's file: as the converter driver noted them while writing, or
+    else (a hole it did not write straight into the file) from the file's tensor table, after checking each hole's
+    type and size there."""
+    size = partial.stat().st_size
+    if set(noted) >= set(holes):
+        offsets = {name: int(noted[name]) for name in holes}
+        for name, offset in offsets.items():
+            if offset + math.prod(holes[name][1]) > size:
+                raise RuntimeError(f"{partial}: {name} ends past the end of the file")
+        return offsets
     import gguf
 
     found = {tensor.name: tensor for tensor in gguf.GGUFReader(partial).tensors}
@@ -132,10 +143,15 @@ def _hole_offsets(partial: Path, holes: dict[str, tuple[str, tuple[int, ...]]]) 
 
 
 def _fill_blocks(
-    native: NativeSource, partial: Path, holes: dict[str, tuple[str, tuple[int, ...]]], progress: bool
+    native: NativeSource,
+    partial: Path,
+    holes: dict[str, tuple[str, tuple[int, ...]]],
+    noted: dict[str, int],
+    progress: bool,
 ) -> dict[str, dict[str, Any]]:
-    """Our experts' GGML blocks written into their holes, one layer at a time; returns each tensor's error entry."""
-    offsets = _hole_offsets(partial, holes)
+    """Our experts' GGML blocks written into their holes, one tensor at a time, re-packed a few rows at a time from
+    the memory-mapped source straight into the file; returns each tensor's error entry."""
+    offsets = _hole_offsets(partial, holes, noted)
     layers = [index for index in native.layers if native.quantized_experts_module(index) is not None]
     errors: dict[str, dict[str, Any]] = {}
     with open(partial, "r+b", buffering=0) as handle:
@@ -148,11 +164,18 @@ def _fill_blocks(
                 if name not in holes:
                     continue
                 q = down_q if matrix == "down" else _rows(gate_up_q, halves[matrix])
-                blocks = ggml_blocks.to_ggml(q)
-                errors[name] = {"type": blocks.type_name, **ggml_blocks.measure(q, blocks).to_dict()}
-                if blocks.type_name != holes[name][0] or blocks.blocks.shape != holes[name][1]:
-                    raise RuntimeError(f"{name}: blocks of {blocks.type_name} {blocks.blocks.shape}, not {holes[name]}")
-                _write_at(handle.fileno(), blocks.blocks, offsets[name])
+                kind = ggml_blocks.ggml_type_for(q)
+                shape = ggml_blocks.byte_shape(kind, tuple(q.shape))
+                if (kind, shape) != holes[name]:
+                    raise RuntimeError(f"{name}: blocks of {kind} {shape}, not {holes[name]}")
+                offset = offsets[name]
+                for chunk in ggml_blocks.ggml_chunks(q):
+                    _write_at(handle.fileno(), chunk, offset)
+                    offset += chunk.nbytes
+                if offset - offsets[name] != math.prod(shape):
+                    raise RuntimeError(f"{name}: {offset - offsets[name]} bytes of blocks, not {math.prod(shape)}")
+                errors[name] = {"type": kind, **ggml_blocks.measure(q).to_dict()}
+            del gate_up_q, down_q
     return errors
 
 
@@ -167,7 +190,7 @@ def _rows(q: QuantizedTensor, rows: slice) -> QuantizedTensor:
 
 
 def _write_at(fd: int, array: np.ndarray, offset: int) -> None:
-    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    view = memoryview(np.ascontiguousarray(array).view(np.uint8)).cast("B")
     while view:
         count = os.pwrite(fd, view, offset)
         view, offset = view[count:], offset + count
@@ -217,7 +240,7 @@ def _export_native(
         missing = sorted(set(holes) - set(done["substituted"]))
         if missing:
             raise RuntimeError(f"the converter did not write {missing[0]}")
-        errors = _fill_blocks(native, partial, holes, progress)
+        errors = _fill_blocks(native, partial, holes, done.get("hole_offsets", {}), progress)
     report["experts"] = {
         "written_as": sorted(set(types.values())),
         "bounds": {kind: BOUNDS[kind] for kind in sorted(set(types.values()))},
