@@ -504,6 +504,35 @@ TINY_CONFIGS.update(
     }
 )
 
+_MISTRAL4 = dict(
+    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+    **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("num_hidden_layers", "n_group", "topk_group")},
+    **_MLA,
+    model_type="mistral4",
+    num_hidden_layers=2,
+)
+TINY_CONFIGS.update(
+    {
+        "mistral4": dict(_MISTRAL4, tie_word_embeddings=False),
+        "mistral3": dict(
+            model_type="mistral3",
+            text_config=_MISTRAL4,
+            vision_config=dict(
+                model_type="pixtral",
+                hidden_size=32,
+                intermediate_size=32,
+                num_attention_heads=2,
+                num_hidden_layers=1,
+                head_dim=16,
+                image_size=32,
+                patch_size=4,
+            ),
+            image_token_index=380,
+            tie_word_embeddings=False,
+        ),
+    }
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {
