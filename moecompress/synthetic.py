@@ -533,6 +533,46 @@ TINY_CONFIGS.update(
     }
 )
 
+_MINIMAX_M3 = dict(
+    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+    model_type="minimax_m3_vl_text",
+    num_hidden_layers=2,
+    head_dim=16,
+    rotary_dim=8,
+    intermediate_size=32,
+    dense_intermediate_size=64,
+    shared_intermediate_size=32,
+    num_local_experts=8,
+    mlp_layer_types=["dense", "sparse"],
+    layer_types=["full_attention", "minimax_m3_sparse"],
+    index_n_heads=2,
+    index_head_dim=16,
+    index_block_size=8,
+    index_topk_blocks=2,
+)
+TINY_CONFIGS.update(
+    {
+        "minimax_m3_vl_text": dict(_MINIMAX_M3, tie_word_embeddings=False),
+        "minimax_m3_vl": dict(
+            model_type="minimax_m3_vl",
+            text_config=_MINIMAX_M3,
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=4,
+            ),
+            image_token_index=380,
+            video_token_index=381,
+            projector_hidden_size=64,
+            merged_hidden_size=128,
+            tie_word_embeddings=False,
+        ),
+    }
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {

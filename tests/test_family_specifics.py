@@ -150,3 +150,16 @@ def test_kimi_k25_in_save_pretrained_layout_is_read_pruned_and_quantised_as_its_
                 assert experts.gate_up_proj.shape[0] == 4
             else:
                 assert type(experts).__name__ == "QuantizedExperts"
+
+
+def test_minimax_m3_layer_kinds_from_the_release_config_match_transformers():
+    """MiniMax-M3's release lists its MoE and sparse-attention layers as ``moe_layer_freq`` and
+    ``sparse_attention_config.sparse_attention_freq`` flags, which transformers turns into its per-layer lists."""
+    from transformers import MiniMaxM3VLTextConfig
+
+    release = {"moe_layer_freq": [0, 1, 1, 0], "sparse_attention_config": {"sparse_attention_freq": [0, 1, 0, 1]}}
+    expected = MiniMaxM3VLTextConfig(num_hidden_layers=4, **release)
+    config = {"model_type": "minimax_m3_vl_text", "num_hidden_layers": 4, "num_local_experts": 8, **release}
+    adapter = adapter_for(dict(config, num_experts_per_tok=2))
+    assert adapter.moe_layers() == [i for i, kind in enumerate(expected.mlp_layer_types) if kind == "sparse"]
+    assert [adapter.softmax_attention(i) for i in range(4)] == [k == "full_attention" for k in expected.layer_types]

@@ -34,6 +34,7 @@ from .kolibri import Kolibri1Adapter
 from .laguna import LagunaAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
+from .minimax_m3 import MiniMaxM3TextAdapter, MiniMaxM3VLAdapter
 from .mistral4 import Mistral3Adapter, Mistral4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
@@ -102,6 +103,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Llama4TextAdapter,
     Mistral4Adapter,
     Mistral3Adapter,
+    MiniMaxM3TextAdapter,
+    MiniMaxM3VLAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
