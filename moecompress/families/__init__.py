@@ -170,6 +170,13 @@ REFUSED_FAMILIES: dict[str, str] = {
         "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "
         "by the expert passes, GPTQ and the quantised-expert plugin) is one per family"
     ),
+    **dict.fromkeys(
+        ("gemma4", "gemma4_text"),
+        "Gemma 4's experts run beside the dense MLP with no MoE block module: its router reads the layer's residual "
+        "through a norm and scale of its own while the experts read pre_feedforward_layernorm_2 of it, and each "
+        "chosen weight is multiplied by a per-expert scale, which the expert view (router and experts on one block "
+        "input, weights from the router logits alone) cannot hold",
+    ),
 }
 """MoE families transformers has that moecompress refuses on purpose, with the reason it gives."""
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
