@@ -47,6 +47,9 @@ TINY_SIZES: dict[str, int] = dict(
 )
 RELEASE_ONLY = {"kimi_k2": "release config (Kimi-K2)"}
 """Model types of hub releases' ``config.json`` that transformers does not register, listed as well."""
+MOE_RELEASES = {"mistral3": ("text_config.n_routed_experts", "Mistral4Experts")}
+"""Types transformers registers with a dense default config, listed for a MoE release of theirs (Mistral Small 4:
+``mistral3`` with a ``mistral4`` text config): ``(where the expert count is, the experts class)``."""
 BEGIN, END = "<!-- family_sweep: begin -->", "<!-- family_sweep: end -->"
 
 
@@ -171,6 +174,9 @@ def enumerate_moe_types() -> tuple[list[MoEType], list[tuple[str, str]]]:
             found.append(MoEType(model_type, klass.__name__, key, module, _kind(model_type, klass, parents)))
         elif module:
             module_only.append((model_type, module))
+    for model_type, (evidence, module) in MOE_RELEASES.items():
+        klass = classes[model_type]
+        found.append(MoEType(model_type, klass.__name__, evidence, module, _kind(model_type, klass, parents)))
     for model_type, what in RELEASE_ONLY.items():
         found.append(MoEType(model_type, "DeepseekV3Config", "n_routed_experts", "DeepseekV3Experts", what))
     return found, module_only
