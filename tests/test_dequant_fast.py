@@ -181,3 +181,96 @@ def test_binary_code_bits_land_on_their_own_weights() -> None:
 def test_binary_group_sizes_off_the_lane_width_take_the_reference() -> None:
     q = QuantScheme("binary", group_size=32).quantize(weights(11, (4, 64)))
     assert dequant.binary(q.packed, q.scales.repeat_interleave(2, -1), 16, q.shape, torch.bfloat16) is None
+
+
+@pytest.fixture
+def kernel_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """``(written by the kernel, salient count)`` of each dequantisation with salient weights."""
+    calls: list[tuple[int, int]] = []
+    finish = dequant._finish
+
+    def spy(out: torch.Tensor, written: int, salient: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        if salient is not None:
+            calls.append((written, salient[0].numel()))
+        return finish(out, written, salient)
+
+    monkeypatch.setattr(dequant, "_finish", spy)
+    return calls
+
+
+SALIENT_SCHEMES = [
+    QuantScheme("mxfp4"),
+    QuantScheme("int4", group_size=32, symmetric=False),
+    QuantScheme("int2", group_size=64),
+    QuantScheme("binary", group_size=64),
+]
+
+
+def edge_salient(rows: int, cols: int) -> SalientWeights:
+    """Salient weights at the first and last weight, both ends of most rows, runs of neighbours, rows without any,
+    over more rows than one kernel block holds; bf16 values that are NaN, infinite, beyond float16, subnormal, -0."""
+    marks = torch.zeros(rows, cols, dtype=torch.bool)
+    marks[::2, 0] = marks[::3, -1] = True
+    marks[5, 10:40] = marks[rows - 1, -8:] = marks[0, 0] = True
+    marks[7::11] = False
+    positions = torch.nonzero(marks.reshape(-1)).squeeze(-1)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e38, 1e-40, -0.0, 70000.0, -3.5])
+    values = special.repeat(positions.numel() // special.numel() + 1)[: positions.numel()].to(torch.bfloat16)
+    return SalientWeights(positions, values)
+
+
+@pytest.mark.parametrize("scheme", SALIENT_SCHEMES, ids=QuantScheme.describe)
+def test_salient_weights_are_written_by_the_kernel_row_by_row(
+    scheme: QuantScheme, kernel_writes: list[tuple[int, int]]
+) -> None:
+    rows, cols = 3 * 70, 256
+    dense = scheme.quantize(weights(12, (3, 70, cols)))
+    q = QuantizedTensor(scheme, dense.shape, dense.packed, dense.scales, dense.zeros, edge_salient(rows, cols))
+    for dtype in DTYPES:
+        assert_same(q.dequantize(dtype), q._dequantize_reference(dtype))
+    assert len(kernel_writes) == len(DTYPES) and all(written == count for written, count in kernel_writes)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        pytest.param([40, 3, 700, 12], id="unsorted"),
+        pytest.param([3, 12, 12, 700], id="repeated"),
+        pytest.param([3, 12, 700, -1], id="negative"),
+        pytest.param([3, 700, 701, 699], id="unsorted-in-a-row"),
+    ],
+)
+def test_salient_positions_the_kernel_does_not_trust_are_written_by_torch(
+    positions: list[int], kernel_writes: list[tuple[int, int]]
+) -> None:
+    """Positions out of order, repeated or negative (``index_put_`` counts from the end) are left to torch, so
+    the result is still the reference's."""
+    scheme = QuantScheme("binary", group_size=64)
+    dense = scheme.quantize(weights(13, (2, 8, 128)))
+    values = torch.tensor([1.5, -2.0, 3.0, 7.0], dtype=torch.bfloat16)
+    salient = SalientWeights(torch.tensor(positions), values)
+    q = QuantizedTensor(scheme, dense.shape, dense.packed, dense.scales, None, salient)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert_same(q.dequantize(dtype), q._dequantize_reference(dtype))
+    assert kernel_writes and all(written < count for written, count in kernel_writes)
+
+
+def test_salient_positions_int32_or_out_of_range_behave_as_the_reference() -> None:
+    scheme = QuantScheme("int4", group_size=32)
+    dense = scheme.quantize(weights(14, (4, 64)))
+    values = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    narrow = QuantizedTensor(
+        scheme,
+        dense.shape,
+        dense.packed,
+        dense.scales,
+        None,
+        SalientWeights(torch.tensor([5, 200], dtype=torch.int32), values),
+    )
+    assert_same(narrow.dequantize(torch.bfloat16), narrow._dequantize_reference(torch.bfloat16))
+    beyond = QuantizedTensor(
+        scheme, dense.shape, dense.packed, dense.scales, None, SalientWeights(torch.tensor([5, 256]), values)
+    )
+    for dequantize in (beyond.dequantize, beyond._dequantize_reference):
+        with pytest.raises(IndexError):
+            dequantize(torch.bfloat16)

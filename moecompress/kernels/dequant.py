@@ -11,6 +11,10 @@ followed by its ``.to(dtype)``, so the output is bit-identical to ``QuantizedTen
 - binary: ``[65536 scales, 2 codes]`` (``-s``, ``+s``), read once per group; 32 codes at a time select between
   the two (a vector blend, no lookup per weight).
 
+Salient weights (flat positions, values as ``dtype``) are written by the same pass, each row's right after the row
+is decoded, while it is in cache; positions the kernels cannot vouch for (out of order, repeated, negative) are
+left to torch's ``index_put_``, the reference's own write.
+
 Tables are built on first use per output dtype (the INT4 one is 4 MiB in bf16). Nothing but the output is
 allocated per call: no float32 copy, no unpacked codes. The functions return None when the layout is not one the
 kernels read, and the caller takes the reference path.
@@ -36,58 +40,101 @@ _ONE, _TWO, _THREE, _FOUR, _SIX = (np.uint64(k) for k in (1, 2, 3, 4, 6))
 _LOW2, _LOW4 = np.uint64(3), np.uint64(15)
 
 
+_ROW_BLOCK = 32
+
+
+@njit(cache=True)
+def _salient_row(positions, values, index, row, out_row):
+    """Writes the salient ``values`` whose flat ``positions`` fall in ``row``, from ``positions[index]`` on, over
+    the decoded row while it is in cache, and returns the index after them. The run stops at the first position
+    outside the row or not above the one before: when the runs of all rows add up to every position, each was
+    written once (runs of different rows hold different positions), as ``index_put_`` writes them."""
+    cols = out_row.shape[0]
+    first = row * cols
+    previous, end = first - 1, first + cols
+    while index < positions.shape[0]:
+        position = positions[index]
+        if position >= end or position <= previous:
+            break
+        out_row[position - first] = values[index]
+        previous = position
+        index += 1
+    return index
+
+
 @njit(parallel=True, cache=True)
-def _mxfp4_rows(packed, scales, table, out):
+def _mxfp4_rows(packed, scales, table, positions, values, out):
     rows, groups = scales.shape
     flat = table.ravel()
-    for row in prange(rows):
-        packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-        for group in range(groups):
-            base = np.uint64(scale_row[group]) << _FOUR
-            start = np.uint64(group) << _FOUR
-            for b in range(start, start + np.uint64(16)):
-                byte = np.uint64(packed_row[b])
-                out_row[b << _ONE] = flat[base + (byte & _LOW4)]
-                out_row[(b << _ONE) + _ONE] = flat[base + (byte >> _FOUR)]
+    written = 0
+    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        start_row = block * _ROW_BLOCK
+        index = begin = np.searchsorted(positions, start_row * out.shape[1])
+        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
+            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
+            for group in range(groups):
+                base = np.uint64(scale_row[group]) << _FOUR
+                start = np.uint64(group) << _FOUR
+                for b in range(start, start + np.uint64(16)):
+                    byte = np.uint64(packed_row[b])
+                    out_row[b << _ONE] = flat[base + (byte & _LOW4)]
+                    out_row[(b << _ONE) + _ONE] = flat[base + (byte >> _FOUR)]
+            index = _salient_row(positions, values, index, row, out_row)
+        written += index - begin
+    return written
 
 
 @njit(parallel=True, cache=True)
-def _int4_rows(packed, scales, zeros, default_zero, group_size, table, out):
+def _int4_rows(packed, scales, zeros, default_zero, group_size, table, positions, values, out):
     rows, groups = scales.shape
     flat = table.ravel()
     width, span = np.uint64(table.shape[1]), np.int64(15)
     group_bytes = np.uint64(group_size // 2)
-    for row in prange(rows):
-        packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-        for group in range(groups):
-            zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
-            base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
-            start = np.uint64(group) * group_bytes
-            for b in range(start, start + group_bytes):
-                byte = np.uint64(packed_row[b])
-                out_row[b << _ONE] = flat[base + (byte & _LOW4)]
-                out_row[(b << _ONE) + _ONE] = flat[base + (byte >> _FOUR)]
+    written = 0
+    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        start_row = block * _ROW_BLOCK
+        index = begin = np.searchsorted(positions, start_row * out.shape[1])
+        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
+            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
+            for group in range(groups):
+                zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
+                base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
+                start = np.uint64(group) * group_bytes
+                for b in range(start, start + group_bytes):
+                    byte = np.uint64(packed_row[b])
+                    out_row[b << _ONE] = flat[base + (byte & _LOW4)]
+                    out_row[(b << _ONE) + _ONE] = flat[base + (byte >> _FOUR)]
+            index = _salient_row(positions, values, index, row, out_row)
+        written += index - begin
+    return written
 
 
 @njit(parallel=True, cache=True)
-def _int2_rows(packed, scales, zeros, default_zero, group_size, table, out):
+def _int2_rows(packed, scales, zeros, default_zero, group_size, table, positions, values, out):
     rows, groups = scales.shape
     flat = table.ravel()
     width, span = np.uint64(table.shape[1]), np.int64(3)
     group_bytes = np.uint64(group_size // 4)
-    for row in prange(rows):
-        packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-        for group in range(groups):
-            zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
-            base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
-            start = np.uint64(group) * group_bytes
-            for b in range(start, start + group_bytes):
-                byte = np.uint64(packed_row[b])
-                first = b << _TWO
-                out_row[first] = flat[base + (byte & _LOW2)]
-                out_row[first + _ONE] = flat[base + ((byte >> _TWO) & _LOW2)]
-                out_row[first + _TWO] = flat[base + ((byte >> _FOUR) & _LOW2)]
-                out_row[first + _THREE] = flat[base + (byte >> _SIX)]
+    written = 0
+    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        start_row = block * _ROW_BLOCK
+        index = begin = np.searchsorted(positions, start_row * out.shape[1])
+        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
+            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
+            for group in range(groups):
+                zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
+                base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
+                start = np.uint64(group) * group_bytes
+                for b in range(start, start + group_bytes):
+                    byte = np.uint64(packed_row[b])
+                    first = b << _TWO
+                    out_row[first] = flat[base + (byte & _LOW2)]
+                    out_row[first + _ONE] = flat[base + ((byte >> _TWO) & _LOW2)]
+                    out_row[first + _TWO] = flat[base + ((byte >> _FOUR) & _LOW2)]
+                    out_row[first + _THREE] = flat[base + (byte >> _SIX)]
+            index = _salient_row(positions, values, index, row, out_row)
+        written += index - begin
+    return written
 
 
 _SIGN_LANES = 32
@@ -126,19 +173,26 @@ def _store_signs(typingctx, packed_row, byte_index, out_row, out_index, negative
 
 
 @njit(parallel=True, cache=True)
-def _binary_rows(packed, scales, group_size, table, out):
+def _binary_rows(packed, scales, group_size, table, positions, values, out):
     rows, groups = scales.shape
     flat = table.ravel()
     lanes = np.uint64(_SIGN_LANES)
     group_weights = np.uint64(group_size)
-    for row in prange(rows):
-        packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-        for group in range(groups):
-            base = np.uint64(scale_row[group]) << _ONE
-            negative, positive = flat[base], flat[base + _ONE]
-            start = np.uint64(group) * group_weights
-            for first in range(start, start + group_weights, lanes):
-                _store_signs(packed_row, first >> _THREE, out_row, first, negative, positive)
+    written = 0
+    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        start_row = block * _ROW_BLOCK
+        index = begin = np.searchsorted(positions, start_row * out.shape[1])
+        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
+            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
+            for group in range(groups):
+                base = np.uint64(scale_row[group]) << _ONE
+                negative, positive = flat[base], flat[base + _ONE]
+                start = np.uint64(group) * group_weights
+                for first in range(start, start + group_weights, lanes):
+                    _store_signs(packed_row, first >> _THREE, out_row, first, negative, positive)
+            index = _salient_row(positions, values, index, row, out_row)
+        written += index - begin
+    return written
 
 
 _TABLES: dict[tuple, np.ndarray] = {}
@@ -191,6 +245,29 @@ def _supported(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
 _NUMPY_BITS = {2: np.int16, 4: np.int32, 8: np.int64}
 
 
+def _salient_arrays(
+    salient: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' salient inputs: flat int64 positions and the values as ``dtype``'s bits (the reference's
+    ``values.to(dtype)``); empty when there are none or they are not int64 / on the CPU (then torch writes them)."""
+    bits = _NUMPY_BITS[torch.empty(0, dtype=dtype).element_size()]
+    if salient is not None:
+        positions, values = salient
+        usable = positions.dtype == torch.int64 and positions.shape == values.shape and positions.dim() == 1
+        if usable and positions.device.type == "cpu" and values.device.type == "cpu":
+            return positions.contiguous().numpy(), _as_bits(values.to(dtype).contiguous())
+    return np.empty(0, np.int64), np.empty(0, bits)
+
+
+def _finish(out: torch.Tensor, written: int, salient: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``out``, with the salient values written by torch (``SalientWeights.apply``'s write) unless the kernel
+    wrote every one of them."""
+    if salient is not None and written != salient[0].numel():
+        positions, values = salient
+        out.view(-1)[positions] = values.to(out.dtype)
+    return out
+
+
 def _output(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
     """A ``dtype`` tensor and its bits as a ``[rows, cols]`` numpy array. numpy allocates it: it asks Linux for
     transparent huge pages and its memory is reused across calls, where ``torch.empty`` took a page fault every
@@ -200,9 +277,14 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, n
 
 
 def mxfp4(
-    packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    salient: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """MXFP4 codes ``[..., K/2]`` and E8M0 scales ``[..., K/32]`` as ``dtype`` ``shape`` ``[..., K]``."""
+    """MXFP4 codes ``[..., K/2]`` and E8M0 scales ``[..., K/32]`` as ``dtype`` ``shape`` ``[..., K]``, with the
+    ``salient`` weights (flat positions, values) written over it."""
     if not _supported(shape, dtype) or shape[-1] % mxfp4_codes.BLOCK_SIZE:
         return None
     packed_rows = _rows(packed, shape, shape[-1] // 2, torch.uint8)
@@ -211,8 +293,10 @@ def mxfp4(
         return None
     out, out_rows = _output(shape, dtype)
     with torch_thread_count():
-        _mxfp4_rows(packed_rows, scale_rows, _table("mxfp4", dtype), out_rows)
-    return out
+        written = _mxfp4_rows(
+            packed_rows, scale_rows, _table("mxfp4", dtype), *_salient_arrays(salient, dtype), out_rows
+        )
+    return _finish(out, written, salient)
 
 
 def integer(
@@ -223,8 +307,10 @@ def integer(
     group_size: int,
     shape: tuple[int, ...],
     dtype: torch.dtype,
+    salient: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """INT4 / INT2 codes with bf16 group scales and (asymmetric) uint8 zero points, as ``dtype`` ``shape``."""
+    """INT4 / INT2 codes with bf16 group scales and (asymmetric) uint8 zero points, as ``dtype`` ``shape``, with
+    the ``salient`` weights (flat positions, values) written over it."""
     if not _supported(shape, dtype) or bits not in (2, 4) or shape[-1] % group_size or group_size % 8:
         return None
     groups = shape[-1] // group_size
@@ -240,15 +326,31 @@ def integer(
         return None
     out, out_rows = _output(shape, dtype)
     kernel = _int4_rows if bits == 4 else _int2_rows
+    table = _table("int", dtype, bits)
     with torch_thread_count():
-        kernel(packed_rows, scale_rows, zero_rows, 1 << (bits - 1), group_size, _table("int", dtype, bits), out_rows)
-    return out
+        written = kernel(
+            packed_rows,
+            scale_rows,
+            zero_rows,
+            1 << (bits - 1),
+            group_size,
+            table,
+            *_salient_arrays(salient, dtype),
+            out_rows,
+        )
+    return _finish(out, written, salient)
 
 
 def binary(
-    packed: torch.Tensor, scales: torch.Tensor, group_size: int, shape: tuple[int, ...], dtype: torch.dtype
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    salient: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """Sign bits ``[..., K/8]`` with bf16 group scales ``[..., K/G]`` as ``dtype`` ``shape`` (``+s`` for 1)."""
+    """Sign bits ``[..., K/8]`` with bf16 group scales ``[..., K/G]`` as ``dtype`` ``shape`` (``+s`` for 1), with
+    the ``salient`` weights (flat positions, values) written over it."""
     if not _supported(shape, dtype) or shape[-1] % group_size or group_size % _SIGN_LANES:
         return None
     packed_rows = _rows(packed, shape, shape[-1] // 8, torch.uint8)
@@ -256,6 +358,7 @@ def binary(
     if packed_rows is None or scale_rows is None:
         return None
     out, out_rows = _output(shape, dtype)
+    table = _table("binary", dtype)
     with torch_thread_count():
-        _binary_rows(packed_rows, scale_rows, group_size, _table("binary", dtype), out_rows)
-    return out
+        written = _binary_rows(packed_rows, scale_rows, group_size, table, *_salient_arrays(salient, dtype), out_rows)
+    return _finish(out, written, salient)

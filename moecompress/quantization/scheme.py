@@ -209,19 +209,21 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in ``dtype``. On CPU one numba pass writes ``dtype`` directly
         (:mod:`moecompress.kernels.dequant`, bit-identical to :meth:`_dequantize_reference`); other devices and
-        layouts the kernels do not read take the reference."""
+        layouts the kernels do not read take the reference. Salient weights are written by the same pass, each
+        row's as soon as the row is decoded."""
         dense = self._dequantize_fast(dtype)
-        if dense is None:
-            return self._dequantize_reference(dtype)
-        return dense if self.salient is None else self.salient.apply(dense)
+        return self._dequantize_reference(dtype) if dense is None else dense
 
     def _dequantize_fast(self, dtype: torch.dtype) -> torch.Tensor | None:
         scheme, shape = self.scheme, tuple(self.shape)
+        salient = None if self.salient is None else (self.salient.positions, self.salient.values)
         if scheme.is_float:
-            return dequant.mxfp4(self.packed, self.scales, shape, dtype)
+            return dequant.mxfp4(self.packed, self.scales, shape, dtype, salient)
         if scheme.is_binary:
-            return dequant.binary(self.packed, self.scales, scheme.group_size, shape, dtype)
-        return dequant.integer(self.packed, self.scales, self.zeros, scheme.bits, scheme.group_size, shape, dtype)
+            return dequant.binary(self.packed, self.scales, scheme.group_size, shape, dtype, salient)
+        return dequant.integer(
+            self.packed, self.scales, self.zeros, scheme.bits, scheme.group_size, shape, dtype, salient
+        )
 
     def _dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The definition (torch, any device): unpack the codes, compute float32 values, convert to ``dtype``."""
