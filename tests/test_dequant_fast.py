@@ -274,3 +274,47 @@ def test_salient_positions_int32_or_out_of_range_behave_as_the_reference() -> No
     for dequantize in (beyond.dequantize, beyond._dequantize_reference):
         with pytest.raises(IndexError):
             dequantize(torch.bfloat16)
+
+
+WORD_PERMUTE = [False, True] if dequant._PERMUTES_WORDS else [False]
+
+
+@pytest.mark.parametrize("permute", WORD_PERMUTE, ids=lambda on: "vpermw" if on else "table")
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_every_scale_bit_pattern_and_zero_point_matches_the_reference(
+    permute: bool, symmetric: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All 65,536 bf16 scales with random codes and zero points: 16-bit outputs permute the group's 16 table
+    entries by the codes where the CPU has ``vpermw``, and look each weight up otherwise."""
+    monkeypatch.setattr(dequant, "_PERMUTES_WORDS", permute)
+    scheme = QuantScheme("int4", group_size=32, symmetric=symmetric)
+    generator = torch.Generator().manual_seed(15)
+    scales = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(2048, 32)
+    packed = torch.randint(0, 256, (2048, 512), generator=generator, dtype=torch.int32).to(torch.uint8)
+    zeros = None if symmetric else torch.randint(0, 16, (2048, 32), generator=generator).to(torch.uint8)
+    q = QuantizedTensor(scheme, (2048, 1024), packed, scales, zeros)
+    for dtype in DTYPES:
+        assert q._dequantize_fast(dtype) is not None
+        assert_same(q.dequantize(dtype), q._dequantize_reference(dtype))
+
+
+@pytest.mark.parametrize("permute", WORD_PERMUTE, ids=lambda on: "vpermw" if on else "table")
+def test_mxfp4_every_scale_and_code_matches_the_reference(permute: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every E8M0 scale with every code in both nibbles of a byte: each row holds the 256 bytes, its 16 groups 16
+    different scales, the rows together every scale 16 times."""
+    monkeypatch.setattr(dequant, "_PERMUTES_WORDS", permute)
+    scheme = QuantScheme("mxfp4")
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256, 1)
+    scales = ((torch.arange(256)[:, None] + torch.arange(16) * 16) % 256).to(torch.uint8)
+    q = QuantizedTensor(scheme, (256, 512), packed, scales)
+    for dtype in DTYPES:
+        assert q._dequantize_fast(dtype) is not None
+        assert_same(q.dequantize(dtype), q._dequantize_reference(dtype))
+
+
+def test_int4_group_sizes_off_the_permute_width_take_the_table() -> None:
+    q = QuantScheme("int4", group_size=32).quantize(weights(16, (4, 64)))
+    scales = q.scales.repeat_interleave(4, -1)
+    dense = dequant.integer(q.packed, scales, None, 4, 8, q.shape, torch.bfloat16)
+    want = QuantizedTensor(QuantScheme("int4", group_size=32), q.shape, q.packed, q.scales)
+    assert_same(dense, want._dequantize_reference(torch.bfloat16))

@@ -11,6 +11,10 @@ followed by its ``.to(dtype)``, so the output is bit-identical to ``QuantizedTen
 - binary: ``[65536 scales, 2 codes]`` (``-s``, ``+s``), read once per group; 32 codes at a time select between
   the two (a vector blend, no lookup per weight).
 
+With 16-bit outputs (bf16, float16), MXFP4 and INT4 groups of a multiple of 32 weights load their 16 table entries
+into one register and permute them by 32 codes at a time (AVX-512BW ``vpermw``), where numba compiles for a CPU
+that has it; elsewhere each weight is looked up.
+
 Salient weights (flat positions, values as ``dtype``) are written by the same pass, each row's right after the row
 is decoded, while it is in cache; positions the kernels cannot vouch for (out of order, repeated, negative) are
 left to torch's ``index_put_``, the reference's own write.
@@ -195,6 +199,108 @@ def _binary_rows(packed, scales, group_size, table, positions, values, out):
     return written
 
 
+def _permutes_words() -> bool:
+    """Whether numba compiles for this CPU (no ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``) and it has AVX-512BW's
+    ``vpermw``, which :func:`_store_nibble_lookup` calls by name (an x86 intrinsic, unlike ``_store_signs``'s
+    generic IR)."""
+    from llvmlite import binding
+    from numba import config
+
+    if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES:
+        return False
+    return bool(binding.get_host_cpu_features().get("avx512bw", False))
+
+
+_PERMUTES_WORDS = _permutes_words()
+_NIBBLE_LANES = 32
+
+
+@intrinsic
+def _store_nibble_lookup(typingctx, packed_row, byte_index, out_row, out_index, flat, table_index):
+    """``out_row[out_index : out_index + 32]`` = ``flat[table_index + c]`` for the 32 4-bit codes ``c`` of the 16
+    bytes at ``packed_row[byte_index]`` (low nibble first): the 16 table entries in one register, permuted by the
+    codes (``vpermw``). 16-bit outputs only; callers check :data:`_PERMUTES_WORDS`."""
+    if packed_row.layout != "C" or out_row.layout != "C" or out_row.dtype.bitwidth != 16:
+        return None
+    signature = types.void(packed_row, byte_index, out_row, out_index, flat, table_index)
+
+    def codegen(context, builder, sig, args):
+        packed, byte_at, out, out_at, table, table_at = args
+        word, byte = ir.IntType(16), ir.IntType(8)
+        words = ir.VectorType(word, _NIBBLE_LANES)
+        half = _NIBBLE_LANES // 2
+
+        def data(position, value):
+            return context.make_array(sig.args[position])(context, builder, value).data
+
+        codes_at = builder.bitcast(builder.gep(data(0, packed), [byte_at]), ir.VectorType(byte, half).as_pointer())
+        codes = builder.zext(builder.load(codes_at, align=1), ir.VectorType(word, half))
+        low = builder.and_(codes, ir.Constant(ir.VectorType(word, half), [15] * half))
+        high = builder.lshr(codes, ir.Constant(ir.VectorType(word, half), [4] * half))
+        interleaved = [lane // 2 + (lane % 2) * half for lane in range(_NIBBLE_LANES)]
+        indices = builder.shuffle_vector(
+            low, high, ir.Constant(ir.VectorType(ir.IntType(32), _NIBBLE_LANES), interleaved)
+        )
+        entries_at = builder.bitcast(builder.gep(data(4, table), [table_at]), ir.VectorType(word, half).as_pointer())
+        entries = builder.load(entries_at, align=2)
+        widened = builder.shuffle_vector(
+            entries, entries, ir.Constant(ir.VectorType(ir.IntType(32), _NIBBLE_LANES), list(range(_NIBBLE_LANES)))
+        )
+        permute = builder.module.declare_intrinsic(
+            "llvm.x86.avx512.permvar.hi.512", fnty=ir.FunctionType(words, [words, words])
+        )
+        chosen = builder.call(permute, [widened, indices])
+        out_at_vector = builder.bitcast(builder.gep(data(2, out), [out_at]), words.as_pointer())
+        builder.store(chosen, out_at_vector, align=2)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@njit(parallel=True, cache=True)
+def _mxfp4_permute_rows(packed, scales, table, positions, values, out):
+    rows, groups = scales.shape
+    flat = table.ravel()
+    lanes = np.uint64(_NIBBLE_LANES)
+    written = 0
+    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        start_row = block * _ROW_BLOCK
+        index = begin = np.searchsorted(positions, start_row * out.shape[1])
+        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
+            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
+            for group in range(groups):
+                first = np.uint64(group) * lanes
+                _store_nibble_lookup(
+                    packed_row, first >> _ONE, out_row, first, flat, np.uint64(scale_row[group]) << _FOUR
+                )
+            index = _salient_row(positions, values, index, row, out_row)
+        written += index - begin
+    return written
+
+
+@njit(parallel=True, cache=True)
+def _int4_permute_rows(packed, scales, zeros, default_zero, group_size, table, positions, values, out):
+    rows, groups = scales.shape
+    flat = table.ravel()
+    width, span = np.uint64(table.shape[1]), np.int64(15)
+    lanes, group_weights = np.uint64(_NIBBLE_LANES), np.uint64(group_size)
+    written = 0
+    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        start_row = block * _ROW_BLOCK
+        index = begin = np.searchsorted(positions, start_row * out.shape[1])
+        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
+            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
+            for group in range(groups):
+                zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
+                base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
+                start = np.uint64(group) * group_weights
+                for first in range(start, start + group_weights, lanes):
+                    _store_nibble_lookup(packed_row, first >> _ONE, out_row, first, flat, base)
+            index = _salient_row(positions, values, index, row, out_row)
+        written += index - begin
+    return written
+
+
 _TABLES: dict[tuple, np.ndarray] = {}
 
 
@@ -293,9 +399,8 @@ def mxfp4(
         return None
     out, out_rows = _output(shape, dtype)
     with torch_thread_count():
-        written = _mxfp4_rows(
-            packed_rows, scale_rows, _table("mxfp4", dtype), *_salient_arrays(salient, dtype), out_rows
-        )
+        kernel = _mxfp4_permute_rows if _PERMUTES_WORDS and out_rows.itemsize == 2 else _mxfp4_rows
+        written = kernel(packed_rows, scale_rows, _table("mxfp4", dtype), *_salient_arrays(salient, dtype), out_rows)
     return _finish(out, written, salient)
 
 
@@ -325,7 +430,12 @@ def integer(
     if packed_rows is None or scale_rows is None or zero_rows is None:
         return None
     out, out_rows = _output(shape, dtype)
-    kernel = _int4_rows if bits == 4 else _int2_rows
+    if bits == 2:
+        kernel = _int2_rows
+    elif _PERMUTES_WORDS and out_rows.itemsize == 2 and group_size % _NIBBLE_LANES == 0:
+        kernel = _int4_permute_rows
+    else:
+        kernel = _int4_rows
     table = _table("int", dtype, bits)
     with torch_thread_count():
         written = kernel(
