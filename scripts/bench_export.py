@@ -63,7 +63,7 @@ def quantized_checkpoint(directory: Path, layers: int, env: dict[str, str]) -> P
             )
         command = ["moecompress", "quantize", str(source), "--out", str(quantized), "--scheme", "mxfp4", "--no-eval"]
         subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-    return quantized
+    return quantized.resolve()  # a link to a checkpoint made elsewhere: cp -r would copy the link
 
 
 def median(runs: list[dict[str, float]], key: str) -> float:

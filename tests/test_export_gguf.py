@@ -672,3 +672,21 @@ def test_the_converters_failure_in_our_process_is_one_line(tmp_path):
         run_converter(find_converter(None), tmp_path / "model", tmp_path / "out.gguf", in_process=True)
     assert "\n" not in str(caught.value)
     assert sys.modules["gguf"].__file__.startswith(str(Path(gguf.__file__).parent))
+
+
+@needs_converter
+def test_an_export_through_the_converters_own_process_writes_the_same_file(native_outputs, tmp_path, monkeypatch):
+    """The fallback (another thread running, say): the converter in a subprocess, which notes the holes' offsets
+    too."""
+    from moecompress.export import converter_scope
+
+    def unread(path):
+        raise AssertionError("the holes' offsets were read back from the file, not noted")
+
+    directory = native_outputs[("qwen3_moe", "int4-asym")]
+    monkeypatch.setattr(gguf, "GGUFReader", unread)
+    export_gguf(directory, tmp_path / "here.gguf", progress=False)
+    monkeypatch.setattr(converter_scope, "usable", lambda: False)
+    export_gguf(directory, tmp_path / "apart.gguf", progress=False)
+    monkeypatch.undo()
+    assert (tmp_path / "here.gguf").read_bytes() == (tmp_path / "apart.gguf").read_bytes()
