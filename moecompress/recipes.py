@@ -44,7 +44,8 @@ from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
 from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
 from .errors import OptionError, UserInputError
 from .files import DiskFullError, is_full, write_json, write_text
-from .passes.options import refuse_unused
+from .passes.options import KINDS, refuse_unused
+from .passes.options import short as _short
 from .passes.quantize import QuantizeConfig
 from .passes.registry import PASSES
 from .progress import end_of_command, event
@@ -98,15 +99,6 @@ class _BadValue(Exception):
     """A value of the wrong type; the key holding it is named by :func:`_dataclass`."""
 
 
-_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
-
-
-def _short(value: Any) -> str:
-    """``value`` for a one-line message: a string as it is, anything else as its repr, at most 60 characters."""
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _coerce(value: Any, annotation: Any, path: str) -> Any:
     """``value`` from YAML as ``annotation`` (the dataclass field's type), or :class:`_BadValue`."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -145,7 +137,7 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
     if ok is None:
         raise _BadValue("cannot be set from a recipe")
     if not ok:
-        raise _BadValue(f"is not {_KINDS[annotation]}")
+        raise _BadValue(f"is not {KINDS[annotation]}")
     if annotation is float and not math.isfinite(value):
         raise _BadValue("is not a finite number")
     return float(value) if annotation is float else value

@@ -13,7 +13,15 @@ from typing import Any
 
 from moecompress.cli.main import app
 from moecompress.cli.pass_options import PassCommand
-from moecompress.passes.options import choices_of, field_default, flag_of, option_of, type_name, value_type
+from moecompress.passes.options import (
+    choices_of,
+    field_default,
+    flag_of,
+    option_of,
+    range_text,
+    type_name,
+    value_type,
+)
 from moecompress.passes.registry import PASSES
 from moecompress.vocabulary import RecipeKeys
 
@@ -30,7 +38,9 @@ A recipe sets a key as `- quantize: {scheme: int4, group_size: 64}`; `lowrank` s
 keys (`lowrank_budget`, `rank_alloc`, ...) right after it. *recipe only* marks a tuning knob the commands leave at
 its default. A pass's `seed` defaults to the recipe's `calibration.seed`. A key marked *Only with ...* is refused
 where the pass's other keys leave it unused (`gptq_damp` with `method: rtn`), on the command line and in the API
-too; leaving it out is always accepted.
+too; leaving it out is always accepted. A value outside a key's range or choices (the *type* column) is refused
+before any work, naming the key in a recipe, the flag on the command line and the argument in the API; a key's
+default is always accepted (`lowrank_rank`'s 0: no adapters).
 """
 
 
@@ -64,7 +74,10 @@ def _rows(cls: type, command: str | None) -> list[str]:
         kind = type_name(cls, field)
         choices = choices_of(cls, field, declared)
         if choices is not None and "one of" not in kind:
-            kind += " (" + ", ".join(map(str, choices)) + ")"
+            kind = "one of " + ", ".join(map(str, choices)) + (" or null" if value_type(cls, field)[1] else "")
+        bounds = range_text(declared)
+        if bounds is not None:
+            kind += f"; {bounds}"
         nested = value_type(cls, field)[0]
         if dataclasses.is_dataclass(nested):
             kind = f"mapping of {nested.__name__} keys"

@@ -215,3 +215,78 @@ def test_the_applies_table_covers_the_issue_examples():
     assert option_of(next(f for f in dataclasses.fields(QuantizeConfig) if f.name == "symmetric")).applies.test(
         QuantizeConfig(scheme="int2")
     )
+
+
+def _outside(cls: type, field: dataclasses.Field):
+    """A value just outside ``field``'s declared choices or range (None: it declares neither)."""
+    from moecompress.passes.options import choices_of, field_default, value_type
+
+    declared = option_of(field)
+    base, _ = value_type(cls, field)
+    if choices_of(cls, field, declared) is not None:
+        return 3 if base is int else "nonsense"
+    if declared.min is not None:
+        value = declared.min if declared.min_open else declared.min - (1 if base is int else 0.5)
+        value -= 1 if value == field_default(field) else 0  # the default is always accepted (lowrank_rank's 0)
+    elif declared.max is not None:
+        value = declared.max if declared.max_open else declared.max + (1 if base is int else 0.5)
+    else:
+        return None
+    return float(value) if base is float else int(value)
+
+
+DECLARED_LIMITS = [
+    (name, field.name, value)
+    for name, entry in PASSES.items()
+    for field in dataclasses.fields(entry.config)
+    if (value := _outside(entry.config, field)) is not None
+]
+COMMAND_OF = {pass_name: command for command, pass_name in PASS_COMMANDS.items()}
+REQUIRED = {"prune_heads": ["--ratio", "0.5"], "qat": ["--scheme", "int2"]}
+
+
+def _refusal(call) -> str:
+    from moecompress.errors import OptionError
+
+    with pytest.raises(OptionError) as raised:
+        call()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("pass_name", "key", "value"), DECLARED_LIMITS, ids=[f"{p}.{k}" for p, k, _ in DECLARED_LIMITS]
+)
+def test_every_declared_range_and_choice_is_refused_by_every_caller_in_its_spelling(pass_name, key, value, tmp_path):
+    """Issue 37 item 3: the declarations alone refuse a value (no hand check in validate() needed): a recipe names
+    the key's path, the API the argument, the command line the flag, each with the same reason."""
+    import moecompress
+    from moecompress.recipes import parse_recipe
+
+    recipe = _refusal(lambda: parse_recipe({"model": "builtin:tiny-moe", "passes": [{pass_name: {key: value}}]}))
+    assert recipe.startswith(f"passes[0].{pass_name}.{key} {value} "), recipe
+    reason = recipe.removeprefix(f"passes[0].{pass_name}.{key} {value} ")
+    assert reason.startswith(("must be", "is not one of")), recipe
+    api = {"prune_experts": moecompress.prune, "quantize": moecompress.quantize}.get(pass_name)
+    if api is not None:
+        message = _refusal(lambda: api("builtin:tiny-moe", tmp_path / "a", **{key: value}))
+        assert message == f"{api.__name__}(): {key}={value!r} {reason}"
+    cls = PASSES[pass_name].config
+    command = COMMAND_OF[pass_name]
+    if (cls.__name__, key) in {getattr(param, GENERATED, None) for param in app.commands[command].params}:
+        flag_name = flag(cls, key)
+        args = [command, "builtin:tiny-moe", "--out", str(tmp_path / "c"), *REQUIRED.get(pass_name, [])]
+        message = _refusal(lambda: app.main([*args, flag_name, str(value)], standalone_mode=False))
+        assert message == f"{flag_name} {value} {reason}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_built_in_python_is_held_to_its_declarations():
+    from moecompress.errors import OptionError
+    from moecompress.passes.prune_heads import PruneHeadsConfig
+    from moecompress.passes.quantize import QuantizeConfig
+
+    with pytest.raises(OptionError, match=r"--group-size 32 is not a whole number"):
+        QuantizeConfig(group_size="32").validate()
+    with pytest.raises(OptionError, match=r"warmup_fraction 1.5 must be in \(0, 1\]"):
+        PruneHeadsConfig(warmup_fraction=1.5).validate()
+    QuantizeConfig(lowrank_rank=0).validate()  # the default (no adapters) lies outside the range a caller sets

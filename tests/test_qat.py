@@ -48,7 +48,7 @@ def test_replay_schedule_parses_and_refuses():
     assert ReplaySchedule.parse("layers:3,1").layers_at(50, 100, layers) == {1, 3}
     assert ReplaySchedule.parse("first:0.5").describe() == "first:0.5"
     for bad in ("some", "first:2", "first:x", "layers:", "layers:a"):
-        with pytest.raises(UserInputError, match="--replay"):
+        with pytest.raises(UserInputError, match="replay schedule"):
             ReplaySchedule.parse(bad)
     with pytest.raises(UserInputError, match="not MoE layers"):
         ReplaySchedule.parse("layers:7").check_layers(layers)

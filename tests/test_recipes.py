@@ -38,7 +38,7 @@ def test_the_default_recipe_is_maep_mxfp4_lowrank_and_eval():
         (_recipe({"prune_experts": {"ratio": "a lot"}}), "passes[0].prune_experts.ratio a lot is not a number"),
         (_recipe({"prune_experts": {"scope": "everywhere"}}), "passes[0].prune_experts.scope everywhere is not one of"),
         (_recipe({"prune_experts": {"ratio": 1.5}}), "passes[0].prune_experts.ratio 1.5 must be between 0 and 1"),
-        (_recipe({"quantize": {"scheme": "int3"}}), "passes[0].quantize.scheme int3: unknown scheme"),
+        (_recipe({"quantize": {"scheme": "int3"}}), "passes[0].quantize.scheme int3 is not one of mxfp4"),
         (_recipe({"quantize": {}}, {"prune_experts": {}}), "passes[1].prune_experts: pruning must come before"),
         (_recipe({"quantize": {}}, {"qat": {}}), "passes[1].qat: the model is already quantised by passes[0].quantize"),
         (_recipe({"lowrank": {"lowrank_budget": 0.5}}), "passes[0].lowrank: lowrank must directly follow"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -23,7 +23,7 @@ from ..families import FamilyAdapter
 from ..vocabulary import named
 
 MtpMode = Literal["keep", "drop"]
-MTP_MODES: tuple[str, ...] = ("keep", "drop")
+MTP_MODES: tuple[str, ...] = get_args(MtpMode)
 MTP_COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
 
 

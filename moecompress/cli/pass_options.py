@@ -21,6 +21,7 @@ from ..passes.options import (
     field_default,
     flag_of,
     option_of,
+    refuse_breaking,
     refuse_unused,
     value_type,
 )
@@ -71,23 +72,51 @@ class FiniteFloat(click.FloatRange):
     """A float (in a range, where given) that is not NaN nor infinite."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        number = super().convert(value, param, ctx)
+        number = click.FLOAT.convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value} is not a finite number", param, ctx)
-        return number
+        return super().convert(number, param, ctx)
+
+
+class _Declared:
+    """A generated option's type: a value that breaks the field's declaration is refused with the recipe's and the
+    API's :class:`~moecompress.errors.OptionError` (:func:`~moecompress.passes.options.refuse_breaking`), naming the
+    flag; click's base class shows the choices or the range in ``--help``."""
+
+    def declare(self, generated: Generated, parse: click.ParamType) -> _Declared:
+        self.generated, self.parse = generated, parse
+        return self
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        typed = self.parse.convert(value, param, ctx)
+        refuse_breaking(*self.generated, typed)
+        return str(typed) if isinstance(self, click.Choice) else typed
+
+
+class DeclaredChoice(_Declared, click.Choice):
+    pass
+
+
+class DeclaredFloat(_Declared, FiniteFloat):
+    pass
+
+
+class DeclaredInt(_Declared, click.IntRange):
+    pass
 
 
 def _click_type(cls: type, field: dataclasses.Field, declared: Option) -> Any:
     base, _ = value_type(cls, field)
+    generated = (cls, field, declared)
     choices = choices_of(cls, field, declared)
+    parse = click.INT if base is int else click.FLOAT if base is float else click.STRING
     if choices is not None:
-        return click.Choice([str(choice) for choice in choices])
+        return DeclaredChoice([str(choice) for choice in choices]).declare(generated, parse)
+    bounds = dict(min=declared.min, max=declared.max, min_open=declared.min_open, max_open=declared.max_open)
     if base is float:
-        return FiniteFloat(min=declared.min, max=declared.max, min_open=declared.min_open)
-    if declared.min is not None or declared.max is not None:
-        return click.IntRange(min=declared.min, max=declared.max, min_open=declared.min_open)
+        return DeclaredFloat(**bounds).declare(generated, parse)
     if base is int:
-        return base
+        return DeclaredInt(**bounds).declare(generated, parse)
     return None
 
 

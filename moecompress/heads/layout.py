@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 Unit = Literal["kv-group", "query-head"]
-UNITS: tuple[str, ...] = ("kv-group", "query-head")
+UNITS: tuple[str, ...] = get_args(Unit)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class Option:
     min: float | None = None
     max: float | None = None
     min_open: bool = False
+    max_open: bool = False
     cli_default: Any = FIELD_DEFAULT
     """The flag's default where it differs from the field's (None: "not given", resolved by the command)."""
     required: bool = False
@@ -79,9 +80,9 @@ def option(help: str, **attrs: Any) -> dict[str, Option]:
     return {OPTION_KEY: Option(help, **attrs)}
 
 
-def recipe_only(help: str, applies: When | None = None) -> dict[str, Option]:
+def recipe_only(help: str, **attrs: Any) -> dict[str, Option]:
     """A field's metadata: a recipe key with no command-line flag (a tuning knob the commands leave at its default)."""
-    return {OPTION_KEY: Option(help, cli=False, applies=applies)}
+    return {OPTION_KEY: Option(help, cli=False, **attrs)}
 
 
 def option_of(field: dataclasses.Field) -> Option | None:
@@ -166,11 +167,103 @@ def refuse_unused(config: Any, given: Iterable[str], nested: Mapping[str, Iterab
             )
 
 
-def refuse_non_finite(config: Any) -> None:
-    """NaN and infinities in any float field (nested configs included), which no range check catches."""
-    for field in dataclasses.fields(config):
+KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+"""What a value of each plain field type is, as a refusal names it."""
+
+
+def kind_problem(value: Any, base: Any) -> str | None:
+    """Why ``value`` is not of the field type ``base`` (None if it is; Literal values are left to the choices)."""
+    origin = typing.get_origin(base)
+    if origin is typing.Literal:
+        return None
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return "is not a list"
+        item = typing.get_args(base)[0]
+        return next((f"(item {i}) {p}" for i, v in enumerate(value) if (p := kind_problem(v, item))), None)
+    if dataclasses.is_dataclass(base):
+        return None if isinstance(value, base) else f"is not a {base.__name__}"
+    fits = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(base, True)
+    return None if fits else f"is not {KINDS[base]}"
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def range_text(declared: Option) -> str | None:
+    """The declared range as a refusal states it (``at least 1``, ``between 0 and 1 (exclusive)``, ``in (0, 1]``)."""
+    low, high = declared.min, declared.max
+    if low is None and high is None:
+        return None
+    if high is None:
+        return f"{'above' if declared.min_open else 'at least'} {_number(low)}"
+    if low is None:
+        return f"{'below' if declared.max_open else 'at most'} {_number(high)}"
+    if declared.min_open == declared.max_open:
+        return f"between {_number(low)} and {_number(high)}" + (" (exclusive)" if declared.min_open else "")
+    opening, closing = "(" if declared.min_open else "[", ")" if declared.max_open else "]"
+    return f"in {opening}{_number(low)}, {_number(high)}{closing}"
+
+
+def in_range(value: float, declared: Option) -> bool:
+    low, high = declared.min, declared.max
+    below = low is not None and (value <= low if declared.min_open else value < low)
+    above = high is not None and (value >= high if declared.max_open else value > high)
+    return not (below or above)
+
+
+def field_problem(cls: type, field: dataclasses.Field, declared: Option, value: Any) -> str | None:
+    """Why ``value`` breaks ``field``'s declaration: its type, a finite number, its choices, its range. The field's
+    default is always accepted (``lowrank_rank``'s 0 is "no adapters", outside the range a caller may set)."""
+    base, optional = value_type(cls, field)
+    if value is None and optional:
+        return None
+    problem = kind_problem(value, base)
+    if problem is not None:
+        return problem
+    if isinstance(value, float) and not math.isfinite(value):
+        return "is not a finite number"
+    if value == field_default(field) and type(value) is type(field_default(field)):
+        return None
+    choices = choices_of(cls, field, declared)
+    if choices is not None and value not in choices:
+        return f"is not one of {', '.join(map(str, choices))}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_range(value, declared):
+        return f"must be {range_text(declared)}"
+    return None
+
+
+def check_declared(config: Any) -> None:
+    """Refuse any field of ``config`` (nested configs included) that breaks its declaration: type, finite number,
+    choices, range. Every entry runs it (the configs' ``validate()``) before any work, so the command line, recipes
+    and the API refuse the same values, each in its own spelling of the option."""
+    cls = type(config)
+    for field, declared in declared_fields(cls):
         value = getattr(config, field.name)
-        if dataclasses.is_dataclass(value):
-            refuse_non_finite(value)
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise OptionError(f"{named(field.name, value)} is not a finite number", type(config))
+        if declared is None:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_declared(value)
+            continue
+        refuse_breaking(cls, field, declared, value)
+
+
+def refuse_breaking(cls: type, field: dataclasses.Field, declared: Option, value: Any) -> None:
+    """The refusal of ``value`` for ``cls``'s ``field`` where it breaks the declaration (``declared``: the field's
+    own, or the one a command changed)."""
+    problem = field_problem(cls, field, declared, value)
+    if problem is not None:
+        shown = value if isinstance(value, (bool, int, float, tuple)) or value is None else short(value)
+        raise OptionError(f"{named(field.name, shown)} {problem}", cls)
+
+
+def short(value: Any) -> str:
+    """``value`` for a one-line message: a string as it is, anything else as its repr, at most 60 characters."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -41,10 +41,11 @@ from ..sweep import CalibrationSweep, LayerCapture
 from ..sweep_state import LayerResult, SweepState
 from ..vocabulary import named
 from .expert_scores import layer_expert_stats
-from .options import When, option, recipe_only, refuse_non_finite
+from .options import When, check_declared, option, recipe_only
 
-Method = Literal["maep", "reap", "frequency", "random"]
 METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random")
+SCOPES: tuple[str, ...] = ("layer", "global")
+AGGREGATES: tuple[str, ...] = ("mean_sq", "mean")
 DEFAULT_RATIO = 0.25
 """The share of experts removed when neither ``ratio`` nor ``keep`` is given."""
 MAEP = When(named("method", "maep"), lambda c: c.method == "maep")
@@ -55,27 +56,34 @@ GLOBAL = When(named("scope", "global"), lambda c: c.scope == "global")
 
 @dataclass(frozen=True)
 class PruneExpertsConfig:
-    method: Method = field(
+    method: str = field(
         default="maep",
         metadata=option(
             "How experts are scored: MAEP Delta-H (redistribution-aware output change), REAP (gate × output norm), "
-            "routing frequency, or random."
+            "routing frequency, or random.",
+            choices=METHODS,
         ),
     )
     ratio: float | None = field(
         default=None,
         metadata=option(
-            f"Fraction of routed experts removed over the whole model (default {DEFAULT_RATIO} unless --keep is given)."
+            f"Fraction of routed experts removed over the whole model (default {DEFAULT_RATIO} unless --keep is "
+            "given).",
+            min=0,
+            max=1,
+            min_open=True,
+            max_open=True,
         ),
     )
     keep: int | None = field(
         default=None, metadata=option("Experts kept per MoE layer (on average with --scope global).", min=1)
     )
-    scope: Literal["layer", "global"] = field(
+    scope: str = field(
         default="layer",
         metadata=option(
             "layer: the same count removed from every layer (loads in every stock tool); global: experts ranked "
-            "across layers, counts differ (loads in transformers after `import moecompress`)."
+            "across layers, counts differ (loads in transformers after `import moecompress`).",
+            choices=SCOPES,
         ),
     )
     min_keep: int | None = field(
@@ -101,6 +109,9 @@ class PruneExpertsConfig:
         default=0.5,
         metadata=option(
             "MAEP: share of --prune-tags tokens, lowest by attention received, that form the pruning signal.",
+            min=0,
+            max=1,
+            min_open=True,
             applies=PRUNE_TAGS,
         ),
     )
@@ -108,9 +119,13 @@ class PruneExpertsConfig:
         default=0.5,
         metadata=option("MAEP: weight of the pruning signal against the preservation signal.", applies=PRUNE_TAGS),
     )
-    aggregate: Literal["mean_sq", "mean"] = field(
+    aggregate: str = field(
         default="mean_sq",
-        metadata=option("MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens.", applies=MAEP),
+        metadata=option(
+            "MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens.",
+            choices=AGGREGATES,
+            applies=MAEP,
+        ),
     )
     greedy: bool = field(
         default=False,
@@ -122,7 +137,9 @@ class PruneExpertsConfig:
     greedy_step: int | None = field(
         default=None,
         metadata=recipe_only(
-            "Greedy MAEP: experts removed per re-scoring step (default: a sixteenth of the layer's).", applies=GREEDY
+            "Greedy MAEP: experts removed per re-scoring step (default: a sixteenth of the layer's).",
+            min=1,
+            applies=GREEDY,
         ),
     )
     seed: int = field(default=0, metadata=option("Seed for calibration windows and --method random."))
@@ -144,27 +161,9 @@ class PruneExpertsConfig:
         def refuse(template: str) -> OptionError:
             return OptionError(template, PruneExpertsConfig)
 
-        refuse_non_finite(self)
-        if self.mtp not in MTP_MODES:
-            raise refuse(f"{named('mtp', self.mtp)}: choose keep or drop")
-        if self.method not in METHODS:
-            raise refuse(f"{named('method', self.method)}: unknown pruning method; choose from {', '.join(METHODS)}")
+        check_declared(self)
         if (self.ratio is None) == (self.keep is None):
             raise refuse(f"give exactly one of {named('ratio')} and {named('keep')}")
-        if self.ratio is not None and not 0.0 < self.ratio < 1.0:
-            raise refuse(f"{named('ratio', self.ratio)} must be between 0 and 1 (exclusive)")
-        if self.keep is not None and self.keep < 1:
-            raise refuse(f"{named('keep', self.keep)} must be at least 1")
-        if self.min_keep is not None and self.min_keep < 1:
-            raise refuse(f"{named('min_keep', self.min_keep)} must be at least 1")
-        if self.scope not in ("layer", "global"):
-            raise refuse(f"{named('scope', self.scope)} must be layer or global")
-        if self.aggregate not in ("mean_sq", "mean"):
-            raise refuse(f"{named('aggregate', self.aggregate)} must be mean_sq or mean")
-        if not 0.0 < self.low_attention_fraction <= 1.0:
-            raise refuse(f"{named('low_attention_fraction', self.low_attention_fraction)} must be in (0, 1]")
-        if self.greedy_step is not None and self.greedy_step < 1:
-            raise refuse(f"{named('greedy_step', self.greedy_step)} must be at least 1")
 
 
 @dataclass

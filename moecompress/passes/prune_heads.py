@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -31,11 +31,11 @@ from ..heads.selection import choose_keep, global_removal_counts, magnitude_scor
 from ..heads.train import GateRun, GateSchedule, Teacher, distill, model_device, train_gates
 from ..loading import load_adapter, load_model, load_tokenizer
 from ..vocabulary import named
-from .options import When, option, recipe_only, refuse_non_finite
-from .prune_experts import calibration_batches, update_report
+from .options import When, check_declared, option, recipe_only
+from .prune_experts import SCOPES, calibration_batches, update_report
 
-Method = Literal["learned", "magnitude", "random"]
 METHODS: tuple[str, ...] = ("learned", "magnitude", "random")
+GATE_OBJECTIVES: tuple[str, ...] = ("lm", "kl")
 LEARNED = When(named("method", "learned"), lambda c: c.method == "learned")
 DISTILLED = When(f"{named('distill_steps')} above 0", lambda c: c.distill_steps > 0)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -48,28 +48,35 @@ class PruneHeadsConfig:
         metadata=option(
             "Fraction of the units to remove, in (0, 1): of each layer's KV groups (or query heads), or of all KV "
             "groups with --scope global. Must leave every layer at least one.",
+            min=0,
+            max=1,
+            min_open=True,
+            max_open=True,
             required=True,
         ),
     )
-    unit: Literal["kv-group", "query-head"] = field(
+    unit: str = field(
         default="kv-group",
         metadata=option(
             "kv-group: a gate per KV head and the query heads that read it (shrinks the KV cache); query-head: a "
-            "gate per query head, the same number removed from every KV group (KV cache unchanged)."
+            "gate per query head, the same number removed from every KV group (KV cache unchanged).",
+            choices=UNITS,
         ),
     )
-    method: Method = field(
+    method: str = field(
         default="learned",
         metadata=option(
             "learned: binary gates trained on the frozen model under a Lagrangian sparsity objective; magnitude: "
-            "the Frobenius norm of each unit's q/k/v/o weights; random: seeded random choice (baselines)."
+            "the Frobenius norm of each unit's q/k/v/o weights; random: seeded random choice (baselines).",
+            choices=METHODS,
         ),
     )
-    scope: Literal["layer", "global"] = field(
+    scope: str = field(
         default="layer",
         metadata=option(
             "layer: the same number from every layer (loads in stock transformers); global: KV groups ranked over "
-            "all layers, counts differ per layer (loads after `import moecompress`)."
+            "all layers, counts differ per layer (loads after `import moecompress`).",
+            choices=SCOPES,
         ),
     )
     steps: int = field(default=200, metadata=option("Gate-training steps.", min=0, applies=LEARNED))
@@ -80,14 +87,20 @@ class PruneHeadsConfig:
     lambda_lr: float = field(
         default=2.0,
         metadata=recipe_only(
-            "Learning rate of the sparsity constraint's Lagrange multipliers (ascent).", applies=LEARNED
+            "Learning rate of the sparsity constraint's Lagrange multipliers (ascent).",
+            min=0,
+            min_open=True,
+            applies=LEARNED,
         ),
     )
     init_log_alpha: float = field(
         default=2.0, metadata=recipe_only("The gates' initial log-odds of being open.", applies=LEARNED)
     )
     temperature: float = field(
-        default=2 / 3, metadata=recipe_only("Temperature of the relaxed gate gradients pass through.", applies=LEARNED)
+        default=2 / 3,
+        metadata=recipe_only(
+            "Temperature of the relaxed gate gradients pass through.", min=0, min_open=True, applies=LEARNED
+        ),
     )
     noise_bias: float = field(
         default=0.0,
@@ -103,13 +116,17 @@ class PruneHeadsConfig:
         default=0.5,
         metadata=recipe_only(
             "Share of the gate-training steps over which the open-unit target ramps down and the noise bias decays.",
+            min=0,
+            max=1,
+            min_open=True,
             applies=LEARNED,
         ),
     )
-    gate_objective: Literal["lm", "kl"] = field(
+    gate_objective: str = field(
         default="lm",
         metadata=option(
             "What the gates minimise: lm (next-token cross-entropy) or kl (KL to the original model's logits).",
+            choices=GATE_OBJECTIVES,
             applies=LEARNED,
         ),
     )
@@ -130,32 +147,11 @@ class PruneHeadsConfig:
         def refuse(template: str) -> OptionError:
             return OptionError(template, PruneHeadsConfig)
 
-        refuse_non_finite(self)
-        if not 0.0 < self.ratio < 1.0:
-            raise refuse(f"{named('ratio', self.ratio)} must be between 0 and 1 (exclusive)")
-        if self.unit not in UNITS:
-            raise refuse(f"{named('unit', self.unit)} must be one of {', '.join(UNITS)}")
-        if self.method not in METHODS:
-            raise refuse(f"{named('method', self.method)}: unknown method; choose from {', '.join(METHODS)}")
-        if self.scope not in ("layer", "global"):
-            raise refuse(f"{named('scope', self.scope)} must be layer or global")
+        check_declared(self)
         if self.scope == "global" and self.unit != "kv-group":
             raise refuse(f"{named('scope', 'global')} ranks KV groups; query-head units are pruned per layer")
         if self.method == "learned" and self.steps < 1:
             raise refuse(f"{named('steps', self.steps)} must be at least 1 for learned gates")
-        if self.steps < 0 or self.distill_steps < 0:
-            raise refuse(f"{named('steps')} and {named('distill_steps')} cannot be negative")
-        for name in ("lr", "distill_lr", "lambda_lr", "temperature"):
-            if getattr(self, name) <= 0:
-                raise refuse(f"{named(name, getattr(self, name))} must be above 0")
-        if self.batch_size < 1:
-            raise refuse(f"{named('batch_size', self.batch_size)} must be at least 1")
-        if self.noise_bias < 0:
-            raise refuse(f"{named('noise_bias', self.noise_bias)}: biases gates toward closing and cannot be negative")
-        if self.gate_objective not in ("lm", "kl"):
-            raise refuse(f"{named('gate_objective', self.gate_objective)} must be lm or kl")
-        if not 0.0 < self.warmup_fraction <= 1.0:
-            raise refuse(f"{named('warmup_fraction', self.warmup_fraction)} must be in (0, 1]")
 
 
 def head_layouts(adapter: FamilyAdapter, unit: str) -> list[HeadLayout]:

@@ -33,7 +33,7 @@ from ..quantization.formats.native import ADAPTER_DTYPE
 from ..training.loop import TrainingConfig, prepare_student, round_adapters_to, train_adapters
 from ..training.replay import REPLAY_WEIGHTS, ReplaySchedule
 from ..vocabulary import named
-from .options import When, option, refuse_non_finite
+from .options import When, check_declared, option
 from .prune_experts import update_report
 from .quantize import QuantizeConfig, quantize_checkpoint
 
@@ -80,7 +80,7 @@ class QATConfig:
     steps: int = field(default=200, metadata=option("Optimiser steps.", min=1))
     lr: float = field(default=1e-3, metadata=option("Learning rate of the adapters (AdamW).", min=0, min_open=True))
     batch_size: int = field(default=8, metadata=option("Windows per step.", min=1))
-    seq_len: int = field(default=256, metadata=option("Tokens per training window.", shared=True))
+    seq_len: int = field(default=256, metadata=option("Tokens per training window.", min=1, shared=True))
     train_tokens: int = field(
         default=65536,
         metadata=option("Tokens of --calib (random whole windows) that training cycles through.", min=2),
@@ -94,7 +94,7 @@ class QATConfig:
         def refuse(template: str, owner: type = QATConfig) -> OptionError:
             return OptionError(template, owner)
 
-        refuse_non_finite(self)
+        check_declared(self)
         self.quantize.validate()
         if self.quantize.format != "native":
             raise refuse(
@@ -107,15 +107,6 @@ class QATConfig:
                 "above 0",
                 QuantizeConfig,
             )
-        if self.replay_weights not in REPLAY_WEIGHTS:
-            raise refuse(f"{named('replay_weights', self.replay_weights)} must be one of {', '.join(REPLAY_WEIGHTS)}")
-        for name in ("steps", "batch_size", "train_tokens", "seq_len"):
-            if getattr(self, name) < 1:
-                raise refuse(f"{named(name, getattr(self, name))} must be at least 1")
-        if not self.lr > 0:
-            raise refuse(f"{named('lr', self.lr)} must be above 0")
-        if self.lm_loss_weight < 0:
-            raise refuse(f"{named('lm_loss_weight', self.lm_loss_weight)} cannot be negative")
         try:
             ReplaySchedule.parse(self.replay)
         except UserInputError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -35,12 +35,13 @@ from ..sweep import CalibrationSweep
 from ..sweep_state import LayerResult, SweepState
 from ..view_experts import ExpertSource
 from ..vocabulary import named
-from .options import When, option, recipe_only, refuse_non_finite
+from .options import When, check_declared, option, recipe_only
 from .prune_experts import calibration_batches, update_report
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
 FORMATS: tuple[str, ...] = ("native", "gpt-oss", "compressed-tensors")
-Method = Literal["rtn", "gptq"]
+METHODS: tuple[str, ...] = ("rtn", "gptq")
+GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 
 GPTQ = When(named("method", "gptq"), lambda c: c.method == "gptq")
 INTEGER = When(f"{named('scheme')} int4, int2 or w4a8", lambda c: c.scheme in ("int4", "int2", "w4a8"))
@@ -74,14 +75,15 @@ class QuantizeConfig:
             choices=SCHEMES,
         ),
     )
-    method: Method = field(
+    method: str = field(
         default="rtn",
         metadata=option(
             "rtn: round to nearest, no calibration (streams at disk speed); gptq: per-expert GPTQ on the "
-            "calibration tokens routed to each expert."
+            "calibration tokens routed to each expert.",
+            choices=METHODS,
         ),
     )
-    group_size: int | None = field(default=None, metadata=option(GROUP_SIZE_HELP, choices=(32, 64, 128, 256)))
+    group_size: int | None = field(default=None, metadata=option(GROUP_SIZE_HELP, choices=GROUP_SIZES))
     symmetric: bool | None = field(
         default=None,
         metadata=option(
@@ -146,7 +148,9 @@ class QuantizeConfig:
             applies=GPTQ,
         ),
     )
-    gptq_block: int = field(default=128, metadata=recipe_only("GPTQ: columns quantised per block.", applies=GPTQ))
+    gptq_block: int = field(
+        default=128, metadata=recipe_only("GPTQ: columns quantised per block.", min=1, applies=GPTQ)
+    )
     lowrank_budget: float = field(
         default=0.0,
         metadata=option(
@@ -196,6 +200,7 @@ class QuantizeConfig:
         default=64,
         metadata=recipe_only(
             "Experts routed fewer calibration tokens get adapters from a plain SVD of their error (not whitened).",
+            min=1,
             applies=ADAPTERS,
         ),
     )
@@ -228,13 +233,7 @@ class QuantizeConfig:
         def refuse(template: str) -> OptionError:
             return OptionError(template, QuantizeConfig)
 
-        refuse_non_finite(self)
-        if self.mtp not in MTP_MODES:
-            raise refuse(f"{named('mtp', self.mtp)}: choose keep or drop")
-        if self.scheme not in SCHEMES:
-            raise refuse(f"{named('scheme', self.scheme)}: unknown scheme; choose from {', '.join(SCHEMES)}")
-        if self.method not in ("rtn", "gptq"):
-            raise refuse(f"{named('method', self.method)}: unknown method; choose rtn or gptq")
+        check_declared(self)
         if self.scheme == "mxfp4" and self.group_size not in (None, 32):
             raise refuse(f"{named('group_size', self.group_size)}: mxfp4 blocks are always 32 wide")
         unknown = sorted(set(self.targets) - set(TARGETS))
@@ -242,32 +241,8 @@ class QuantizeConfig:
             raise refuse(
                 f"{named('targets', self.targets)}: targets must include experts and be among {', '.join(TARGETS)}"
             )
-        if self.format not in FORMATS:
-            raise refuse(f"{named('format', self.format)}: unknown format; choose from {', '.join(FORMATS)}")
-        if self.gptq_min_tokens < 1:
-            raise refuse(f"{named('gptq_min_tokens', self.gptq_min_tokens)} must be at least 1")
-        if self.gptq_damp <= 0:
-            raise refuse(f"{named('gptq_damp', self.gptq_damp)} must be above 0")
-        if self.gptq_block < 1:
-            raise refuse(f"{named('gptq_block', self.gptq_block)} must be at least 1")
-        if self.lowrank_budget < 0:
-            raise refuse(
-                f"{named('lowrank_budget', self.lowrank_budget)} is in bits per expert weight and cannot be negative"
-            )
-        if self.lowrank_rank < 0:
-            raise refuse(f"{named('lowrank_rank', self.lowrank_rank)} must be at least 1")
         if self.lowrank_rank and self.lowrank_budget:
             raise refuse(f"give either {named('lowrank_rank')} or {named('lowrank_budget')}, not both")
-        if self.lowrank_min_tokens < 1:
-            raise refuse(f"{named('lowrank_min_tokens', self.lowrank_min_tokens)} must be at least 1")
-        if self.rank_alloc not in ALLOCATIONS:
-            raise refuse(f"{named('rank_alloc', self.rank_alloc)}: choose from {', '.join(ALLOCATIONS)}")
-        if self.load_weighting not in LOAD_WEIGHTINGS:
-            raise refuse(f"{named('load_weighting', self.load_weighting)}: choose tokens or gate")
-        if self.sensitivity not in SENSITIVITIES:
-            raise refuse(f"{named('sensitivity', self.sensitivity)}: choose from {', '.join(SENSITIVITIES)}")
-        if self.bitmap not in BITMAP_CODES:
-            raise refuse(f"{named('bitmap', self.bitmap)}: choose from {', '.join(BITMAP_CODES)}")
         if self.salient_fraction and self.format != "native":
             raise refuse(
                 f"{named('salient_fraction')}: salient weights are stored in the native format only, "
@@ -393,10 +368,13 @@ class _ExpertQuantizer:
         return errors
 
 
-def _components_for_budget(budget_bits: float, moe_shapes: list[tuple[int, int, int]]) -> int:
-    """Rank-1 components (each ``H + I`` bf16 parameters) that ``budget_bits`` per routed expert weight buys."""
-    weights = sum(3 * experts * hidden * inter for experts, hidden, inter in moe_shapes)
-    costs = {hidden + inter for _, hidden, inter in moe_shapes}
+def _components_for_budget(budget_bits: float, moe_shapes: list[tuple[int, ...]]) -> int:
+    """Rank-1 components (each ``H + I`` bf16 parameters) that ``budget_bits`` per routed expert weight buys
+    (``moe_shapes``: ``(E, H, I)``, then the matrices per expert where not 3 gate/up/down)."""
+    weights = sum(
+        (matrices[0] if matrices else 3) * experts * hidden * inter for experts, hidden, inter, *matrices in moe_shapes
+    )
+    costs = {hidden + inter for _, hidden, inter, *_ in moe_shapes}
     if len(costs) != 1:
         raise UserInputError("low-rank allocation needs every MoE layer to share hidden and expert sizes")
     return int(budget_bits * weights / ADAPTER_BITS) // costs.pop()
@@ -410,7 +388,7 @@ def measure_layer(quantizer: _ExpertQuantizer, capture) -> LayerResult:
     tensors = {f"{expert}.{which}": spectrum.sigma2 for (expert, which), spectrum in errors.spectra.items()}
     meta = {
         "loads": [[expert, which, errors.loads[(expert, which)]] for expert, which in errors.spectra],
-        "shape": [moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size],
+        "shape": [moe.num_experts, moe.gate_up.shape[-1], moe.intermediate_size, 3 if moe.gated else 2],
     }
     return tensors, meta
 
@@ -541,7 +519,7 @@ def quantize_checkpoint(
 
 def _allocate_ranks(config: QuantizeConfig, gains: dict, loads: dict, shapes: list) -> tuple[dict, dict[str, Any]]:
     """One rank budget spent over every expert matrix of every layer (or a uniform rank)."""
-    max_rank = min(min(hidden, inter) for _, hidden, inter in shapes)
+    max_rank = min(min(hidden, inter) for _, hidden, inter, *_ in shapes)
     if config.lowrank_rank:
         components = min(config.lowrank_rank, max_rank) * len(gains)
         ranks = allocate(gains, loads, components, "uniform", max_rank=max_rank)
@@ -598,7 +576,8 @@ class QuantizedLayers:
             quantized.adapters = {key: errors.spectra[key].adapter(r) for key, r in layer_ranks.items() if r}
             meta["measured"] = list(errors.measured)
             meta["lowrank_ranks"] = {
-                which: [layer_ranks[(e, which)] for e in range(moe.num_experts)] for which in ("gate", "up", "down")
+                which: [layer_ranks.get((e, which), 0) for e in range(moe.num_experts)]
+                for which in ("gate", "up", "down")
             }
             quantized.stats["lowrank_ranks"] = meta["lowrank_ranks"]
             quantized.stats["lowrank_plain_svd"] = errors.plain_svd

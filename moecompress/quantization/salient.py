@@ -9,7 +9,7 @@ stored as a Golomb-Rice-coded bitmap (:mod:`moecompress.kernels.golomb_rice`), c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import torch
 from ..kernels import golomb_rice
 
 BitmapCode = Literal["golomb", "rice", "raw"]
-BITMAP_CODES: tuple[str, ...] = ("golomb", "rice", "raw")
+BITMAP_CODES: tuple[str, ...] = get_args(BitmapCode)
 VALUE_DTYPE = torch.bfloat16
 
 

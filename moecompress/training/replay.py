@@ -48,7 +48,7 @@ class ReplaySchedule:
                 return cls(1.0, layers)
         except ValueError:
             pass
-        raise UserInputError(f"--replay {text!r}: use all, none, first:F (0 <= F <= 1) or layers:L1,L2,...")
+        raise UserInputError(f"replay schedule {text!r}: use all, none, first:F (0 <= F <= 1) or layers:L1,L2,...")
 
     def describe(self) -> str:
         if self.layers is not None:
