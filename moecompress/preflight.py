@@ -192,6 +192,7 @@ def _check_passes(
     name_passes: bool,
     vocabulary: Any,
 ) -> None:
+    from .checkpoint.stock_model import check_stock_model_builds
     from .loading import check_tokenizer_files, load_adapter
 
     adapter = load_adapter(model_dir)
@@ -213,6 +214,7 @@ def _check_passes(
     calibrated = any(_calibrates(name, config) for name, config in passes)
     if calibrated or eval_data is not None:
         check_seq_len(adapter, seq_len)
+        check_stock_model_builds(model_dir, adapter)
         check_tokenizer_files(model_dir)
     window = named("calibration.seq_len", seq_len)
     if calibrated and calib_tokens < seq_len:

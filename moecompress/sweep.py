@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import CheckpointReader, group_keys_by_layer
+from .checkpoint.stock_model import stock_config, stock_failures
 from .device import HOST, compute_device, host_buffer, is_accelerated, to_compute
 from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights, adapter_for
@@ -157,11 +158,10 @@ class CalibrationSweep:
         self.progress = progress
         self.layer_keys, outside_keys = group_keys_by_layer(self.reader, self.adapter)
 
-        config = self.adapter.transformers_config() or transformers.AutoConfig.from_pretrained(
-            self.model_dir, trust_remote_code=False
-        )
+        config = stock_config(self.model_dir, self.adapter)
         auto_class = getattr(transformers, self.adapter.auto_class)
-        with torch.device("meta"):
+        building = stock_failures(self.model_dir, f"build the {self.adapter.family} model from config.json")
+        with building, torch.device("meta"):
             self._meta_model = _meta_model(auto_class, config, dtype, "eager" if capture_attention else "sdpa")
         self._config = config
         self._auto_class = auto_class

@@ -163,3 +163,54 @@ def test_minimax_m3_layer_kinds_from_the_release_config_match_transformers():
     adapter = adapter_for(dict(config, num_experts_per_tok=2))
     assert adapter.moe_layers() == [i for i, kind in enumerate(expected.mlp_layer_types) if kind == "sparse"]
     assert [adapter.softmax_attention(i) for i in range(4)] == [k == "full_attention" for k in expected.layer_types]
+
+
+STOCK_FAILURES = {
+    "hidden_act": ({"hidden_act": "bogus"}, "cannot build the qwen3_moe model from config.json: KeyError: 'bogus'"),
+    "rope_type": (
+        {"rope_parameters": {"rope_type": "bogus", "rope_theta": 10000.0}},
+        "cannot build the qwen3_moe model from config.json: KeyError: 'bogus'",
+    ),
+    "field_type": ({"rms_norm_eps": "x"}, "cannot read config.json: TypeError: Field 'rms_norm_eps' expected float"),
+    "layer_types": ({"layer_types": ["bogus", "full_attention"]}, "cannot read config.json: ValueError: The `layer_"),
+    "top_k": ({"num_experts_per_tok": 20}, "config.json routes each token to 20 experts, more than the 8 of layer 0"),
+}
+"""Configs stock transformers cannot read, build or run (each otherwise a torch or transformers traceback)."""
+
+
+@pytest.mark.parametrize("command", ["prune", "eval"])
+@pytest.mark.parametrize("case", list(STOCK_FAILURES))
+def test_config_stock_transformers_cannot_run_is_one_line_exit_2_before_work(case, command, tmp_path):
+    import json
+
+    from helpers import run_cli
+
+    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+
+    patch, message = STOCK_FAILURES[case]
+    source = save_tiny_model("qwen3_moe", tmp_path / "model")
+    tiny_tokenizer().save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **patch}))
+    out = tmp_path / "out"
+    options = ["--out", str(out), "--keep", "4", "--calib-tokens", "128"] if command == "prune" else []
+    result = run_cli(command, str(source), *options, "--seq-len", "32", "--eval-tokens", "64")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"moecompress: error: {source}: ") and message in lines[0]
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_stock_failures_leave_moecompress_errors_alone():
+    """Only what transformers raises becomes one line; a failure in moecompress's own code keeps its traceback."""
+    from transformers.activations import ACT2FN
+
+    from moecompress.checkpoint.stock_model import stock_failures
+    from moecompress.errors import UserInputError
+
+    adapter = adapter_for(dict(TINY_CONFIGS["qwen3_moe"], hidden_act="gelu"))
+    with pytest.raises(ValueError, match="unsupported expert activation"), stock_failures("model", "build it"):
+        adapter.activation(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(UserInputError, match=r"^model: stock transformers .* cannot build it: KeyError: 'bogus'"):
+        with stock_failures("model", "build it"):
+            ACT2FN["bogus"]

@@ -207,6 +207,11 @@ def _check_layer_count(adapter: Any, tensors: dict[str, Any], source: str) -> No
 
 def _check_moe_layer(adapter: Any, tensors: dict[str, Any], source: str, layer: int, hidden: Any) -> None:
     promised = adapter.experts_in_layer(layer)
+    if adapter.top_k > promised:
+        raise UserInputError(
+            f"{source}: config.json routes each token to {adapter.top_k} experts, more than the {promised} of layer "
+            f"{layer} (the router's top-k cannot choose them)"
+        )
     router_key = adapter._router_key(layer, "weight")
     router = tensors.get(router_key)
     if _plain(router) and router.shape[0] != promised:

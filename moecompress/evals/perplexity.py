@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..calibration.batches import TokenWindows, consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
+from ..checkpoint.stock_model import stock_config
 from ..device import compute_device
 from ..errors import UserInputError
 from ..families import FamilyAdapter
@@ -183,6 +184,7 @@ def evaluate(
     layer is loaded whole, and a line says so."""
     adapter = load_adapter(model_dir)
     ref_adapter = load_adapter(reference_dir) if reference_dir is not None else None
+    stock_config(model_dir, adapter)  # the tokenizer reads config.json through transformers too
     tokenizer = load_tokenizer(model_dir)
     stream = tokenize_documents(load_documents(data, default_part="heldout"), tokenizer)
     windows = consecutive_windows(stream, seq_len, max_tokens)
