@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
+from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 
 if TYPE_CHECKING:
     from .evals.perplexity import EvalResult
@@ -202,7 +202,7 @@ def evaluate(
     reference: str | Path | None = None,
     *,
     data: str = DEFAULT_EVAL_DATA,
-    seq_len: int = 256,
+    seq_len: int = DEFAULT_SEQ_LEN,
     max_tokens: int | None = _DEFAULT,  # type: ignore[assignment]
     progress: bool = False,
     trust_remote_code: bool = False,

@@ -41,7 +41,7 @@ from . import recipe_yaml
 from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
 from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
-from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
+from .defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from .errors import OptionError, UserInputError
 from .files import DiskFullError, is_full, write_json, write_text
 from .passes.options import KINDS, refuse_unused
@@ -66,9 +66,9 @@ PASS_NAMES = (*CONFIGS, "lowrank", "eval")
 
 @dataclass(frozen=True)
 class Calibration:
-    source: str = "builtin:prose"
-    tokens: int = 16384
-    seq_len: int = 256
+    source: str = DEFAULT_DATA
+    tokens: int = DEFAULT_CALIB_TOKENS
+    seq_len: int = DEFAULT_SEQ_LEN
     seed: int = 0
     """The seed of the calibration windows (and of every pass that does not set its own)."""
     image_size: int = 224

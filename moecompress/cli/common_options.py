@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import click
 
-from ..defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 
 
 class RenamedOption(click.Option):
@@ -63,18 +64,32 @@ EVAL_TOKENS_HELP = (
 )
 
 
-def calib_option(help: str, default: str = "builtin:prose", old: tuple[str, ...] = ()) -> Callable:
+def out_option(
+    help: str = "Output directory (written atomically; must not exist unless --overwrite).", required: bool = True
+) -> Callable:
+    return click.option(
+        "--out", "out_dir", required=required, type=click.Path(file_okay=False, path_type=Path), help=help
+    )
+
+
+def overwrite_option(help: str = "Replace an existing output directory.") -> Callable:
+    return click.option("--overwrite", is_flag=True, help=help)
+
+
+def calib_option(help: str, default: str = DEFAULT_DATA, old: tuple[str, ...] = ()) -> Callable:
     return click.option("--calib", "calib", cls=RenamedOption, old=old, default=default, show_default=True, help=help)
 
 
 def calib_tokens_option(
     help: str = "Calibration tokens (whole windows of --seq-len, sampled with --seed).",
 ) -> Callable:
-    return click.option("--calib-tokens", type=click.IntRange(min=1), default=16384, show_default=True, help=help)
+    return click.option(
+        "--calib-tokens", type=click.IntRange(min=1), default=DEFAULT_CALIB_TOKENS, show_default=True, help=help
+    )
 
 
 def seq_len_option(help: str = "Tokens per window of calibration, training and evaluation.") -> Callable:
-    return click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True, help=help)
+    return click.option("--seq-len", type=click.IntRange(min=2), default=DEFAULT_SEQ_LEN, show_default=True, help=help)
 
 
 def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from .common_options import overwrite_option
 from .numbers import human_bytes as _human_bytes
 
 
@@ -34,7 +35,7 @@ from .numbers import human_bytes as _human_bytes
     help="gguf: fold low-rank adapters and salient weights, which GGML cannot express, into dense bf16 expert "
     "tensors for the layers that have them (without it such outputs are refused).",
 )
-@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@overwrite_option("Replace an existing output.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export_command(
     model: str, fmt: str, out: Path, llama_cpp: str | None, fold: bool, overwrite: bool, quiet: bool

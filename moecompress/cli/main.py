@@ -27,6 +27,8 @@ from .common_options import (
     chosen_device,
     device_option,
     eval_options,
+    out_option,
+    overwrite_option,
     seq_len_option,
 )
 from .export import export_command
@@ -203,13 +205,7 @@ def eval_command(
 @trust_options
 @run_options
 @click.argument("model")
-@click.option(
-    "--out",
-    "out_dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Output directory (written atomically; must not exist unless --overwrite).",
-)
+@out_option()
 @config_options("prune_experts")
 @calib_option(
     "Calibration source(s), comma-separated; built-in sources use their calibration part. "
@@ -226,7 +222,7 @@ def eval_command(
 )
 @seq_len_option()
 @eval_options("Evaluate the pruned model against the input on this source (held-out part for built-ins).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@overwrite_option()
 @device_option
 def prune_command(
     model: str,

@@ -14,6 +14,8 @@ from .common_options import (
     chosen_device,
     device_option,
     eval_options,
+    out_option,
+    overwrite_option,
     seq_len_option,
 )
 from .pass_options import PassCommand, config_from_options, config_options
@@ -25,13 +27,7 @@ from .trust_options import trust_options
 @trust_options
 @run_options
 @click.argument("model")
-@click.option(
-    "--out",
-    "out_dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Output directory (written atomically; must not exist unless --overwrite).",
-)
+@out_option()
 @config_options("prune_heads")
 @calib_option("Calibration/training source(s), comma-separated (calibration part for built-ins).", old=("--data",))
 @calib_tokens_option("Tokens of --calib (whole windows of --seq-len) the gates train and distil on.")
@@ -40,7 +36,7 @@ from .trust_options import trust_options
     "Evaluate against the input before and after distillation on this source (held-out part for built-ins).",
     "Skip the evaluation.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@overwrite_option()
 @device_option
 def prune_heads_command(
     model: str,

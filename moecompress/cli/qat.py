@@ -15,6 +15,8 @@ from .common_options import (
     chosen_device,
     device_option,
     eval_options,
+    out_option,
+    overwrite_option,
     seq_len_option,
 )
 from .numbers import human_bytes
@@ -27,13 +29,7 @@ from .trust_options import trust_options
 @trust_options
 @run_options
 @click.argument("model")
-@click.option(
-    "--out",
-    "out_dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Output directory (native quantised format; written atomically; must not exist unless --overwrite).",
-)
+@out_option("Output directory (native quantised format; written atomically; must not exist unless --overwrite).")
 @config_options("qat")
 @calib_option(
     "Training and PTQ calibration source(s), comma-separated (calibration part for built-ins).", old=("--data",)
@@ -44,7 +40,7 @@ from .trust_options import trust_options
     "Held-out source for perplexity, KL and routing agreement before (PTQ) and after training.",
     "Skip the before/after evaluation.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@overwrite_option()
 @device_option
 def qat_command(
     model: str,

@@ -7,7 +7,15 @@ from typing import Any
 
 import click
 
-from .common_options import calib_option, calib_tokens_option, device_option, eval_options, seq_len_option
+from .common_options import (
+    calib_option,
+    calib_tokens_option,
+    device_option,
+    eval_options,
+    out_option,
+    overwrite_option,
+    seq_len_option,
+)
 from .numbers import human_bytes as _human_bytes
 from .pass_options import PassCommand, config_from_options, config_options
 from .run_options import run_and_summarise, run_options
@@ -18,13 +26,7 @@ from .trust_options import trust_options
 @trust_options
 @run_options
 @click.argument("model")
-@click.option(
-    "--out",
-    "out_dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Output directory (written atomically; must not exist unless --overwrite).",
-)
+@out_option()
 @config_options("quantize", exclude=("lowrank_rank",))
 @calib_option(
     "Calibration source(s), comma-separated, for gptq, --salient-fraction and --lowrank-budget (plain rtn needs none)."
@@ -32,7 +34,7 @@ from .trust_options import trust_options
 @calib_tokens_option()
 @seq_len_option()
 @eval_options("Evaluate the quantised model against the input on this source (held-out part for built-ins).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@overwrite_option()
 @device_option
 def quantize_command(
     model: str,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .common_options import device_option
+from .common_options import device_option, out_option, overwrite_option
 from .run_options import run_and_summarise, run_options
 from .trust_options import trust_options
 
@@ -16,15 +16,9 @@ from .trust_options import trust_options
 @run_options
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--model", default=None, help="The model to compress (overrides the recipe's model).")
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Output directory (written atomically; required unless --dry-run).",
-)
+@out_option("Output directory (written atomically; required unless --dry-run).", required=False)
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the passes; do no work.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@overwrite_option()
 @device_option
 def run_command(
     recipe: Path,

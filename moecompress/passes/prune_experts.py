@@ -32,6 +32,7 @@ from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
 from ..checkpoint.mtp import MTP_MODES, plan_stored_prune
 from ..checkpoint.stream import check_output_is_not_input
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from ..errors import OptionError, UserInputError
 from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter
@@ -179,6 +180,8 @@ class LayerScores:
     extra: dict[str, Any] = field(default_factory=dict)
     removal_order: list[int] | None = None
     removal_scores: list[float] | None = None
+    identity_frequency: list[float] | None = None
+    """Share of tokens routed to each identity expert (LongCat-Flash); they are never candidates for removal."""
 
     def to_result(self) -> LayerResult:
         """The scores as a sweep state keeps them for a resumed run (tensors exact, the rest JSON)."""
@@ -189,6 +192,7 @@ class LayerScores:
             "extra": self.extra,
             "removal_order": self.removal_order,
             "removal_scores": self.removal_scores,
+            "identity_frequency": self.identity_frequency,
         }
         return tensors, meta
 
@@ -236,6 +240,9 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         delta_h=(delta_h_sum / tokens).float(),
         extra=extra,
     )
+    if stats.identity_counts is not None:
+        (identity_counts,) = distributed.sum_over_ranks(stats.identity_counts)
+        scores.identity_frequency = (identity_counts / tokens).tolist()
     if config.method == "maep" and config.greedy:
         scores.removal_order, scores.removal_scores = _greedy_removal_order(adapter, capture, config, score)
     return scores
@@ -523,13 +530,13 @@ def prune_experts(
     out_dir: Path,
     config: PruneExpertsConfig,
     *,
-    calib: str = "builtin:prose",
-    calib_tokens: int = 16384,
-    seq_len: int = 256,
+    calib: str = DEFAULT_DATA,
+    calib_tokens: int = DEFAULT_CALIB_TOKENS,
+    seq_len: int = DEFAULT_SEQ_LEN,
     batch_size: int = 8,
     image_size: int = 224,
     eval_data: str | None = None,
-    eval_tokens: int | None = 16384,
+    eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
     resume: bool = False,
@@ -694,6 +701,7 @@ def plan_pruning(
                 "reap": s.reap.tolist(),
                 "delta_h": s.delta_h.tolist(),
                 **({"maep": s.extra} if s.extra else {}),
+                **({"identity_frequency": s.identity_frequency} if s.identity_frequency is not None else {}),
             }
             for s in layer_scores
         },

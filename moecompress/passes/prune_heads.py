@@ -21,6 +21,7 @@ from ..calibration.batches import consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, rewrite_checkpoint
 from ..checkpoint.stream import check_output_is_not_input
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from ..device import HOST, compute_device, device_map_for, to_host
 from ..errors import OptionError, UserInputError
 from ..evals.perplexity import evaluate_windows, evaluation_report
@@ -278,11 +279,11 @@ def prune_heads(
     out_dir: Path,
     config: PruneHeadsConfig,
     *,
-    calib: str = "builtin:prose",
-    calib_tokens: int = 16384,
-    seq_len: int = 256,
+    calib: str = DEFAULT_DATA,
+    calib_tokens: int = DEFAULT_CALIB_TOKENS,
+    seq_len: int = DEFAULT_SEQ_LEN,
     eval_data: str | None = None,
-    eval_tokens: int | None = 16384,
+    eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:

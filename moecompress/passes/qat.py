@@ -24,6 +24,7 @@ from ..calibration.batches import consecutive_windows, sampled_windows, tokenize
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import check_output_is_not_input
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from ..device import compute_device, device_map_for
 from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
@@ -80,7 +81,7 @@ class QATConfig:
     steps: int = field(default=200, metadata=option("Optimiser steps.", min=1))
     lr: float = field(default=1e-3, metadata=option("Learning rate of the adapters (AdamW).", min=0, min_open=True))
     batch_size: int = field(default=8, metadata=option("Windows per step.", min=1))
-    seq_len: int = field(default=256, metadata=option("Tokens per training window.", min=1, shared=True))
+    seq_len: int = field(default=DEFAULT_SEQ_LEN, metadata=option("Tokens per training window.", min=1, shared=True))
     train_tokens: int = field(
         default=65536,
         metadata=option("Tokens of --calib (random whole windows) that training cycles through.", min=2),
@@ -161,10 +162,10 @@ def qat_checkpoint(
     out_dir: Path,
     config: QATConfig,
     *,
-    data: str = "builtin:prose",
-    calib_tokens: int = 16384,
-    eval_data: str | None = "builtin:prose",
-    eval_tokens: int | None = 16384,
+    data: str = DEFAULT_DATA,
+    calib_tokens: int = DEFAULT_CALIB_TOKENS,
+    eval_data: str | None = DEFAULT_EVAL_DATA,
+    eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:

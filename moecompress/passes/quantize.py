@@ -18,6 +18,7 @@ from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
 from ..checkpoint.mtp import MTP_MODES, quantize_mtp_plan
 from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluation_report
@@ -425,12 +426,12 @@ def quantize_checkpoint(
     out_dir: Path,
     config: QuantizeConfig,
     *,
-    calib: str = "builtin:prose",
-    calib_tokens: int = 16384,
-    seq_len: int = 256,
+    calib: str = DEFAULT_DATA,
+    calib_tokens: int = DEFAULT_CALIB_TOKENS,
+    seq_len: int = DEFAULT_SEQ_LEN,
     batch_size: int = 8,
     eval_data: str | None = None,
-    eval_tokens: int | None = 16384,
+    eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
     resume: bool = False,
