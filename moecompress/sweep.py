@@ -109,8 +109,8 @@ def _text_config(config):
 
 def _layer_attributes(layer: torch.nn.Module) -> dict[str, Any]:
     """Plain attributes of a decoder layer the stock forward reads from the layer itself (GPT-OSS's
-    ``attention_type``)."""
-    return {name: getattr(layer, name) for name in ("attention_type",) if hasattr(layer, name)}
+    ``attention_type``, Nemotron-H's ``block_type``)."""
+    return {name: getattr(layer, name) for name in ("attention_type", "block_type") if hasattr(layer, name)}
 
 
 class CalibrationSweep:

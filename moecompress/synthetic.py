@@ -573,6 +573,23 @@ TINY_CONFIGS.update(
     }
 )
 
+TINY_CONFIGS["nemotron_h"] = dict(
+    _COMMON,
+    model_type="nemotron_h",
+    layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+    head_dim=16,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    n_routed_experts=8,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=16,
+    n_groups=2,
+    chunk_size=16,
+    routed_scaling_factor=2.5,
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {

@@ -92,7 +92,10 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
         ),
         ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}, "dbrx is not supported: DBRX's router"),
         ({"model_type": "deepseek_v4", "n_routed_experts": 8}, "deepseek_v4 is not supported: .*hash routing"),
-        ({"model_type": "nemotron_h", "n_routed_experts": 8}, "nemotron_h is not supported: .*not gated"),
+        (
+            {"model_type": "nemotron_h", "n_routed_experts": 8, "layers_block_type": ["moe"], "moe_latent_size": 16},
+            "nemotron_h with moe_latent_size .* not supported",
+        ),
         ({"model_type": "gemma4", "text_config": {"num_experts": 8}}, "gemma4 is not supported: .*per-expert scale"),
         (
             {"model_type": "qwen2_moe", "num_experts": 0, "num_hidden_layers": 2, "num_experts_per_tok": 2},

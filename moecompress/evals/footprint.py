@@ -23,7 +23,7 @@ from ..families import adapter_for
 from ..quantization.scheme import QuantScheme
 
 _DTYPE_BITS = {"U8": 8, "I8": 8, "I32": 32, "U32": 32, "I16": 16, "U16": 16}
-_QUANTIZED_PARAMS = ("weight", "gate_up_proj", "down_proj")
+_QUANTIZED_PARAMS = ("weight", "gate_up_proj", "up_proj", "down_proj")
 _COMPRESSED_TENSORS_METADATA = (
     "weight_scale",
     "weight_zero_point",

@@ -37,6 +37,7 @@ from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .minimax_m3 import MiniMaxM3TextAdapter, MiniMaxM3VLAdapter
 from .mistral4 import Mistral3Adapter, Mistral4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
+from .nemotron_h import NemotronHAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
 from .qwen_moe import (
     FlexOlmoAdapter,
@@ -105,6 +106,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Mistral3Adapter,
     MiniMaxM3TextAdapter,
     MiniMaxM3VLAdapter,
+    NemotronHAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -121,10 +123,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "longcat_flash": (
         "LongCat-Flash routes tokens to zero-computation (identity) experts beside the FFN experts, which the expert "
         "view (every expert a gated FFN) cannot hold"
-    ),
-    "nemotron_h": (
-        "Nemotron-H's experts are not gated (up and down projections with a squared ReLU, optionally behind a latent "
-        "projection), which the expert view (gate, up and down per expert) cannot hold"
     ),
     "deepseek_v4": (
         "DeepSeek-V4's first MoE layers pick experts from a token-id table (hash routing) rather than router logits, "

@@ -57,6 +57,11 @@ class MoEWeights:
     def intermediate_size(self) -> int:
         return self.down.shape[2]
 
+    @property
+    def gated(self) -> bool:
+        """Whether ``gate_up`` holds gate and up rows (``[E, 2I, H]``) rather than up rows alone (``[E, I, H]``)."""
+        return self.gate_up.shape[-2] != self.intermediate_size
+
     def select(self, keep: list[int]) -> MoEWeights:
         """The same block restricted to the experts at positions ``keep`` (in that order)."""
         index = torch.tensor(keep, dtype=torch.long, device="cpu")
@@ -75,6 +80,14 @@ class MoEWeights:
             down_bias=pick(self.down_bias),
             expert_ids=[self.expert_ids[i] for i in keep],
         )
+
+
+def split_gate_up(projected: torch.Tensor, inter: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(gate, up)`` of an expert's input projection (last dimension ``2I``, gate first), or ``(None, up)`` for a
+    non-gated expert's (last dimension ``I``)."""
+    if projected.shape[-1] == inter:
+        return None, projected
+    return projected[..., :inter], projected[..., inter:]
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,9 @@ class FamilyAdapter:
     attention_module: ClassVar[str] = "self_attn"
     head_pruning: ClassVar[bool] = False
     qk_norm: ClassVar[QKNorm] = "none"
+    gated_experts: ClassVar[bool] = True
+    """Whether an expert gates its up projection (gate, up, down); otherwise it is up, activation, down (the view's
+    ``gate_up`` then holds the up rows alone, ``[E, I, H]``, and :meth:`activation` gets ``gate=None``)."""
 
     def __init__(self, config: dict[str, Any]):
         self.config = config
@@ -204,12 +220,22 @@ class FamilyAdapter:
             "softmax_topk", top_k=self.top_k, normalize=bool(self.text_config.get("norm_topk_prob", True))
         )
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def activation(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
         """The expert's gated activation of the gate and up projections."""
         act = self.text_config.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"{self.family}: unsupported expert activation {act!r}")
         return F.silu(gate) * up
+
+    def expert_hidden(self, projected: torch.Tensor, inter: int) -> torch.Tensor:
+        """The down projection's input from an expert's input projection ``projected`` ``[T, 2I]`` (gate columns
+        first) or, for non-gated experts, ``[T, I]``."""
+        return self.activation(*split_gate_up(projected, inter))
+
+    @property
+    def fused_in_name(self) -> str:
+        """The fused experts' input projection's name: ``gate_up_proj``, or ``up_proj`` for non-gated experts."""
+        return "gate_up_proj" if self.gated_experts else "up_proj"
 
     def transformers_config(self) -> Any:
         """The transformers config object to build the model from, or None where transformers reads
@@ -265,9 +291,9 @@ class FamilyAdapter:
         return f"{self.layer_prefix(layer)}{self.moe_disk_prefix}{self.router_key}.{name}"
 
     def detect_layout(self, layer: int, keys: set[str] | dict) -> Layout:
-        if self._expert_key(layer, 0, 0) in keys:
+        if self._expert_key(layer, 0, 0 if self.gated_experts else 1) in keys:
             return "per_expert"
-        if self._fused_key(layer, "gate_up_proj") in keys:
+        if self._fused_key(layer, self.fused_in_name) in keys:
             return "fused"
         raise KeyError(
             f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}{self.moe_disk_prefix}experts"
@@ -314,9 +340,10 @@ class FamilyAdapter:
                 f"{where}: config.json says {len(moe.expert_ids)} experts, weights hold {moe.num_experts}"
             )
         hidden = int(self.text_config["hidden_size"])
+        in_rows = (2 if self.gated_experts else 1) * moe.intermediate_size
         shapes = {
             "router": (tuple(moe.router_weight.shape), (moe.num_experts, hidden)),
-            "gate_up": (tuple(moe.gate_up.shape), (moe.num_experts, 2 * moe.intermediate_size, hidden)),
+            "gate_up": (tuple(moe.gate_up.shape), (moe.num_experts, in_rows, hidden)),
             "down": (tuple(moe.down.shape), (moe.num_experts, hidden, moe.intermediate_size)),
         }
         for name, (got, want) in shapes.items():
@@ -344,20 +371,22 @@ class FamilyAdapter:
         from ..checkpoint.reader import materialise
 
         if layout == "fused":
-            gate_up = rest.pop(self._fused_key(layer, "gate_up_proj"))
+            gate_up = rest.pop(self._fused_key(layer, self.fused_in_name))
             down = rest.pop(self._fused_key(layer, "down_proj"))
             return MoEWeights(router_weight=torch.empty(0, device="cpu"), gate_up=gate_up, down=down)
         pattern = re.compile(re.escape(f"{self.layer_prefix(layer)}{self.moe_disk_prefix}experts.") + r"(\d+)\.")
         count = len({int(m.group(1)) for key in rest if (m := pattern.match(key))})
-        first_gate, first_down = rest[self._expert_key(layer, 0, 0)], rest[self._expert_key(layer, 0, 2)]
+        first_in = 0 if self.gated_experts else 1
+        first_gate, first_down = rest[self._expert_key(layer, 0, first_in)], rest[self._expert_key(layer, 0, 2)]
         inter = first_gate.shape[0]
-        gate_up = torch.empty((count, 2 * inter, *first_gate.shape[1:]), dtype=first_gate.dtype, device="cpu")
+        rows = 2 * inter if self.gated_experts else inter
+        gate_up = torch.empty((count, rows, *first_gate.shape[1:]), dtype=first_gate.dtype, device="cpu")
         down = torch.empty((count, *first_down.shape), dtype=first_down.dtype, device="cpu")
         del first_gate, first_down
         # Each expert's tensors leave ``rest`` as they are read (or copied) into place, so a layer is held once,
         # not twice, while it is stacked.
         for expert in range(count):
-            for which, target in ((0, gate_up[expert, :inter]), (1, gate_up[expert, inter:]), (2, down[expert])):
+            for which, target in self._expert_parts(gate_up[expert], down[expert], inter):
                 key = self._expert_key(layer, expert, which)
                 tensor = rest.pop(key)
                 if tensor.shape != target.shape:
@@ -371,18 +400,26 @@ class FamilyAdapter:
                 del tensor
         return MoEWeights(router_weight=torch.empty(0, device="cpu"), gate_up=gate_up, down=down)
 
+    def _expert_parts(
+        self, gate_up: torch.Tensor, down: torch.Tensor, inter: int
+    ) -> tuple[tuple[int, torch.Tensor], ...]:
+        """One expert's matrices as ``(index into expert_names, tensor)``: gate rows, up rows, down (no gate for
+        non-gated experts)."""
+        if not self.gated_experts:
+            return (1, gate_up), (2, down)
+        return (0, gate_up[:inter]), (1, gate_up[inter:]), (2, down)
+
     def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
         if layout == "fused":
             return {
-                self._fused_key(layer, "gate_up_proj"): moe.gate_up,
+                self._fused_key(layer, self.fused_in_name): moe.gate_up,
                 self._fused_key(layer, "down_proj"): moe.down,
             }
         inter = moe.intermediate_size
         out = {}
         for expert in range(moe.num_experts):
-            out[self._expert_key(layer, expert, 0)] = moe.gate_up[expert, :inter].contiguous()
-            out[self._expert_key(layer, expert, 1)] = moe.gate_up[expert, inter:].contiguous()
-            out[self._expert_key(layer, expert, 2)] = moe.down[expert].contiguous()
+            for which, tensor in self._expert_parts(moe.gate_up[expert], moe.down[expert], inter):
+                out[self._expert_key(layer, expert, which)] = tensor.contiguous()
         return out
 
     # ---- the loaded transformers model ------------------------------------------------------------------
@@ -464,7 +501,7 @@ class FamilyAdapter:
 
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
         block = self.moe_block_name
-        state = {f"{block}.experts.gate_up_proj": moe.gate_up, f"{block}.experts.down_proj": moe.down}
+        state = {f"{block}.experts.{self.fused_in_name}": moe.gate_up, f"{block}.experts.down_proj": moe.down}
         state.update(self.runtime_router_state(moe))
         return state
 
@@ -488,8 +525,7 @@ class FamilyAdapter:
         gate_up = F.linear(hidden, moe.gate_up[expert].to(hidden.dtype))
         if moe.gate_up_bias is not None:
             gate_up = gate_up + moe.gate_up_bias[expert].to(hidden.dtype)
-        inter = moe.intermediate_size
-        out = F.linear(self.activation(gate_up[:, :inter], gate_up[:, inter:]), moe.down[expert].to(hidden.dtype))
+        out = F.linear(self.expert_hidden(gate_up, moe.intermediate_size), moe.down[expert].to(hidden.dtype))
         if moe.down_bias is not None:
             out = out + moe.down_bias[expert].to(hidden.dtype)
         return out

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..device import moe_on
 from ..families import FamilyAdapter, MoEWeights
+from ..families.base import split_gate_up
 from .experts import QuantizedMoE
 from .lowrank import ErrorSpectrum, error_spectrum
 
@@ -33,12 +34,16 @@ class LayerErrors:
 
 
 def expert_matrices(moe: MoEWeights, expert: int) -> dict[str, torch.Tensor]:
-    """An expert's gate ``[I, H]``, up ``[I, H]`` and down ``[H, I]`` weights from the canonical view."""
+    """An expert's gate ``[I, H]`` (gated experts only), up ``[I, H]`` and down ``[H, I]`` weights from the
+    canonical view."""
     return split_expert(moe.gate_up[expert], moe.down[expert], moe.intermediate_size)
 
 
 def split_expert(gate_up: torch.Tensor, down: torch.Tensor, inter: int) -> dict[str, torch.Tensor]:
-    """One expert's fused ``gate_up [2I, H]`` and ``down [H, I]`` as its gate, up and down matrices."""
+    """One expert's fused ``gate_up [2I, H]`` (``[I, H]`` up rows alone for a non-gated expert) and ``down [H, I]``
+    as its gate, up and down matrices (no gate for a non-gated expert)."""
+    if gate_up.shape[0] == inter:
+        return {"up": gate_up, "down": down}
     return {"gate": gate_up[:inter], "up": gate_up[inter:], "down": down}
 
 
@@ -96,7 +101,7 @@ def layer_errors(
         projected = F.linear(x, moe.gate_up[expert].float())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()
-        down_input = adapter.activation(projected[:, :inter], projected[:, inter:])
+        down_input = adapter.expert_hidden(projected, inter)
         enough = tokens.numel() >= min_tokens
         if not enough:
             result.plain_svd.append(moe.expert_ids[expert])
@@ -105,9 +110,9 @@ def layer_errors(
             token_scale = token_scale * token_weights[tokens].float().sqrt().unsqueeze(-1)
         scaled = x * token_scale
         routed_inputs = {"gate": scaled, "up": scaled, "down": down_input * token_scale}
-        errors = {which: original[which].float() - approximate[which].float() for which in MATRICES}
+        errors = {which: original[which].float() - approximate[which].float() for which in original}
         reach = output_reach(adapter, moe, expert, x, projected, errors)
-        for which in MATRICES:
+        for which in original:
             key = (expert, which)
             error = errors[which]
             kept = keep if isinstance(keep, int) else keep.get(key, 0)
@@ -155,13 +160,13 @@ def output_reach(
     tokens for the actual quantisation error ``Δ``, so gate, up and down gains are ranked in one unit (the
     expert's output). 1 for down, whose error is already in that unit."""
     reach = {"down": 1.0}
+    inputs = [which for which in errors if which != "down"]
     if x.shape[0] == 0:
-        return {"gate": 1.0, "up": 1.0, "down": 1.0}
-    inter = moe.intermediate_size
-    gate, up = projected[:, :inter], projected[:, inter:]
+        return {which: 1.0 for which in errors}
+    gate, up = split_gate_up(projected, moe.intermediate_size)
     down = moe.down[expert].float()
     base = adapter.activation(gate, up)
-    for which in ("gate", "up"):
+    for which in inputs:
         delta = x @ errors[which].T
         moved = adapter.activation(gate + delta, up) if which == "gate" else adapter.activation(gate, up + delta)
         energy = float((delta**2).sum())

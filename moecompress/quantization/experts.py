@@ -161,13 +161,12 @@ def quantize_experts_calibrated(
     counts = [int(x.shape[0]) for x in inputs]
     use = [count >= min_tokens for count in counts] if method == "gptq" else None
     gate_up = _quantize_matrix(moe.gate_up, inputs, scheme, use, damp, block_size)
-    inter = moe.intermediate_size
     activations = []
     for expert, x in enumerate(inputs):
         projected = F.linear(x, gate_up[expert].dequantize())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()
-        activations.append(adapter.activation(projected[:, :inter], projected[:, inter:]))
+        activations.append(adapter.expert_hidden(projected, moe.intermediate_size))
     down = _quantize_matrix(moe.down, activations, scheme, use, damp, block_size)
     stats: dict = {"method": method, "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True))}
     if use is not None:

@@ -97,12 +97,13 @@ def _quantized_twin(
         return QuantizedLinear(
             module.in_features, module.out_features, module.bias is not None, scheme, dtype, salient=salient
         )
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    gated = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+    gate_up, down = getattr(module, "gate_up_proj" if gated else "up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.ndim != 3:
         raise ValueError(f"moecompress cannot quantise a {type(module).__name__} module")
     experts = down.shape[0]
-    intermediate = gate_up.numel() // (2 * experts * hidden)
-    _check_experts_sizes(scheme, experts, hidden, intermediate, ranks, salient)
+    intermediate = gate_up.numel() // ((2 if gated else 1) * experts * hidden)
+    _check_experts_sizes(scheme, experts, hidden, intermediate, ranks, salient, gated)
     return QuantizedExperts(
         experts,
         hidden,
@@ -113,6 +114,7 @@ def _quantized_twin(
         dtype=down.dtype,
         ranks=ranks,
         salient=salient,
+        gated=gated,
     )
 
 
@@ -123,6 +125,7 @@ def _check_experts_sizes(
     intermediate: int,
     ranks: dict[str, list[int]] | None,
     salient: SalientSizes | None,
+    gated: bool = True,
 ) -> None:
     """Refuse sizes in the config that the tensors cannot have, before anything is allocated from them (a hostile
     config could otherwise ask for any amount of memory)."""
@@ -133,11 +136,12 @@ def _check_experts_sizes(
     for which, per_expert in (ranks or {}).items():
         if which not in ("gate", "up", "down") or not isinstance(per_expert, list) or len(per_expert) != experts:
             raise ValueError(f"lowrank[{which!r}] must list one rank per expert ({experts})")
+        if which == "gate" and not gated and any(per_expert):
+            raise ValueError("lowrank['gate'] ranks must be 0: these experts have no gate projection")
         if any(not isinstance(rank, int) or not 0 <= rank <= limit for rank in per_expert):
             raise ValueError(f"lowrank[{which!r}] ranks must be integers from 0 to {limit}")
-    _check_salient_sizes(
-        {"gate_up_proj": experts * 2 * intermediate * hidden, "down_proj": experts * hidden * intermediate}, salient
-    )
+    in_name, in_rows = ("gate_up_proj", 2 * intermediate) if gated else ("up_proj", intermediate)
+    _check_salient_sizes({in_name: experts * in_rows * hidden, "down_proj": experts * hidden * intermediate}, salient)
 
 
 def _check_salient_sizes(numel: dict[str, int], salient: SalientSizes | None) -> None:

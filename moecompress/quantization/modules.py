@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..families.base import split_gate_up
 from ..kernels.w4a8 import fake_quantize_activations
 from . import cpu_forward, dispatch
 from .salient import VALUE_DTYPE, SalientWeights, decode_positions, expert_offsets
@@ -132,7 +133,8 @@ class QuantizedExperts(_QuantizedWeights):
     """A drop-in for a transformers 5 fused experts module, called as ``experts(hidden [T, H], ids [T, k],
     weights [T, k])``, or as Llama 4's ``experts(scaled tokens [E * T, H])``. Weights are stored in the canonical
     orientation (``gate_up`` ``[E, 2I, H]`` gate rows first, ``down`` ``[E, H, I]``); biases, where the family has
-    them, likewise."""
+    them, likewise. Non-gated experts (``gated=False``) hold ``up_proj`` ``[E, I, H]`` in ``gate_up_proj``'s place
+    and call ``activation(None, up)``."""
 
     def __init__(
         self,
@@ -146,12 +148,16 @@ class QuantizedExperts(_QuantizedWeights):
         dtype: torch.dtype = torch.bfloat16,
         ranks: dict[str, list[int]] | None = None,
         salient: SalientSizes | None = None,
+        gated: bool = True,
     ):
         super().__init__(scheme)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation = activation
+        self.in_name, self.in_rows = (
+            ("gate_up_proj", 2 * intermediate_size) if gated else ("up_proj", intermediate_size)
+        )
         salient = salient or {}
-        self._register("gate_up_proj", (num_experts, 2 * intermediate_size, hidden_size), salient.get("gate_up_proj"))
+        self._register(self.in_name, (num_experts, self.in_rows, hidden_size), salient.get(self.in_name))
         self._register("down_proj", (num_experts, hidden_size, intermediate_size), salient.get("down_proj"))
         self.gate_up_proj_bias = _frozen((num_experts, 2 * intermediate_size), dtype) if has_bias else None
         self.down_proj_bias = _frozen((num_experts, hidden_size), dtype) if has_bias else None
@@ -162,7 +168,7 @@ class QuantizedExperts(_QuantizedWeights):
         quantisation-aware training, stop unpacking the codes each time. Costs ``dtype``-size copies of the
         experts; :meth:`drop_dequantized` frees them."""
         experts, hidden, intermediate = self.num_experts, self.hidden_size, self.intermediate_size
-        gate_up = self.quantized("gate_up_proj", (experts, 2 * intermediate, hidden))
+        gate_up = self.quantized(self.in_name, (experts, self.in_rows, hidden))
         down = self.quantized("down_proj", (experts, hidden, intermediate))
         self._dequantized = (gate_up.dequantize(dtype), down.dequantize(dtype))
 
@@ -170,15 +176,16 @@ class QuantizedExperts(_QuantizedWeights):
         self._dequantized = None
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.expert_weight("gate_up_proj", expert, dtype), self.expert_weight("down_proj", expert, dtype)
+        return self.expert_weight(self.in_name, expert, dtype), self.expert_weight("down_proj", expert, dtype)
 
     def expert_weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert ``expert``'s ``gate_up_proj`` or ``down_proj``, dequantised (or from the cache)."""
+        """Expert ``expert``'s input projection (``gate_up_proj`` or ``up_proj``) or ``down_proj``, dequantised (or
+        from the cache)."""
         cached = getattr(self, "_dequantized", None)
         if cached is not None and cached[0].dtype == dtype:
-            return cached[0 if name == "gate_up_proj" else 1][expert]
+            return cached[0 if name == self.in_name else 1][expert]
         inter, hidden = self.intermediate_size, self.hidden_size
-        shape = (2 * inter, hidden) if name == "gate_up_proj" else (hidden, inter)
+        shape = (self.in_rows, hidden) if name == self.in_name else (hidden, inter)
         return self.quantized(name, shape, expert).dequantize(dtype)
 
     def forward(
@@ -226,14 +233,13 @@ class QuantizedExperts(_QuantizedWeights):
         """Expert ``expert``'s output for tokens ``x`` ``[T, H]``, unweighted."""
         inter = self.intermediate_size
         fused = getattr(self, "_dequantized", None) is None and cpu_forward.fused_ready(self, x)
-        gate_up = self._project("gate_up_proj", expert, self._inputs(x), fused)
+        gate_up = self._project(self.in_name, expert, self._inputs(x), fused)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[expert].to(gate_up.dtype)
-        gate, up = (
-            self.lowrank.apply(expert, "gate", x, gate_up[:, :inter]),
-            self.lowrank.apply(expert, "up", x, gate_up[:, inter:]),
-        )
-        hidden = self.activation(gate, up)
+        gate, up = split_gate_up(gate_up, inter)
+        if gate is not None:
+            gate = self.lowrank.apply(expert, "gate", x, gate)
+        hidden = self.activation(gate, self.lowrank.apply(expert, "up", x, up))
         down = self._project("down_proj", expert, self._inputs(hidden), fused)
         expert_out = self.lowrank.apply(expert, "down", hidden, down)
         if self.down_proj_bias is not None:

@@ -261,13 +261,15 @@ def expert_tensors(
     if problem:
         raise ValueError(str(OptionError(problem)))
     experts, rows, _ = gate_up.shape
-    inter = rows // 2
+    inter = down.shape[-1]
     gate_rows, up_rows = torch.arange(inter), torch.arange(inter, rows)
     out: dict[str, torch.Tensor] = {}
     for expert in range(experts):
         fused = gate_up[expert]
-        parts = (fused.take_rows(gate_rows), fused.take_rows(up_rows), down[expert])
-        for which, part in enumerate(parts):
+        parts = ((1, fused), (2, down[expert]))
+        if adapter.gated_experts:
+            parts = ((0, fused.take_rows(gate_rows)), (1, fused.take_rows(up_rows)), (2, down[expert]))
+        for which, part in parts:
             out.update(linear_tensors(adapter._expert_key(layer, expert, which), part, scale_dtype))
     return out
 

@@ -63,7 +63,7 @@ def layer_tensors(
     prefix = adapter.layer_prefix(layer)
     out.update({prefix + name: tensor for name, tensor in adapter.runtime_router_state(weights).items()})
     experts = experts_module(adapter, layer)
-    out.update(moe.gate_up.stored(f"{experts}.gate_up_proj"))
+    out.update(moe.gate_up.stored(f"{experts}.{adapter.fused_in_name}"))
     out.update(moe.down.stored(f"{experts}.down_proj"))
     if weights.gate_up_bias is not None:
         out[f"{experts}.gate_up_proj_bias"] = weights.gate_up_bias
