@@ -195,7 +195,8 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
 def _replacement(original: MoEWeights, block: Any) -> tuple[ExpertSource, torch.Tensor | None]:
     """What the next layer's calibration should see of a rewritten block: its experts (a quantised block
     dequantised one expert at a time as the layer computes), placed at the original block's expert indices (the
-    stock layer and its router are built for it); removed experts are indices the router may not choose."""
+    stock layer and its router are built for it); removed experts are indices the router may not choose (its identity
+    experts, past the FFN experts, always may)."""
     dequantize = getattr(block, "dequantized_expert", None)
     weights = block.weights if dequantize is not None else block
     if weights.num_experts == original.num_experts:
@@ -203,7 +204,8 @@ def _replacement(original: MoEWeights, block: Any) -> tuple[ExpertSource, torch.
     positions = [-1] * original.num_experts
     for position, expert in enumerate(weights.expert_ids):
         positions[original.expert_ids.index(expert)] = position
-    allowed = torch.tensor([position >= 0 for position in positions], dtype=torch.bool, device="cpu")
+    chosen = [position >= 0 for position in positions] + [True] * original.identity_experts
+    allowed = torch.tensor(chosen, dtype=torch.bool, device="cpu")
     return ExpertSource(weights, dequantize, positions), allowed
 
 

@@ -97,7 +97,7 @@ def check_router_sizes(model_dir: Path, adapter: Any) -> None:
         for layer in adapter.moe_layers():
             key = adapter._router_key(layer, "weight")
             info = reader.tensors.get(key)
-            promised = adapter.experts_in_layer(layer)
+            promised = adapter.experts_in_layer(layer) + adapter.identity_experts(layer)
             if info is not None and info.shape and info.shape[0] != promised:
                 raise UserInputError(
                     f"layer {layer} ({key}): config.json says {promised} experts, weights hold {info.shape[0]}"

@@ -186,7 +186,8 @@ class CalibrationSweep:
         _text_config(skeleton_config).num_hidden_layers = 0
         with no_init_weights(), torch.device(HOST), init_empty_weights(include_buffers=False):
             skeleton = auto_class.from_config(skeleton_config, dtype=dtype)
-        _text_config(skeleton.config).num_hidden_layers = len(meta_layers)
+        # The config's own count, not len(meta_layers): LongCat-Flash counts two per decoder layer.
+        _text_config(skeleton.config).num_hidden_layers = _text_config(config).num_hidden_layers
         recorder = _CallRecorder()
         layers_path = self.adapter.runtime_layers_path
         parent_path, _, attr = layers_path.rpartition(".")
@@ -428,7 +429,7 @@ class CalibrationSweep:
                 )
                 if self.capture_attention and self.adapter.softmax_attention(layer):
                     handles.append(
-                        module.self_attn.register_forward_hook(
+                        module.get_submodule(self.adapter.attention_module).register_forward_hook(
                             lambda mod, args, out, into=received: into.append(_attention_received(out[1]))
                         )
                     )

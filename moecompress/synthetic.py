@@ -572,7 +572,18 @@ TINY_CONFIGS.update(
         ),
     }
 )
-
+TINY_CONFIGS["longcat_flash"] = dict(
+    _COMMON,
+    **_MLA,
+    model_type="longcat_flash",
+    num_layers=2,
+    head_dim=8,
+    ffn_hidden_size=64,
+    expert_ffn_hidden_size=32,
+    n_routed_experts=8,
+    zero_expert_num=4,
+    routed_scaling_factor=2.0,
+)
 TINY_CONFIGS["nemotron_h"] = dict(
     _COMMON,
     model_type="nemotron_h",

@@ -325,7 +325,7 @@ def _mask_experts(model: Any, adapter: Any, source: Path, removed: dict[int, lis
         keys, _ = group_keys_by_layer(reader, adapter)
         for layer, ids in removed.items():
             moe, _, _ = adapter.split_layer(layer, reader.read(keys[layer]))
-            allowed = torch.ones(moe.num_experts, dtype=torch.bool)
+            allowed = torch.ones(moe.router_columns, dtype=torch.bool)
             allowed[ids] = False
 
             def reroute(module, inputs, output, bias=moe.correction_bias, allowed=allowed):

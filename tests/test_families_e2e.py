@@ -70,7 +70,7 @@ def test_layer_scope_prune_loads_in_stock_transformers_with_the_reported_perplex
     for layer in pruned.moe_layers():
         assert pruned.experts_of(model, layer).down_proj.shape[0] == kept
         logits = pruned.stock_route(model, layer, torch.zeros(1, pruned.shape().hidden_size))[0]
-        assert logits.shape[-1] == kept
+        assert logits.shape[-1] == kept + pruned.identity_experts(layer)
     assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
     assert _plain_perplexity(source)[0] == pytest.approx(report["eval"]["reference_perplexity"], rel=1e-4)
 

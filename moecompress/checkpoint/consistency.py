@@ -214,9 +214,10 @@ def _check_moe_layer(adapter: Any, tensors: dict[str, Any], source: str, layer: 
         )
     router_key = adapter._router_key(layer, "weight")
     router = tensors.get(router_key)
-    if _plain(router) and router.shape[0] != promised:
+    columns = promised + adapter.identity_experts(layer)
+    if _plain(router) and router.shape[0] != columns:
         raise UserInputError(
-            f"{source}: layer {layer} ({router_key}): config.json says {promised} experts, weights hold "
+            f"{source}: layer {layer} ({router_key}): config.json says {columns} experts, weights hold "
             f"{router.shape[0]}"
         )
     fused = tensors.get(adapter._fused_key(layer, "gate_up_proj"))

@@ -11,14 +11,15 @@ class RouteRecorder:
     """Forward hooks on every router; after a forward, ``routes[layer]`` is ``[T, k]`` original expert ids.
 
     The adapter reads each router's output as ``(logits, weights, top-k ids)``; ids are positions in the
-    (possibly pruned) layer and are mapped back through the checkpoint's kept-expert table.
+    (possibly pruned) layer and are mapped back through the checkpoint's kept-expert table (identity experts to
+    negative ids).
     """
 
     def __init__(self, model: torch.nn.Module, adapter: FamilyAdapter):
         self.routes: dict[int, torch.Tensor] = {}
         self._handles = []
         for layer in adapter.moe_layers():
-            id_map = torch.tensor(adapter.original_expert_ids(layer), dtype=torch.long, device="cpu")
+            id_map = torch.tensor(adapter.route_ids(layer), dtype=torch.long, device="cpu")
             router = adapter.router_of(model, layer)
             self._handles.append(router.register_forward_hook(self._hook(adapter, layer, id_map)))
 

@@ -170,7 +170,7 @@ class LayerStream(CalibrationSweep):
         del moe
         handle = None
         if routes is not None and self.adapter.is_moe_layer(layer):
-            id_map = torch.tensor(self.adapter.original_expert_ids(layer), dtype=torch.long, device="cpu")
+            id_map = torch.tensor(self.adapter.route_ids(layer), dtype=torch.long, device="cpu")
 
             def record(mod, args, output):
                 ids = self.adapter.route_of(output)[2]

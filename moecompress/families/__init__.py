@@ -33,6 +33,7 @@ from .kimi_linear import KimiLinearAdapter
 from .kolibri import Kolibri1Adapter
 from .laguna import LagunaAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
+from .longcat_flash import LongcatFlashAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .minimax_m3 import MiniMaxM3TextAdapter, MiniMaxM3VLAdapter
 from .mistral4 import Mistral3Adapter, Mistral4Adapter
@@ -107,6 +108,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MiniMaxM3TextAdapter,
     MiniMaxM3VLAdapter,
     NemotronHAdapter,
+    LongcatFlashAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -119,10 +121,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "jetmoe": (
         "JetMoE's MoE block routes and groups tokens itself with no (hidden, ids, weights) experts module, adds a bias "
         "after the experts, and its attention is a mixture of experts too (MoA)"
-    ),
-    "longcat_flash": (
-        "LongCat-Flash routes tokens to zero-computation (identity) experts beside the FFN experts, which the expert "
-        "view (every expert a gated FFN) cannot hold"
     ),
     "deepseek_v4": (
         "DeepSeek-V4's first MoE layers pick experts from a token-id table (hash routing) rather than router logits, "

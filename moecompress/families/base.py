@@ -38,6 +38,9 @@ class MoEWeights:
     """The routed experts and router of one MoE block, in canonical orientation.
 
     ``expert_ids`` are the experts' ids in the original model (they differ from ``range(E)`` after pruning).
+    ``identity_experts`` router columns follow the ``E`` FFN experts' (router rows and correction bias span
+    ``E + identity_experts``): zero-computation experts whose output is their input (LongCat-Flash). They hold no
+    weights, so no pass prunes or quantises them; routing and the block's output count them.
     """
 
     router_weight: torch.Tensor
@@ -48,10 +51,16 @@ class MoEWeights:
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     expert_ids: list[int] = field(default_factory=list)
+    identity_experts: int = 0
 
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
+
+    @property
+    def router_columns(self) -> int:
+        """The router's expert count: the FFN experts, then the identity experts."""
+        return self.num_experts + self.identity_experts
 
     @property
     def intermediate_size(self) -> int:
@@ -65,17 +74,18 @@ class MoEWeights:
     def select(self, keep: list[int]) -> MoEWeights:
         """The same block restricted to the experts at positions ``keep`` (in that order)."""
         index = torch.tensor(keep, dtype=torch.long, device="cpu")
+        columns = torch.tensor(keep + list(range(self.num_experts, self.router_columns)), dtype=torch.long)
 
-        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor.index_select(0, index).contiguous()
+        def pick(tensor: torch.Tensor | None, rows: torch.Tensor = index) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(0, rows).contiguous()
 
         return replace(
             self,
-            router_weight=pick(self.router_weight),
+            router_weight=pick(self.router_weight, columns),
             gate_up=pick(self.gate_up),
             down=pick(self.down),
-            router_bias=pick(self.router_bias),
-            correction_bias=pick(self.correction_bias),
+            router_bias=pick(self.router_bias, columns),
+            correction_bias=pick(self.correction_bias, columns),
             gate_up_bias=pick(self.gate_up_bias),
             down_bias=pick(self.down_bias),
             expert_ids=[self.expert_ids[i] for i in keep],
@@ -186,6 +196,15 @@ class FamilyAdapter:
         if kept and str(layer) in kept:
             return [int(i) for i in kept[str(layer)]]
         return list(range(self.experts_in_layer(layer)))
+
+    def identity_experts(self, layer: int) -> int:
+        """Zero-computation (identity) experts the router of ``layer`` can choose beside its FFN experts."""
+        return 0
+
+    def route_ids(self, layer: int) -> list[int]:
+        """Original ids of ``layer``'s router columns: its FFN experts' (:meth:`original_expert_ids`), then -1, -2...
+        for its identity experts, which no pass removes (so the same in a pruned output as in its input)."""
+        return self.original_expert_ids(layer) + [-1 - j for j in range(self.identity_experts(layer))]
 
     def moecompress_section(self) -> dict[str, Any]:
         """What moecompress recorded in the decoder config about earlier passes (kept expert ids, counts)."""
@@ -327,6 +346,7 @@ class FamilyAdapter:
         if self.has_correction_bias:
             moe.correction_bias = rest.pop(self._router_key(layer, "e_score_correction_bias"), None)
         moe.expert_ids = self.original_expert_ids(layer)
+        moe.identity_experts = self.identity_experts(layer)
         self._check_shapes(layer, moe)
         return moe, rest, layout
 
@@ -342,7 +362,7 @@ class FamilyAdapter:
         hidden = int(self.text_config["hidden_size"])
         in_rows = (2 if self.gated_experts else 1) * moe.intermediate_size
         shapes = {
-            "router": (tuple(moe.router_weight.shape), (moe.num_experts, hidden)),
+            "router": (tuple(moe.router_weight.shape), (moe.router_columns, hidden)),
             "gate_up": (tuple(moe.gate_up.shape), (moe.num_experts, in_rows, hidden)),
             "down": (tuple(moe.down.shape), (moe.num_experts, hidden, moe.intermediate_size)),
         }
@@ -521,7 +541,10 @@ class FamilyAdapter:
         )
 
     def expert_output(self, moe: MoEWeights, expert: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Expert ``expert``'s (a position in ``moe``) output for tokens ``hidden`` ``[T, H]``, unweighted."""
+        """Expert ``expert``'s (a position in ``moe``, or a router column past them: an identity expert) output for
+        tokens ``hidden`` ``[T, H]``, unweighted."""
+        if expert >= moe.num_experts and moe.identity_experts:
+            return hidden
         gate_up = F.linear(hidden, moe.gate_up[expert].to(hidden.dtype))
         if moe.gate_up_bias is not None:
             gate_up = gate_up + moe.gate_up_bias[expert].to(hidden.dtype)

@@ -43,7 +43,8 @@ class RoutingRule:
     - ``softmax_group_topk``: softmax scores, optionally restricted to the best groups by their maximum
       (DeepSeek-V2 ``group_limited_greedy``), weights not renormalised.
     - ``softmax_bias_topk``: softmax scores, choice on scores plus a correction bias, weights are the uncorrected
-      scores divided by their sum clamped below at ``norm_min`` (ERNIE 4.5).
+      scores, if ``normalize`` divided by their sum clamped below at ``norm_min`` (ERNIE 4.5; LongCat-Flash does
+      not renormalise).
     - ``bias_topk_sigmoid``: choice on the logits plus a correction bias, each chosen expert weighted by the sigmoid
       of its own logit, renormalised if ``normalize`` (Kolibri).
     - ``sparsemixer``: PhiMoE's top-2 at inference. The best expert, weighted by its softmax over the logits within
@@ -132,8 +133,7 @@ class RoutingRule:
             if allowed is not None:
                 choice = choice.masked_fill(~allowed, float("-inf"))
             ids = torch.topk(choice, self.top_k, dim=-1)[1]
-            weights = scores.gather(1, ids)
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+            weights = self._clamped_normalised(scores.gather(1, ids))
         elif self.kind == "bias_topk_sigmoid":
             choice = logits if correction_bias is None else logits + correction_bias.float()
             if allowed is not None:
@@ -163,8 +163,7 @@ class RoutingRule:
         elif self.kind == "sparsemixer":
             weights = self._sparsemixer_weights(logits, ids)
         elif self.kind == "softmax_bias_topk":
-            weights = torch.softmax(logits, dim=-1).gather(1, ids)
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+            weights = self._clamped_normalised(torch.softmax(logits, dim=-1).gather(1, ids))
         else:
             scores = logits.sigmoid() if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
             weights = scores.gather(1, ids)
@@ -172,6 +171,9 @@ class RoutingRule:
                 eps = {"softmax_topk": 0.0, "sigmoid_group_topk": self.norm_eps}.get(self.kind, 1e-20)
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return weights * self.scaling
+
+    def _clamped_normalised(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min) if self.normalize else weights
 
     def _sigmoid_of_chosen(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights = logits.gather(1, ids).sigmoid()

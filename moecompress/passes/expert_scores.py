@@ -9,6 +9,9 @@ softmax top-k rules exactly the (k+1)-th choice.
 
 Where the family's rule scales the expert's input rather than its output (Llama 4), f_e(x) is the expert's output on
 the scaled token and its output weight is 1: REAP is then the mean of ‖f_e(w·x)‖ over the routed tokens.
+
+Identity experts (LongCat-Flash's zero-computation experts, router columns past the FFN experts) route and re-route
+like the others with f(x) = x; they are never removed, so they get no ΔH, and their frequency and REAP are kept apart.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class TokenExpertStats:
     output_norm: torch.Tensor  # [T] ‖H_t‖
     routed_counts: torch.Tensor  # [E]
     reap_sum: torch.Tensor  # [E] sum over routed tokens of gate weight × ‖f_e(x)‖ (float64)
+    identity_counts: torch.Tensor | None = None  # [Z] tokens routed to each identity expert
+    identity_reap_sum: torch.Tensor | None = None  # [Z] as reap_sum, for the identity experts
 
 
 def _expert_outputs(
@@ -67,14 +72,16 @@ def layer_expert_stats(
     rule = adapter.routing_rule()
     device = hidden.device
     moe = moe_on(moe, device)
-    num_experts = moe.num_experts
+    num_experts, columns = moe.num_experts, moe.router_columns
     tokens = hidden.shape[0]
-    counts = torch.zeros(num_experts, device=device)
-    reap_sum = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    counts = torch.zeros(columns, device=device)
+    reap_sum = torch.zeros(columns, dtype=torch.float64, device=device)
     delta_h = torch.zeros(tokens, num_experts, device=device)
     output_norm = torch.zeros(tokens, device=device)
-    eye = torch.eye(num_experts, dtype=torch.bool, device=device)
-    present = torch.ones(num_experts, dtype=torch.bool, device=device) if removed is None else ~removed.to(device)
+    eye = torch.eye(columns, dtype=torch.bool, device=device)
+    present = torch.ones(columns, dtype=torch.bool, device=device)
+    if removed is not None:
+        present[:num_experts] = ~removed.to(device)
     base_allowed = None if removed is None else present
     for start in range(0, tokens, chunk_tokens):
         x = hidden[start : start + chunk_tokens].float()
@@ -89,7 +96,7 @@ def layer_expert_stats(
         new_ids = torch.stack([m[0] for m in masked])
         new_weights = torch.stack([m[1] for m in masked])
 
-        needed = torch.zeros(n, num_experts, dtype=torch.bool, device=device)
+        needed = torch.zeros(n, columns, dtype=torch.bool, device=device)
         needed.scatter_(1, ids, True)
         changed = (new_ids.sort(dim=-1).values != ids.sort(dim=-1).values[None]).any(-1) | ~torch.isclose(
             new_weights.sort(dim=-1).values, weights.sort(dim=-1).values[None], rtol=1e-6, atol=1e-9
@@ -103,7 +110,7 @@ def layer_expert_stats(
         # routing; other rules never read it.
         pair_weight = rule.weights_for(logits[pair_token], pair_expert[:, None]) if rule.scales_input else None
         outputs = _expert_outputs(adapter, moe, x, pair_token, pair_expert, pair_weight)
-        index = torch.full((n, num_experts), -1, dtype=torch.long, device=device)
+        index = torch.full((n, columns), -1, dtype=torch.long, device=device)
         index[pair_token, pair_expert] = torch.arange(pair_token.numel(), device=device)
 
         token_rows = torch.arange(n, device=device)[:, None]
@@ -111,8 +118,8 @@ def layer_expert_stats(
         combined = (rule.output_weight(weights)[..., None] * routed).sum(dim=1)  # H_t
         output_norm[start : start + n] = combined.norm(dim=-1)
         gate_norm = rule.output_weight(weights) * routed.norm(dim=-1)  # [n, k]
-        counts += torch.bincount(ids.reshape(-1), minlength=num_experts).float()
-        reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1).double(), minlength=num_experts)
+        counts += torch.bincount(ids.reshape(-1), minlength=columns).float()
+        reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1).double(), minlength=columns)
         for e in range(num_experts):
             rows = changed[e].nonzero().squeeze(1)
             if rows.numel() == 0:
@@ -120,6 +127,9 @@ def layer_expert_stats(
             rerouted = outputs[index[rows[:, None], new_ids[e, rows]]]  # [r, k, H]
             new_combined = (rule.output_weight(new_weights[e, rows])[..., None] * rerouted).sum(dim=1)
             delta_h[start + rows, e] = (combined[rows] - new_combined).norm(dim=-1)
+    identity = slice(num_experts, columns)
+    counts, identity_counts = counts[:num_experts], counts[identity] if moe.identity_experts else None
+    reap_sum, identity_reap_sum = reap_sum[:num_experts], reap_sum[identity] if moe.identity_experts else None
     return TokenExpertStats(
         frequency=counts / tokens,
         reap=torch.where(counts > 0, reap_sum / counts.clamp_min(1), 0.0).float(),
@@ -127,13 +137,15 @@ def layer_expert_stats(
         output_norm=output_norm,
         routed_counts=counts,
         reap_sum=reap_sum,
+        identity_counts=identity_counts,
+        identity_reap_sum=identity_reap_sum,
     )
 
 
 def brute_force_delta_h(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
     """ΔH by re-running the whole block once per removed expert (the definition; for tests)."""
     full = adapter.moe_forward(moe, hidden.float(), allowed=None)
-    eye = torch.eye(moe.num_experts, dtype=torch.bool, device=hidden.device)
+    eye = torch.eye(moe.router_columns, dtype=torch.bool, device=hidden.device)
     return torch.stack(
         [
             (full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e])).norm(dim=-1)
