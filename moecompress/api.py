@@ -179,6 +179,7 @@ def run(
     """
     from .errors import UserInputError
     from .recipes import Recipe, describe, load_recipe, parse_recipe
+    from .vocabulary import Arguments, RecipeKeys
 
     if isinstance(recipe, Recipe):
         parsed = recipe
@@ -191,7 +192,9 @@ def run(
     name = str(model) if model is not None else parsed.model
     if name is None:
         raise UserInputError("run(): the recipe names no model; pass model=")
-    parsed = dataclasses.replace(parsed, model=name)
+    keys = parsed.vocabulary
+    invoked = keys.invoked_by(Arguments("run")) if isinstance(keys, RecipeKeys) else keys
+    parsed = dataclasses.replace(parsed, model=name, vocabulary=invoked)
     model_dir = _resolve(name)
     report = _run(parsed, model_dir, out, overwrite, resume, restart, progress, trust_remote_code, allow_pickle, device)
     return RunResult(**_common(report, out), passes=tuple(describe(parsed)))

@@ -40,7 +40,7 @@ import yaml
 from . import recipe_yaml
 from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
-from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256
+from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256, output_exists
 from .defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from .errors import OptionError, UserInputError
 from .files import DiskFullError, is_full, write_json, write_text
@@ -428,9 +428,9 @@ class RunState:
         self._reports: dict[int, dict[str, Any]] = {}
         manifest = self._read_manifest() if resume else None
         if manifest is not None and manifest.get("recipe") != digest:
-            raise UserInputError(
+            raise OptionError(
                 f"{self.directory}: the interrupted run used another recipe or model; "
-                "discard it with --restart to start over"
+                f"discard it with {named('run.restart', True)} to start over"
             )
         if manifest is None:
             if self.directory.exists():
@@ -557,7 +557,9 @@ def _check_ranks(recipe: Recipe, resume: bool) -> None:
     """What a run over several ranks cannot do, refused before the model is read."""
     ranks = distributed.world_size()
     if ranks > 1 and resume:
-        raise UserInputError(f"--resume needs a single process, not {ranks} ranks; run it without torchrun")
+        raise OptionError(
+            f"{named('run.resume', True)} needs a single process, not {ranks} ranks; run it without torchrun"
+        )
     if ranks > 1 and [name for name, _ in recipe.passes] != ["prune_experts"]:
         raise UserInputError(
             f"with {ranks} ranks a recipe can only be one prune_experts pass (the one whose calibration is shared); "
@@ -589,7 +591,7 @@ def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, 
     from .preflight import check_not_replacing_inputs, check_replaceable, data_paths
 
     if out_dir.exists() and not overwrite:
-        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+        raise output_exists(out_dir)
     if out_dir.exists() or out_dir.is_symlink():
         check_replaceable(out_dir)
         evaluated = data_paths(recipe.evaluation.data) if recipe.evaluation is not None else []

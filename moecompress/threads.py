@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UserInputError
+from .errors import OptionError
+from .vocabulary import named
 
 
 def thread_count() -> int:
@@ -26,8 +27,8 @@ def check_resume_threads(recorded: object, directory: Path) -> None:
     current = thread_count()
     if recorded is None or recorded == current:
         return
-    raise UserInputError(
+    raise OptionError(
         f"{directory}: the interrupted run's CPU thread count was {recorded} and this one's is {current}, and the "
         f"output depends on it; resume with OMP_NUM_THREADS={recorded} (torch.set_num_threads({recorded}) in "
-        "Python), or discard it with --restart"
+        f"Python), or discard it with {named('run.restart', True)}"
     )

@@ -13,13 +13,14 @@ from typing import Any
 
 from .errors import OptionError, UserInputError
 
-PLACEHOLDER = re.compile(r"\{(?:(calibration|evaluation)\.)?([a-z_]+)(?:=([^{}]*))?\}")
+PLACEHOLDER = re.compile(r"\{(?:(calibration|evaluation|run)\.)?([a-z_]+)(?:=([^{}]*))?\}")
 _MISSING = object()
 
 
 def named(name: str, value: Any = _MISSING) -> str:
-    """The placeholder for option ``name`` (``section.name`` for calibration and evaluation), with ``value`` as
-    given where it is worth showing."""
+    """The placeholder for option ``name`` (``section.name`` for calibration and evaluation; ``run.name`` for how
+    a run is asked for: ``run.overwrite``, ``run.resume``, ...), with ``value`` as given where it is worth showing
+    (``named("run.overwrite", True)``: ``--overwrite`` on the command line, ``overwrite=True`` in the API)."""
     if value is _MISSING:
         return "{" + name + "}"
     if isinstance(value, tuple):
@@ -94,9 +95,13 @@ class CommandLine(Vocabulary):
             return CALIBRATION_FLAGS.get(key, "--" + key.replace("_", "-"))
         if owner == "evaluation":
             return EVALUATION_FLAGS.get(key, "--" + key.replace("_", "-"))
+        if owner == "run":
+            return "--" + key.replace("_", "-")
         return self._declared(owner, key)[0].split("/")[0]
 
     def value(self, owner: Any, key: str, value: str) -> str:
+        if owner == "run" and value == "True":
+            return self.name(owner, key)
         if isinstance(owner, str):
             return f"{self.name(owner, key)} {value}"
         flag, switch = self._declared(owner, key)
@@ -109,15 +114,24 @@ class CommandLine(Vocabulary):
 class RecipeKeys(Vocabulary):
     """A recipe's key paths: ``sections`` maps an owner (or ``(owner, key)``) to its path, per pass in ``passes``."""
 
-    def __init__(self, sections: dict[Any, str], passes: list[dict[Any, str]] | None = None):
+    def __init__(
+        self, sections: dict[Any, str], passes: list[dict[Any, str]] | None = None, invoker: Vocabulary | None = None
+    ):
         self.sections, self.passes = sections, passes or []
+        self.invoker = invoker
+        """How the recipe's runner spells the run's own options (``run.overwrite``); None: the command line."""
+
+    def invoked_by(self, invoker: Vocabulary) -> RecipeKeys:
+        return RecipeKeys(self.sections, self.passes, invoker)
 
     def for_pass(self, index: int) -> Vocabulary:
         if index >= len(self.passes):
             return self
-        return RecipeKeys({**self.sections, **self.passes[index]}, self.passes)
+        return RecipeKeys({**self.sections, **self.passes[index]}, self.passes, self.invoker)
 
     def name(self, owner: Any, key: str) -> str:
+        if owner == "run":
+            return (self.invoker or COMMAND_LINE).name(owner, key)
         exact = self.sections.get((owner, key))
         if exact is not None:
             return exact
@@ -125,6 +139,8 @@ class RecipeKeys(Vocabulary):
         return key if path is None else f"{path}.{key}"
 
     def value(self, owner: Any, key: str, value: str) -> str:
+        if owner == "run":
+            return (self.invoker or COMMAND_LINE).value(owner, key, value)
         yaml_value = {"True": "true", "False": "false", "None": "null"}.get(value, value)
         return f"{self.name(owner, key)} {yaml_value}"
 
@@ -142,13 +158,13 @@ class Arguments(Vocabulary):
     def name(self, owner: Any, key: str) -> str:
         if (owner, key) in self.renames:
             return self.renames[(owner, key)] + "="
-        if isinstance(owner, str):
+        if isinstance(owner, str) and owner != "run":
             return f"{owner}['{key}']"
         return f"{key}="
 
     def value(self, owner: Any, key: str, value: str) -> str:
         shown = value if _number(value) or value in ("True", "False", "None") else repr(value)
-        if isinstance(owner, str) and (owner, key) not in self.renames:
+        if isinstance(owner, str) and owner != "run" and (owner, key) not in self.renames:
             return f"{owner}={{'{key}': {shown}}}"
         return f"{self.name(owner, key)}{shown}"
 

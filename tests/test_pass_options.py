@@ -290,3 +290,43 @@ def test_a_config_built_in_python_is_held_to_its_declarations():
     with pytest.raises(OptionError, match=r"warmup_fraction 1.5 must be in \(0, 1\]"):
         PruneHeadsConfig(warmup_fraction=1.5).validate()
     QuantizeConfig(lowrank_rank=0).validate()  # the default (no adapters) lies outside the range a caller sets
+
+
+FLAG_IN_TEXT = re.compile(r"(?<![\w-])--[a-z][a-z-]+")
+CLI_ONLY_MESSAGES = {
+    "moecompress/hub/push.py": "push has no Python API: only `moecompress push` reaches it",
+    "moecompress/run_summary.py": "--plot is an option of `moecompress report` alone",
+}
+NOT_YET_SPELLED = {
+    "moecompress/export/llama_cpp.py": "export/ belongs to another work item (issue 37)",
+    "moecompress/export/to_bf16.py": "export/ belongs to another work item (issue 37)",
+    "moecompress/export/to_gguf.py": "export/ belongs to another work item (issue 37)",
+    "moecompress/preflight.py": "--resume and --restart exclude each other: preflight.py was being edited elsewhere",
+}
+
+
+def _flags_in_refusals(path: Path) -> set[str]:
+    """The ``--flags`` in the string constants of the raise statements and ``...Error(...)`` calls of ``path``."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        refusal = isinstance(node, ast.Raise) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith("Error")
+        )
+        if refusal:
+            for text in ast.walk(node):
+                if isinstance(text, ast.Constant) and isinstance(text.value, str):
+                    found |= set(FLAG_IN_TEXT.findall(text.value))
+    return found
+
+
+def test_no_message_outside_the_command_line_spells_a_flag():
+    """Issue 37 item 3: a refusal outside moecompress/cli/ names an option with named() (recipe and API callers
+    read their own spelling); the files listed above are the documented exceptions, and each still has one."""
+    spelling = {
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "moecompress").rglob("*.py"))
+        if "cli" not in path.relative_to(ROOT).parts and _flags_in_refusals(path)
+    }
+    assert spelling == set(CLI_ONLY_MESSAGES) | set(NOT_YET_SPELLED)

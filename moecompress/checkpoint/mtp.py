@@ -242,9 +242,13 @@ def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str, calibrated: 
         return plan
     uncalibrated = [layer for layer in layers if mtp_feed(adapter, keys, layer) is None]
     if calibrated and uncalibrated:
-        raise UserInputError(
+        from ..passes.quantize import QuantizeConfig
+
+        raise OptionError(
             f"{model_dir}: MTP layers {uncalibrated} lack the norms and input projection that feed them, so they "
-            "cannot be calibrated; pass --mtp drop or use --method rtn without salient weights or low-rank adapters"
+            f"cannot be calibrated; use {named('mtp', 'drop')} or {named('method', 'rtn')} without salient weights "
+            "or low-rank adapters",
+            QuantizeConfig,
         )
     written = "quantised like the main layers" + (", calibrated on the MTP module's own inputs" if calibrated else "")
     return QuantizeMtp(adapter.config, frozenset(), {"mtp_layers": layers, "mode": "keep", "written": written})

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from .. import trust
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..kernels.finite import all_finite
+from ..vocabulary import named
 from .consistency import DTYPE_BYTES, MAX_HEADER_BYTES, check_config_types, check_header
 from .decode import Encoded, InputFormat, plan_decoding, target_dtype
 
@@ -220,9 +221,9 @@ class CheckpointReader:
         if not files:
             return []
         if not trust.CURRENT.pickle:
-            raise UserInputError(
+            raise OptionError(
                 f"{self.directory}: the weights are pickle files ({files[0]}), which can run code when loaded; "
-                "pass --allow-pickle to read them with torch.load(weights_only=True)"
+                f"pass {named('run.allow_pickle', True)} to read them with torch.load(weights_only=True)"
             )
         for name in files:
             path = self.directory / name

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from .. import files
-from ..errors import UserInputError
+from ..errors import OptionError
 from ..files import DiskFullError, appending, is_full, tensor_bytes, write_json, write_text
+from ..vocabulary import named
 from .reader import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 
 INCOMPLETE_MARKER = "MOECOMPRESS_INCOMPLETE"
@@ -207,6 +208,11 @@ def shard_header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
     return len(header).to_bytes(8, "little") + header
 
 
+def output_exists(out_dir: object) -> OptionError:
+    """The refusal of an existing output directory the caller did not ask to replace."""
+    return OptionError(f"{out_dir}: output directory exists (pass {named('run.overwrite', True)} to replace it)")
+
+
 class CheckpointWriter:
     """Write a checkpoint into ``out_dir`` unit by unit; nothing appears at ``out_dir`` until :meth:`finish`.
 
@@ -224,7 +230,7 @@ class CheckpointWriter:
     ):
         self.out_dir = Path(out_dir).absolute()
         if self.out_dir.exists() and not overwrite:
-            raise UserInputError(f"{self.out_dir}: output directory exists (pass --overwrite to replace it)")
+            raise output_exists(self.out_dir)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self.work_dir = self.out_dir.parent / f".{self.out_dir.name}.incomplete"
         self.max_shard_bytes = max_shard_bytes

@@ -555,7 +555,9 @@ def prune_experts(
     distributed.init_from_environment()
     ranks = distributed.world_size()
     if resume and ranks > 1:
-        raise UserInputError(f"--resume needs a single process, not {ranks} ranks; run it without torchrun")
+        raise OptionError(
+            f"{named('run.resume', True)} needs a single process, not {ranks} ranks; run it without torchrun"
+        )
     check_output_is_not_input(Path(model_dir), Path(out_dir))
     adapter = load_adapter(model_dir)
     native_refusal(adapter.config, str(model_dir))

@@ -21,6 +21,7 @@ from ..calibration.batches import consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, rewrite_checkpoint
 from ..checkpoint.stream import check_output_is_not_input
+from ..checkpoint.writer import output_exists
 from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from ..device import HOST, compute_device, device_map_for, to_host
 from ..errors import OptionError, UserInputError
@@ -297,7 +298,7 @@ def prune_heads(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
     if out_dir.exists() and not overwrite:
-        raise UserInputError(f"{out_dir}: output directory exists (pass --overwrite to replace it)")
+        raise output_exists(out_dir)
     adapter = load_adapter(model_dir)
     layouts = head_layouts(adapter, config.unit)
     _check_input(adapter, layouts, model_dir, config.unit)

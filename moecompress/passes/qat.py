@@ -24,6 +24,7 @@ from ..calibration.batches import consecutive_windows, sampled_windows, tokenize
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import check_output_is_not_input
+from ..checkpoint.writer import output_exists
 from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from ..device import compute_device, device_map_for
 from ..errors import OptionError, UserInputError
@@ -178,7 +179,7 @@ def qat_checkpoint(
     out_dir = Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
     if out_dir.exists() and not overwrite:
-        raise UserInputError(f"{out_dir.absolute()}: output directory exists (pass --overwrite to replace it)")
+        raise output_exists(out_dir.absolute())
     adapter = load_adapter(model_dir)
     schedule = ReplaySchedule.parse(config.replay)
     try:
