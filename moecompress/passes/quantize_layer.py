@@ -112,8 +112,8 @@ class QuantizePass(LayerPass):
             gains[(layer, new, which)] = gain
             loads[(layer, new, which)] = self._loads[(layer, expert, which)]
         shapes = [
-            (len(kept[layer]) if layer in kept else experts, hidden, inter)
-            for layer, (experts, hidden, inter) in self._shapes.items()
+            (len(kept[layer]) if layer in kept else experts, *sizes)
+            for layer, (experts, *sizes) in self._shapes.items()
         ]
         return gains, loads, shapes
 
