@@ -271,7 +271,7 @@ class CalibrationSweep:
         Qwen3-30B-A3B), and an evaluation can hold two models' heads together for the KL."""
         embeddings = self._meta_model.get_input_embeddings()
         output = self._meta_model.get_output_embeddings()
-        if output is None or output.weight is embeddings.weight:
+        if output is None or output.weight is embeddings.weight or self.adapter.reads_token_ids:
             yield from self.head_logits(batches, last_hidden)
             return
         name = next(name for name, param in self._meta_model.named_parameters() if param is embeddings.weight)

@@ -601,6 +601,36 @@ TINY_CONFIGS["nemotron_h"] = dict(
     routed_scaling_factor=2.5,
 )
 
+_QWEN4_EXP = dict(
+    _QWEN_HYBRID,
+    hc_count=2,
+    hc_lowrank=8,
+    ple_layer_ids=[1],
+    ple_embed_dim=32,
+    ngram_size=2,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=50,
+    make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=2,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=16,
+    indexer_compress_ratio=4,
+)
+TINY_CONFIGS["qwen4_exp_text"] = dict(_COMMON, **_QWEN4_EXP, model_type="qwen4_exp_text")
+TINY_CONFIGS["qwen4_exp"] = _vision_language(
+    "qwen4_exp",
+    dict(
+        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        **_QWEN4_EXP,
+        rope_parameters=dict(_MROPE, mrope_interleaved=True, partial_rotary_factor=0.5),
+    ),
+    dict(num_position_embeddings=16),
+    vision_start_token_id=382,
+    vision_end_token_id=383,
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {
@@ -616,7 +646,7 @@ _RELEASE_CONFIG: dict[str, dict[str, Any]] = {
     },
 }
 """``config.json`` entries of a hub release that ``save_pretrained`` of the stock class does not write."""
-_FUSED_RELEASES = ("qwen3_5_moe",)
+_FUSED_RELEASES = ("qwen3_5_moe", "qwen4_exp")
 _QWEN_MTP_RELEASES = ("qwen3_next", "qwen3_5_moe")
 """Families whose hub releases carry a top-level ``mtp.*`` multi-token-prediction module (which transformers skips)."""
 """Families whose hub releases store the experts fused (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``

@@ -40,6 +40,7 @@ from .mistral4 import Mistral3Adapter, Mistral4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .nemotron_h import NemotronHAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
+from .qwen4_exp import Qwen4ExpAdapter, Qwen4ExpTextAdapter
 from .qwen_moe import (
     FlexOlmoAdapter,
     FlintAdapter,
@@ -109,6 +110,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MiniMaxM3VLAdapter,
     NemotronHAdapter,
     LongcatFlashAdapter,
+    Qwen4ExpTextAdapter,
+    Qwen4ExpAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

@@ -141,6 +141,9 @@ class FamilyAdapter:
     attention_module: ClassVar[str] = "self_attn"
     head_pruning: ClassVar[bool] = False
     qk_norm: ClassVar[QKNorm] = "none"
+    reads_token_ids: ClassVar[bool] = False
+    """Whether the model reads the token ids besides their embeddings (Qwen4-Exp's per-layer n-gram embeddings), so
+    that the head's skeleton cannot be fed zero embeddings in their place."""
     gated_experts: ClassVar[bool] = True
     """Whether an expert gates its up projection (gate, up, down); otherwise it is up, activation, down (the view's
     ``gate_up`` then holds the up rows alone, ``[E, I, H]``, and :meth:`activation` gets ``gate=None``)."""
