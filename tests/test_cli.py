@@ -22,7 +22,8 @@ def test_inspect_every_family(family, tiny_checkpoints):
     summary = json.loads(result.output)
     text_config = TINY_CONFIGS[family].get("text_config", TINY_CONFIGS[family])
     assert summary["family"] == family
-    assert summary["num_layers"] == text_config.get("num_hidden_layers", text_config.get("num_layers"))
+    layers = text_config.get("num_hidden_layers", text_config.get("num_layers"))
+    assert summary["num_layers"] == (layers or len(text_config["layers_block_type"]))
     assert summary["top_k"] == text_config["num_experts_per_tok"]
     assert summary["attention_heads"] == text_config["num_attention_heads"]
     assert summary["parameters"]["experts"] > 0 and summary["parameters"]["router"] > 0
