@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import click
@@ -94,7 +94,19 @@ class _Declared:
 
 
 class DeclaredChoice(_Declared, click.Choice):
-    pass
+    """Reads its choices on each use, so a scheme registered after the commands were built is offered."""
+
+    def __init__(self, choices: Sequence[Any]) -> None:
+        super().__init__(choices)
+        self._source = choices
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(str(choice) for choice in self._source)
+
+    @choices.setter
+    def choices(self, value: Sequence[Any]) -> None:
+        self._source = value
 
 
 class DeclaredFloat(_Declared, FiniteFloat):
@@ -111,7 +123,7 @@ def _click_type(cls: type, field: dataclasses.Field, declared: Option) -> Any:
     choices = choices_of(cls, field, declared)
     parse = click.INT if base is int else click.FLOAT if base is float else click.STRING
     if choices is not None:
-        return DeclaredChoice([str(choice) for choice in choices]).declare(generated, parse)
+        return DeclaredChoice(choices).declare(generated, parse)
     bounds = dict(min=declared.min, max=declared.max, min_open=declared.min_open, max_open=declared.max_open)
     if base is float:
         return DeclaredFloat(**bounds).declare(generated, parse)

@@ -111,9 +111,10 @@ def _logical_weights(key: str, info: TensorInfo, config: dict[str, Any]) -> int 
         scheme_key = quantization.get("modules", {}).get(module)
         if scheme_key is None:
             return None
-        bits = QuantScheme.from_dict(quantization["schemes"][scheme_key]).bits
+        scheme = QuantScheme.from_dict(quantization["schemes"][scheme_key])
         if param in _QUANTIZED_PARAMS:
-            return info.numel * 8 // bits
+            packed_cols = info.shape[-1] if info.shape else 0
+            return 0 if not packed_cols else info.numel // packed_cols * scheme.logical_cols(packed_cols)
         if param.endswith(("_scales", "_zeros", "_salient", "_salient_values")):
             return 0
         return None

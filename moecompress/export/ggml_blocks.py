@@ -40,11 +40,10 @@ BLOCK_BYTES = {"MXFP4": 1 + QK // 2, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
 
 def ggml_type(scheme: QuantScheme, has_zeros: bool) -> str:
     """The GGML block type that holds codes and grids of ``scheme`` (``MXFP4``, ``Q4_0`` or ``Q4_1``)."""
-    if scheme.is_float:
-        return "MXFP4"
-    if scheme.is_binary or not has_zeros:
-        return "Q4_0"
-    return "Q4_1"
+    type_name = scheme.kind.ggml_type(scheme, has_zeros)
+    if type_name is None:
+        raise ValueError(f"{scheme.name} has no GGML block type")
+    return type_name
 
 
 def ggml_type_for(q: QuantizedTensor) -> str:
@@ -92,7 +91,7 @@ def _repacked_nibbles(packed: np.ndarray, out: np.ndarray) -> None:
 def _quants_are_codes(q: QuantizedTensor) -> bool:
     """Whether GGML's 4-bit quants are our stored codes: MXFP4, and 4-bit integer grids (``code - 8 + 8`` for
     Q4_0, the code itself for Q4_1)."""
-    return q.scheme.bits == 4 and not q.scheme.is_binary
+    return q.scheme.bits == 4
 
 
 def block_dtype(type_name: str) -> np.dtype:
@@ -124,13 +123,7 @@ def ggml_chunks(q: QuantizedTensor) -> Iterator[np.ndarray]:
     if _quants_are_codes(q):
         packed, nibbles = q.packed.reshape(lead, rows, -1), None
     else:
-        codes = q.codes()
-        if scheme.is_binary:
-            quants = codes * 2 + 7
-        elif type_name == "Q4_0":
-            quants = codes.to(torch.int16) - 2 ** (scheme.bits - 1) + 8
-        else:
-            quants = codes
+        quants = scheme.kind.ggml_quants(scheme, q.codes(), type_name)
         packed, nibbles = None, _ggml_nibbles(quants.to(torch.uint8)).reshape(lead, rows, -1)
     scales = q.scales.reshape(lead, rows, -1)
     zeros = None if q.zeros is None else q.zeros.reshape(lead, rows, -1)

@@ -8,6 +8,7 @@ projection), ``lm_head``. Routers, norms, embeddings and biases always stay in t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ from ..quantization.experts import QuantizedMoE, quantize_experts_calibrated, qu
 from ..quantization.formats import gpt_oss, native
 from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
 from ..quantization.salient import BITMAP_CODES
-from ..quantization.scheme import DEFAULT_GROUP_SIZE, SCHEMES, QuantizedTensor, QuantScheme
+from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
+from ..quantization.schemes import SCHEME_KINDS, kind_of
 from ..quantization.sensitivity import SENSITIVITIES, stored_layer_sensitivity
 from ..sweep import CalibrationSweep
 from ..sweep_state import LayerResult, SweepState
@@ -45,8 +47,22 @@ METHODS: tuple[str, ...] = ("rtn", "gptq")
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 
 GPTQ = When(named("method", "gptq"), lambda c: c.method == "gptq")
-INTEGER = When(f"{named('scheme')} int4, int2 or w4a8", lambda c: c.scheme in ("int4", "int2", "w4a8"))
-MXFP4 = When(named("scheme", "mxfp4"), lambda c: c.scheme == "mxfp4")
+
+
+def _reads(setting: str) -> Callable[[Any], bool]:
+    return lambda c: setting in getattr(SCHEME_KINDS.get(c.scheme), "settings", ())
+
+
+def _either(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _reading(setting: str) -> list[str]:
+    return [name for name, kind in SCHEME_KINDS.items() if setting in kind.settings]
+
+
+INTEGER = When(f"{named('scheme')} {_either(_reading('symmetric'))}", _reads("symmetric"))
+MXFP4 = When(named("scheme", _either(_reading("scale_rule"))), _reads("scale_rule"))
 SALIENT = When(f"{named('salient_fraction')} above 0", lambda c: c.salient_fraction > 0)
 BUDGET = When(f"{named('lowrank_budget')} above 0", lambda c: c.lowrank_budget > 0)
 ADAPTERS = When(
@@ -217,13 +233,12 @@ class QuantizeConfig:
     )
 
     def quant_scheme(self) -> QuantScheme:
-        """``symmetric`` defaults to True, except for INT2 where a zero-centred grid wastes a level; the group
-        size defaults to 32, and to 128 for binary (where 16-bit scales per 32 weights would cost half a bit)."""
-        symmetric = self.symmetric if self.symmetric is not None else self.scheme != "int2"
-        group = self.group_size or DEFAULT_GROUP_SIZE.get(self.scheme, 32)
-        if self.scheme == "mxfp4":
-            group = 32
+        """``symmetric`` and the group size default to the scheme's own (``SchemeKind.default_symmetric``,
+        ``default_group_size``: asymmetric for INT2, group 128 for binary); a fixed block width overrides."""
         try:
+            kind = kind_of(self.scheme)
+            symmetric = self.symmetric if self.symmetric is not None else kind.default_symmetric
+            group = kind.fixed_group_size or self.group_size or kind.default_group_size
             return QuantScheme(self.scheme, group, symmetric, self.scale_rule, self.salient_fraction, self.bitmap)
         except ValueError as error:
             if "group size" in str(error):
@@ -235,8 +250,9 @@ class QuantizeConfig:
             return OptionError(template, QuantizeConfig)
 
         check_declared(self)
-        if self.scheme == "mxfp4" and self.group_size not in (None, 32):
-            raise refuse(f"{named('group_size', self.group_size)}: mxfp4 blocks are always 32 wide")
+        fixed = kind_of(self.scheme).fixed_group_size
+        if fixed is not None and self.group_size not in (None, fixed):
+            raise refuse(f"{named('group_size', self.group_size)}: {self.scheme} blocks are always {fixed} wide")
         unknown = sorted(set(self.targets) - set(TARGETS))
         if unknown or "experts" not in self.targets:
             raise refuse(
@@ -344,6 +360,7 @@ class _ExpertQuantizer:
             min_tokens=self.config.gptq_min_tokens,
             damp=self.config.gptq_damp,
             block_size=self.config.gptq_block,
+            router_input=capture.router_input,
         )
         capture.replacement = ExpertSource(quantized.weights, quantized.dequantized_expert)
         return quantized
@@ -363,6 +380,7 @@ class _ExpertQuantizer:
             measure=measure,
             token_weights=factor if factor is not None and factor.ndim else None,
             only_kept=measure,
+            router_input=capture.router_input,
         )
         if factor is not None and not factor.ndim:
             errors.loads = {key: load * float(factor) for key, load in errors.loads.items()}

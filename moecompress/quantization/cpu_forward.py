@@ -36,11 +36,7 @@ REPACKED_MAX_TOKENS = {"mxfp4": 8, "int4": 20}
 
 
 def _kind(scheme) -> str | None:
-    if scheme.is_float:
-        return "mxfp4"
-    if not scheme.is_binary and scheme.bits == 4:
-        return "int4"
-    return None
+    return scheme.kind.cpu_matmul
 
 
 def _repack_allowed(module, x: torch.Tensor) -> bool:
@@ -85,7 +81,7 @@ def repacked(module, name: str) -> list[int4pack.Int4Packed]:
     if name not in cache or cache[name][0] != key:
         cache.pop(name, None)
         packed, scales, *zeros = stored
-        if module.scheme.is_float:
+        if _kind(module.scheme) == "mxfp4":
             experts = [int4pack.from_mxfp4(packed[e], scales[e]) for e in range(packed.shape[0])]
         else:
             zero = zeros[0] if zeros else None

@@ -1,7 +1,8 @@
 """Which computation the plugin's quantised modules run: a Triton kernel for bf16 activations on CUDA (where
 triton imports and ``MOECOMPRESS_KERNELS`` is not ``reference``), the torch reference everywhere else.
 
-Each function returns the kernel's output, or None when the caller should run its reference forward. Covered:
+Each function returns the kernel's output, or None when the caller should run its reference forward. Which
+kernel reads a scheme is the scheme's own answer (``SchemeKind.triton_linear``, ``SchemeKind.triton_moe``). Covered:
 
 - ``QuantizedLinear``: MXFP4 and W4A8 without salient weights, binary with or without them;
 - ``QuantizedExperts``: MXFP4 without salient weights, with a gated activation the kernel knows (SiLU, or
@@ -25,7 +26,7 @@ from ..kernels.triton_support import use_kernels
 _CACHE = "_kernel_cache"
 
 
-def _cached(module: torch.nn.Module, key: tuple, build) -> Any:
+def cached(module: torch.nn.Module, key: tuple, build) -> Any:
     cache = module.__dict__.setdefault(_CACHE, {})
     if key not in cache:
         cache.clear()
@@ -44,25 +45,9 @@ def linear(module, x: torch.Tensor) -> torch.Tensor | None:
     """``QuantizedLinear.forward`` through a kernel, or None."""
     if not _ready(module, x):
         return None
-    scheme = module.scheme
     salient = "weight" in module._salient_shapes
     bias = None if module.bias is None else module.bias.to(x.dtype)
-    if scheme.is_float and not salient:
-        from ..kernels.triton_mxfp4 import mxfp4_linear
-
-        return mxfp4_linear(x, module.weight.data, module.weight_scales.data, bias)
-    if scheme.activation_bits and not salient:
-        from ..kernels.triton_w4a8 import w4a8_linear_triton
-
-        zeros = getattr(module, "weight_zeros", None)
-        zeros = None if zeros is None else zeros.data
-        return w4a8_linear_triton(x, module.weight.data, module.weight_scales.data, zeros, scheme.group_size, bias)
-    if scheme.is_binary:
-        from ..kernels.triton_binary import binary_linear
-
-        correction = _cached(module, ("binary", x.device), lambda: binary_correction(module)) if salient else None
-        return binary_linear(x, module.weight.data, module.weight_scales.data, scheme.group_size, correction, bias)
-    return None
+    return module.scheme.kind.triton_linear(module, x, bias, salient)
 
 
 def binary_correction(module):
@@ -95,14 +80,14 @@ def kernel_activation(activation) -> Any:
 
 def experts(module, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
     """``QuantizedExperts.forward`` through the fused MXFP4 MoE kernel, or None."""
-    if not _ready(module, hidden) or not module.scheme.is_float or module._salient_shapes:
+    if not _ready(module, hidden) or not module.scheme.kind.triton_moe or module._salient_shapes:
         return None
     activation = kernel_activation(module.activation)
     if activation is None:
         return None
     from ..kernels.triton_moe import fused_moe_mxfp4
 
-    prepared = _cached(module, ("mxfp4_moe", hidden.device), lambda: mxfp4_experts(module))
+    prepared = cached(module, ("mxfp4_moe", hidden.device), lambda: mxfp4_experts(module))
     return fused_moe_mxfp4(hidden, ids, weights, prepared, activation)
 
 

@@ -90,13 +90,4 @@ def gptq_quantize(
             errors[:, :, i] = error
         work[:, :, stop:] -= errors @ hinv[:, start:stop, stop:]
     salient = None if keep is None else from_mask(keep, kept_values)
-    return scheme.pack(codes, _stack_grids(scheme, grids), salient)
-
-
-def _stack_grids(scheme: QuantScheme, grids: list):
-    """Per-group grids ``[B, rows, 1, 1]`` in column order → one grid ``[B, rows, groups, 1]``."""
-    if scheme.is_float or scheme.is_binary:
-        return torch.cat(grids, dim=-2)
-    from ..kernels.intq import IntGrid
-
-    return IntGrid(torch.cat([g.scale for g in grids], dim=-2), torch.cat([g.zero for g in grids], dim=-2))
+    return scheme.pack(codes, scheme.stack_grids(grids), salient)

@@ -46,13 +46,8 @@ class _QuantizedWeights(nn.Module):
         """Per weight, where each leading index's (expert's) positions start and end in the decoded positions."""
 
     def _register(self, name: str, shape: tuple[int, ...], salient: tuple[int, int] | None = None) -> None:
-        *lead, cols = shape
-        groups = cols // self.scheme.group_size
-        setattr(self, name, _frozen((*lead, cols * self.scheme.bits // 8), torch.uint8))
-        scale_dtype = torch.uint8 if self.scheme.is_float else torch.bfloat16
-        setattr(self, f"{name}_scales", _frozen((*lead, groups), scale_dtype))
-        if not self.scheme.is_float and not self.scheme.is_binary and not self.scheme.symmetric:
-            setattr(self, f"{name}_zeros", _frozen((*lead, groups), torch.uint8))
+        for suffix, (stored_shape, dtype) in self.scheme.kind.stored_shapes(self.scheme, shape).items():
+            setattr(self, f"{name}{suffix}", _frozen(stored_shape, dtype))
         if salient is not None:
             stored_bytes, count = (int(v) for v in salient)
             setattr(self, f"{name}_salient", _frozen((stored_bytes,), torch.uint8))

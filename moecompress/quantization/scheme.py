@@ -7,30 +7,36 @@ group's grid to weights it has already corrected; plain round-to-nearest runs th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from ..kernels import binary, dequant, intq, mxfp4, mxfp4_fused
+from ..kernels import mxfp4
 from ..kernels.packing import pack_codes, unpack_codes
 from .salient import BITMAP_CODES, BitmapCode, SalientWeights, encode_positions, from_mask
+from .schemes import Grid, RegisteredNames, SchemeKind, kind_of
 
-SchemeName = Literal["mxfp4", "int4", "int2", "w4a8", "binary"]
-SCHEMES: tuple[str, ...] = ("mxfp4", "int4", "int2", "w4a8", "binary")
-_BITS = {"mxfp4": 4, "int4": 4, "int2": 2, "w4a8": 4, "binary": 1}
-DEFAULT_GROUP_SIZE = {"mxfp4": mxfp4.BLOCK_SIZE, "binary": 128}
+SchemeName = str
+SCHEMES: Sequence[str] = RegisteredNames()
+"""The registered scheme names (:mod:`moecompress.quantization.schemes`), read on each use."""
 MAX_SALIENT_FRACTION = 0.5
 
 CHUNK_ELEMENTS = 1 << 18
-Grid = Any  # mxfp4: int32 exponents [..., groups, 1]; integer schemes: intq.IntGrid
+
+
+def default_group_size(name: str) -> int:
+    return kind_of(name).default_group_size
 
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """One weight format. ``group_size`` is fixed at 32 for MXFP4; ``symmetric`` applies to the integer schemes;
-    ``scale_rule`` to MXFP4. ``salient_fraction`` of each expert matrix's weights (chosen from calibration) are
-    kept exactly in bf16 beside the low-bit codes, their positions in a bitmap coded as ``bitmap`` says."""
+    """The settings of one weight scheme; its registered :class:`~moecompress.quantization.schemes.SchemeKind`
+    (:attr:`kind`) decides everything else. ``group_size`` is fixed at 32 for MXFP4; ``symmetric`` applies to the
+    integer schemes; ``scale_rule`` to MXFP4. ``salient_fraction`` of each expert matrix's weights (chosen from
+    calibration) are kept exactly in bf16 beside the low-bit codes, their positions in a bitmap coded as ``bitmap``
+    says."""
 
     name: SchemeName
     group_size: int = 32
@@ -40,13 +46,7 @@ class QuantScheme:
     bitmap: BitmapCode = "rice"
 
     def __post_init__(self) -> None:
-        if self.name not in SCHEMES:
-            raise ValueError(f"unknown scheme {self.name!r}; choose from {SCHEMES}")
-        if self.name == "mxfp4" and self.group_size != mxfp4.BLOCK_SIZE:
-            raise ValueError(f"MXFP4 blocks are {mxfp4.BLOCK_SIZE} wide, not {self.group_size}")
-        sizes = binary.GROUP_SIZES if self.is_binary else intq.GROUP_SIZES
-        if self.name != "mxfp4" and self.group_size not in sizes:
-            raise ValueError(f"{self.name} group size must be one of {sizes}, got {self.group_size}")
+        self.kind.check(self)
         if self.scale_rule not in mxfp4.SCALE_RULES:
             raise ValueError(f"unknown scale rule {self.scale_rule!r}; choose from {mxfp4.SCALE_RULES}")
         if not 0 <= self.salient_fraction <= MAX_SALIENT_FRACTION:
@@ -55,21 +55,36 @@ class QuantScheme:
             raise ValueError(f"unknown bitmap code {self.bitmap!r}; choose from {BITMAP_CODES}")
 
     @property
+    def kind(self) -> SchemeKind:
+        return kind_of(self.name)
+
+    @property
     def bits(self) -> int:
-        return _BITS[self.name]
+        return self.kind.bits
 
     @property
     def activation_bits(self) -> int | None:
         """Bits of the per-token activation quantisation at inference (W4A8), else None."""
-        return 8 if self.name == "w4a8" else None
+        return self.kind.activation_bits
+
+    @property
+    def stores_zeros(self) -> bool:
+        """Whether a zero point is stored per group."""
+        return self.kind.stores_zeros(self)
 
     @property
     def is_float(self) -> bool:
-        return self.name == "mxfp4"
+        """Kept for callers outside moecompress; moecompress asks :attr:`kind` instead."""
+        return self.kind.number_type == "float"
 
     @property
     def is_binary(self) -> bool:
-        return self.name == "binary"
+        """Kept for callers outside moecompress; moecompress asks :attr:`kind` instead."""
+        return self.kind.bits == 1
+
+    def logical_cols(self, packed_cols: int) -> int:
+        """The input dimension of a weight whose packed codes are ``packed_cols`` bytes per row."""
+        return self.kind.logical_cols(self, packed_cols)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -83,14 +98,7 @@ class QuantScheme:
         return cls(**{key: data[key] for key in fields if key in data})
 
     def describe(self) -> str:
-        if self.is_float:
-            text = f"mxfp4 (scale rule {self.scale_rule}"
-        elif self.is_binary:
-            text = f"binary (group {self.group_size}"
-        else:
-            kind = "symmetric" if self.symmetric else "asymmetric"
-            extra = ", int8 per-token activations" if self.activation_bits else ""
-            text = f"{self.name} (group {self.group_size}, {kind}{extra}"
+        text = self.kind.describe(self)
         if self.salient_fraction:
             text += f", {self.salient_fraction:.2%} salient weights in bf16, {self.bitmap} bitmap"
         return text + ")"
@@ -99,43 +107,24 @@ class QuantScheme:
     def fit(self, groups: torch.Tensor, exclude: torch.Tensor | None = None) -> Grid:
         """The grid of each group in ``groups`` ``[..., n, G]``, fitted without the weights ``exclude`` marks
         (salient weights, kept exactly)."""
-        if self.is_binary:
-            return binary.group_scales(groups, exclude)
-        if exclude is not None:
-            groups = groups.masked_fill(exclude, 0.0)
-        if self.is_float:
-            return mxfp4.block_exponents(groups, self.scale_rule).unsqueeze(-1)
-        return intq.group_grid(groups, self.bits, self.symmetric)
+        return self.kind.fit(self, groups, exclude)
 
     def codes(self, values: torch.Tensor, grid: Grid) -> torch.Tensor:
         """uint8 codes of ``values`` (broadcast against ``grid``)."""
-        if self.is_float:
-            return mxfp4.e2m1_codes(values.float() * mxfp4.power_of_two(-grid))
-        if self.is_binary:
-            return binary.sign_codes(values)
-        return intq.grid_codes(values, grid, self.bits)
+        return self.kind.codes(self, values, grid)
 
     def values(self, codes: torch.Tensor, grid: Grid) -> torch.Tensor:
         """float32 values of ``codes`` on ``grid``."""
-        if self.is_float:
-            return mxfp4.e2m1_values(codes) * mxfp4.power_of_two(grid)
-        if self.is_binary:
-            return binary.sign_values(codes, grid)
-        return intq.grid_values(codes, grid)
+        return self.kind.values(self, codes, grid)
 
     def pack(self, codes: torch.Tensor, grid: Grid, salient: SalientWeights | None = None) -> QuantizedTensor:
         """A :class:`QuantizedTensor` from codes ``[..., cols]`` and the grid of their groups ``[..., n, 1]``."""
-        packed = pack_codes(codes, self.bits)
-        if self.is_float:
-            scales = (grid.squeeze(-1) + mxfp4.E8M0_BIAS).to(torch.uint8)
-            return QuantizedTensor(self, tuple(codes.shape), packed, scales, salient=salient)
-        if self.is_binary:
-            return QuantizedTensor(
-                self, tuple(codes.shape), packed, grid.squeeze(-1).to(binary.SCALE_DTYPE), None, salient
-            )
-        scales = grid.scale.squeeze(-1).to(intq.SCALE_DTYPE)
-        zeros = None if self.symmetric else grid.zero.squeeze(-1).to(torch.uint8)
-        return QuantizedTensor(self, tuple(codes.shape), packed, scales, zeros, salient)
+        scales, zeros = self.kind.pack_grid(self, grid)
+        return QuantizedTensor(self, tuple(codes.shape), pack_codes(codes, self.bits), scales, zeros, salient)
+
+    def stack_grids(self, grids: list[Grid]) -> Grid:
+        """Per-group grids ``[..., 1, 1]`` in column order → one grid ``[..., groups, 1]``."""
+        return self.kind.stack_grids(grids)
 
     def grouped(self, weight: torch.Tensor) -> torch.Tensor:
         if weight.shape[-1] % self.group_size:
@@ -154,9 +143,9 @@ class QuantScheme:
         rows are processed ``chunk_elements`` at a time so every intermediate stays in cache (about twice as fast
         as whole-tensor passes on CPU); the result does not depend on the chunking.
         """
-        if self.is_float and keep is None and mxfp4_fused.available():
-            packed, scales = mxfp4_fused.quantize_mxfp4(weight, self.scale_rule)
-            return QuantizedTensor(self, tuple(weight.shape), packed, scales)
+        fast = None if keep is not None else self.kind.quantize_fast(self, weight)
+        if fast is not None:
+            return QuantizedTensor(self, tuple(weight.shape), *fast)
         cols = weight.shape[-1]
         rows = weight.reshape(-1, cols)
         kept_rows = None if keep is None else keep.reshape(-1, cols)
@@ -195,16 +184,7 @@ class QuantizedTensor:
         return unpack_codes(self.packed, self.scheme.bits)
 
     def grid(self) -> Grid:
-        if self.scheme.is_float:
-            return (self.scales.to(torch.int32) - mxfp4.E8M0_BIAS).unsqueeze(-1)
-        if self.scheme.is_binary:
-            return self.scales.float().unsqueeze(-1)
-        zero = (
-            torch.full(self.scales.shape, 2 ** (self.scheme.bits - 1), dtype=torch.float32, device=self.scales.device)
-            if self.zeros is None
-            else self.zeros.float()
-        )
-        return intq.IntGrid(self.scales.float().unsqueeze(-1), zero.unsqueeze(-1))
+        return self.scheme.kind.unpack_grid(self.scheme, self.scales, self.zeros)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in ``dtype``. On CPU one numba pass writes ``dtype`` directly
@@ -215,15 +195,8 @@ class QuantizedTensor:
         return self._dequantize_reference(dtype) if dense is None else dense
 
     def _dequantize_fast(self, dtype: torch.dtype) -> torch.Tensor | None:
-        scheme, shape = self.scheme, tuple(self.shape)
         salient = None if self.salient is None else (self.salient.positions, self.salient.values)
-        if scheme.is_float:
-            return dequant.mxfp4(self.packed, self.scales, shape, dtype, salient)
-        if scheme.is_binary:
-            return dequant.binary(self.packed, self.scales, scheme.group_size, shape, dtype, salient)
-        return dequant.integer(
-            self.packed, self.scales, self.zeros, scheme.bits, scheme.group_size, shape, dtype, salient
-        )
+        return self.scheme.kind.dequantize_fast(self, dtype, salient)
 
     def _dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The definition (torch, any device): unpack the codes, compute float32 values, convert to ``dtype``."""

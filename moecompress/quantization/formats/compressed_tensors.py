@@ -65,12 +65,8 @@ _VLLM_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 # ---- what the format can hold ---------------------------------------------------------------------------------
 def compression_format(scheme: QuantScheme) -> str:
-    """The compressed-tensors ``format`` that holds ``scheme``'s weights."""
-    if scheme.is_float:
-        return MXFP4_PACK_QUANTIZED
-    if scheme.activation_bits:
-        return INT_QUANTIZED
-    return PACK_QUANTIZED
+    """The compressed-tensors ``format`` that holds ``scheme``'s weights (None: none does)."""
+    return scheme.kind.compressed_tensors_format
 
 
 def supports(scheme: QuantScheme) -> str | None:
@@ -80,9 +76,10 @@ def supports(scheme: QuantScheme) -> str | None:
     """
     if scheme.salient_fraction:
         return f"compressed-tensors has no salient (sparse bf16) weights; use {named('format', 'native')}"
-    if scheme.is_binary:
-        return f"compressed-tensors has no sign-bit (binary) weights; use {named('format', 'native')}"
-    if scheme.is_float:
+    fmt = compression_format(scheme)
+    if fmt is None:
+        return f"compressed-tensors has no {scheme.kind.label or scheme.name} weights; use {named('format', 'native')}"
+    if fmt == MXFP4_PACK_QUANTIZED:
         return None if scheme.group_size == 32 else f"MXFP4 blocks are 32 wide, not {scheme.group_size}"
     if not 1 <= scheme.bits <= 8:
         return f"compressed-tensors packs 1..8-bit integers, not {scheme.bits}-bit"
@@ -103,11 +100,11 @@ def loader_caveats(scheme: QuantScheme) -> list[str]:
             "transformers 5.24 cannot load int-quantized (W4A8) MoE experts: its expert dequantiser reads "
             "weight_packed only; vLLM's W4A8-int MoE method runs on Arm CPUs only and needs symmetric weights"
         )
-    elif not scheme.is_float and not scheme.symmetric:
+    elif scheme.stores_zeros:
         caveats.append(
             "transformers 5.24 cannot load asymmetric MoE experts: its expert dequantiser drops weight_zero_point"
         )
-    if scheme.name == "int2":
+    if compression_format(scheme) == PACK_QUANTIZED and scheme.bits not in (4, 8):
         caveats.append("vLLM's fused-MoE WNA16 method takes 4- and 8-bit weights only; INT2 experts will not load")
     return caveats
 
@@ -118,8 +115,8 @@ def weight_args(scheme: QuantScheme) -> dict[str, Any]:
     unknown ones)."""
     return {
         "num_bits": scheme.bits,
-        "type": "float" if scheme.is_float else "int",
-        "symmetric": True if scheme.is_float else scheme.symmetric,
+        "type": scheme.kind.number_type,
+        "symmetric": not scheme.stores_zeros,
         "group_size": scheme.group_size,
         "strategy": "group",
         "dynamic": False,
@@ -218,7 +215,7 @@ def linear_tensors(
         raise ValueError(f"{weight_key}: a linear weight is 2-D, got shape {list(q.shape)}")
     module = _module_name(weight_key)
     scheme = q.scheme
-    if scheme.is_float:
+    if compression_format(scheme) == MXFP4_PACK_QUANTIZED:
         return {f"{module}.weight_packed": _owned(q.packed), f"{module}.weight_scale": _owned(q.scales)}
     scale = q.scales.to(scale_dtype).contiguous()
     if scheme.activation_bits:
@@ -300,6 +297,8 @@ def layer_tensors(
         out[adapter._router_key(layer, "bias")] = weights.router_bias
     if weights.correction_bias is not None:
         out[adapter._router_key(layer, "e_score_correction_bias")] = weights.correction_bias
+    if weights.expert_scale is not None:
+        out[adapter._router_key(layer, adapter.expert_scale_name)] = weights.expert_scale
     out.update(expert_tensors(adapter, layer, moe.gate_up, moe.down, scale_dtype))
     return out
 

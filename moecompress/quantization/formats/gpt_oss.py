@@ -23,7 +23,7 @@ def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str,
     """Why this export cannot hold the request, or None."""
     if adapter.family != "gpt_oss":
         return f"{named('format', 'gpt-oss')} is the GPT-OSS family's own layout; this model is {adapter.family}"
-    if scheme.name != "mxfp4":
+    if NAME not in scheme.kind.formats:
         return f"{named('format', 'gpt-oss')} holds MXFP4 only, not {named('scheme', scheme.name)}"
     if scheme.salient_fraction:
         return f"{named('format', 'gpt-oss')} has no salient weights; use {named('format', 'native')}"

@@ -1,0 +1,180 @@
+"""What a weight scheme is: a :class:`SchemeKind` subclass registered under its name, holding every decision that
+depends on the scheme (value grid, packing, group sizes, rounding, dequantisation, the formats and kernels it
+has). :class:`~moecompress.quantization.scheme.QuantScheme` is its settings (group size, symmetry, ...) and asks
+it; nothing outside the scheme modules tests a scheme's name.
+
+Adding a scheme is one module with a :func:`register`-decorated subclass and one import line in
+:mod:`moecompress.quantization.schemes`; a scheme defined elsewhere (a test, a user's script) registers the same
+way before it is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..scheme import QuantizedTensor, QuantScheme
+
+Grid = Any
+"""Per-group grid as :meth:`SchemeKind.fit` returns it (a tensor or a small dataclass of tensors)."""
+
+SCHEME_KINDS: dict[str, SchemeKind] = {}
+
+
+class SchemeKind:
+    """The behaviour of one scheme. The defaults describe a "codes on a per-group grid" scheme: codes of ``bits``
+    bits packed along the row, one grid per ``group_size`` weights; a scheme with another layout overrides
+    :meth:`quantize` and :meth:`dequantize` (and the stored shapes)."""
+
+    name: ClassVar[str]
+    bits: ClassVar[int]
+    activation_bits: ClassVar[int | None] = None
+    """Bits of the per-token activation quantisation at inference (W4A8), else None."""
+    group_sizes: ClassVar[tuple[int, ...]] = (32, 64, 128)
+    default_group_size: ClassVar[int] = 32
+    fixed_group_size: ClassVar[int | None] = None
+    """Set where the format has one block width (MXFP4's 32): the group size option is refused otherwise."""
+    default_symmetric: ClassVar[bool] = True
+    settings: ClassVar[frozenset[str]] = frozenset()
+    """The QuantizeConfig fields beyond the group size this scheme reads (``symmetric``, ``scale_rule``)."""
+    scale_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    label: ClassVar[str] = ""
+    """How the values are described where a format refuses them ("sign-bit (binary)")."""
+    formats: ClassVar[frozenset[str]] = frozenset({"native"})
+    """The output formats that hold this scheme's weights exactly."""
+    compressed_tensors_format: ClassVar[str | None] = None
+    number_type: ClassVar[str] = "int"
+    """compressed-tensors' ``type`` of the weights (``int`` or ``float``)."""
+    cpu_matmul: ClassVar[str | None] = None
+    """The CPU matmul family (:mod:`moecompress.quantization.cpu_forward`) that reads these codes, if any."""
+    triton_moe: ClassVar[bool] = False
+    """Whether the fused Triton MoE kernel reads these experts."""
+    gptq: ClassVar[bool] = True
+    """Whether GPTQ can fit this grid column by column (else calibrated runs use importance-weighted RTN)."""
+
+    # ---- settings --------------------------------------------------------------------------------------------
+    def check(self, scheme: QuantScheme) -> None:
+        """Raise ``ValueError`` for settings this scheme cannot hold."""
+        if self.fixed_group_size is not None and scheme.group_size != self.fixed_group_size:
+            raise ValueError(f"{self.name} blocks are {self.fixed_group_size} wide, not {scheme.group_size}")
+        if self.fixed_group_size is None and scheme.group_size not in self.group_sizes:
+            raise ValueError(f"{self.name} group size must be one of {self.group_sizes}, got {scheme.group_size}")
+
+    def stores_zeros(self, scheme: QuantScheme) -> bool:
+        return False
+
+    def describe(self, scheme: QuantScheme) -> str:
+        return f"{self.name} (group {scheme.group_size}"
+
+    # ---- the three steps of a grid scheme --------------------------------------------------------------------
+    def fit(self, scheme: QuantScheme, groups: torch.Tensor, exclude: torch.Tensor | None) -> Grid:
+        raise NotImplementedError
+
+    def codes(self, scheme: QuantScheme, values: torch.Tensor, grid: Grid) -> torch.Tensor:
+        raise NotImplementedError
+
+    def values(self, scheme: QuantScheme, codes: torch.Tensor, grid: Grid) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pack_grid(self, scheme: QuantScheme, grid: Grid) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stored scales and zero points (or None) of ``grid`` ``[..., n, 1]``."""
+        return grid.squeeze(-1).to(self.scale_dtype), None
+
+    def unpack_grid(self, scheme: QuantScheme, scales: torch.Tensor, zeros: torch.Tensor | None) -> Grid:
+        return scales.float().unsqueeze(-1)
+
+    def stack_grids(self, grids: list[Grid]) -> Grid:
+        """Per-group grids ``[..., 1, 1]`` in column order → one grid ``[..., groups, 1]`` (GPTQ)."""
+        return torch.cat(grids, dim=-2)
+
+    # ---- whole tensors ---------------------------------------------------------------------------------------
+    def quantize_fast(self, scheme: QuantScheme, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed, scales) by a fused kernel, bit-identical to the three steps; None where there is none."""
+        return None
+
+    def quantize(
+        self, scheme: QuantScheme, weight: torch.Tensor, importance: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(packed, scales, zeros) of ``weight`` for a scheme whose layout is not codes on a per-group grid
+        (``importance``: per-column weights of the rounding error); None: use the three steps."""
+        return None
+
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The reference dequantisation of a scheme :meth:`quantize` overrides; None: use the three steps."""
+        return None
+
+    def dequantize_fast(
+        self, q: QuantizedTensor, dtype: torch.dtype, salient: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor | None:
+        """A kernel's dequantisation (bit-identical to the reference), or None to take the reference."""
+        return None
+
+    def stored_shapes(
+        self, scheme: QuantScheme, shape: tuple[int, ...]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Suffix → (shape, dtype) of each tensor stored for a ``shape`` weight (``""`` the packed codes)."""
+        *lead, cols = shape
+        groups = cols // scheme.group_size
+        out = {"": ((*lead, cols * self.bits // 8), torch.uint8), "_scales": ((*lead, groups), self.scale_dtype)}
+        if self.stores_zeros(scheme):
+            out["_zeros"] = ((*lead, groups), torch.uint8)
+        return out
+
+    def logical_cols(self, scheme: QuantScheme, packed_cols: int) -> int:
+        """The input dimension of a weight stored as ``packed_cols`` bytes per row."""
+        return packed_cols * 8 // self.bits
+
+    # ---- kernels and formats ---------------------------------------------------------------------------------
+    def triton_linear(self, module: Any, x: torch.Tensor, bias: torch.Tensor | None, salient: bool) -> Any:
+        """``QuantizedLinear``'s forward through a Triton kernel (bf16 on CUDA), or None."""
+        return None
+
+    def ggml_type(self, scheme: QuantScheme, has_zeros: bool) -> str | None:
+        """The GGML block type holding this scheme's codes and grids, or None."""
+        return None
+
+    def ggml_quants(self, scheme: QuantScheme, codes: torch.Tensor, type_name: str) -> torch.Tensor:
+        """GGML's 4-bit quants of our ``codes`` in a ``type_name`` block."""
+        return codes
+
+
+def register(cls: type[SchemeKind]) -> type[SchemeKind]:
+    """Class decorator: make ``cls`` the scheme called ``cls.name`` (replacing one of that name)."""
+    SCHEME_KINDS[cls.name] = cls()
+    return cls
+
+
+def unregister(name: str) -> None:
+    SCHEME_KINDS.pop(name, None)
+
+
+def kind_of(name: str) -> SchemeKind:
+    kind = SCHEME_KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown scheme {name!r}; choose from {tuple(SCHEME_KINDS)}")
+    return kind
+
+
+class RegisteredNames(Sequence):
+    """The registered scheme names, read on each use (so option choices include schemes registered later)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(SCHEME_KINDS)
+
+    def __getitem__(self, index):
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(SCHEME_KINDS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in SCHEME_KINDS
+
+    def __repr__(self) -> str:
+        return repr(self._names())
