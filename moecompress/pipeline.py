@@ -303,7 +303,7 @@ def _write_mtp_layers(sweep: CalibrationSweep, write: _LayerWriter, writer, drop
     for capture in mtp_captures(sweep, batches):
         if capture.layer in pending:
             write.layer(capture.layer, capture.moe, capture.rest, capture.layout, capture)
-        capture.moe = capture.rest = capture.moe_input = None
+        capture.moe = capture.rest = capture.moe_input = capture.router_input = None
         release_freed_memory()
 
 

@@ -62,6 +62,10 @@ class LayerCapture:
     """With ``keep_tensors``: the layer's other tensors (attention, norms, shared experts) as read, for a writer."""
     layout: Any = None
     """With ``keep_tensors``: the on-disk layout of the layer's experts (:meth:`FamilyAdapter.split_layer`)."""
+    router_input: torch.Tensor | None = None
+    """What the router's weight multiplied, token for token with ``moe_input``, where the family's router reads
+    another input than the experts (:attr:`FamilyAdapter.router_input_module`); None: the router reads
+    ``moe_input``."""
 
 
 class _LayerProxy(torch.nn.Module):
@@ -188,6 +192,7 @@ class CalibrationSweep:
             skeleton = auto_class.from_config(skeleton_config, dtype=dtype)
         # The config's own count, not len(meta_layers): LongCat-Flash counts two per decoder layer.
         _text_config(skeleton.config).num_hidden_layers = _text_config(config).num_hidden_layers
+        self.adapter.fix_skeleton(skeleton)
         recorder = _CallRecorder()
         layers_path = self.adapter.runtime_layers_path
         parent_path, _, attr = layers_path.rpartition(".")
@@ -304,7 +309,7 @@ class CalibrationSweep:
             _convert_in_turn(moe, self.dtype)
         state = self.adapter.runtime_layer_state(layer, moe, rest)
         if moe is not None and self._computes_from_view(layer):
-            experts = f"{self.adapter.moe_block_name}.experts."
+            experts = f"{self.adapter.experts_module}."
             state = {k: v for k, v in state.items() if not k.startswith(experts)}
         state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         return moe, rest, layout, state
@@ -313,7 +318,7 @@ class CalibrationSweep:
         """Whether layer ``layer``'s routed experts run as a :class:`ViewExperts` on the view's own tensors
         instead of a float32 copy loaded into the stock module."""
         module = self.adapter.decoder_layers(self._meta_model)[layer]
-        experts = getattr(module.get_submodule(self.adapter.moe_block_name), "experts", None)
+        experts = getattr(module.get_submodule(self.adapter.experts_parent), "experts", None)
         return experts is not None and takes_routed_tokens(experts)
 
     def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None, dict[str, torch.Tensor], Any]:
@@ -321,7 +326,7 @@ class CalibrationSweep:
         moe, rest, layout, state = prefetched.result() if prefetched is not None else self._read_layer(layer)
         module = self.adapter.decoder_layers(self._meta_model)[layer]
         if moe is not None and self._computes_from_view(layer):
-            install(module.get_submodule(self.adapter.moe_block_name), self.adapter).source = ExpertSource(moe)
+            install(module.get_submodule(self.adapter.experts_parent), self.adapter).source = ExpertSource(moe)
         try:
             module.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as error:
@@ -375,7 +380,7 @@ class CalibrationSweep:
         self, module: torch.nn.Module, layer: int, moe: MoEWeights | ExpertSource, original: MoEWeights
     ) -> None:
         """Compute layer ``layer``'s routed experts with ``moe`` from now on (the router stays the original's)."""
-        experts = getattr(module.get_submodule(self.adapter.moe_block_name), "experts", None)
+        experts = getattr(module.get_submodule(self.adapter.experts_parent), "experts", None)
         if isinstance(experts, ViewExperts):
             source = moe if isinstance(moe, ExpertSource) else ExpertSource(moe)
             experts.source = source.to(compute_device()) if is_accelerated() else source
@@ -418,15 +423,14 @@ class CalibrationSweep:
                 (module, moe), rest, layout = self.materialise(layer), None, None
             self.prefetch(layer + 1)
             captured_inputs: list[torch.Tensor] = []
+            router_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
             handles = []
             if moe is not None:
-                block = module.get_submodule(self.adapter.moe_block_name)
-                handles.append(
-                    block.register_forward_hook(
-                        lambda mod, args, out, into=captured_inputs: into.append(args[0].reshape(-1, args[0].shape[-1]))
-                    )
-                )
+                handles.append(_capture_input(module.get_submodule(self.adapter.moe_site_module), captured_inputs))
+                if self.adapter.router_input_module:
+                    router = module.get_submodule(self.adapter.router_input_module)
+                    handles.append(_capture_input(router, router_inputs))
                 if self.capture_attention and self.adapter.softmax_attention(layer):
                     handles.append(
                         module.get_submodule(self.adapter.attention_module).register_forward_hook(
@@ -447,14 +451,16 @@ class CalibrationSweep:
                     attention_received=torch.cat(received).cpu() if received else None,
                     rest=rest,
                     layout=layout,
+                    router_input=torch.cat(router_inputs).float() if router_inputs else None,
                 )
-                del captured_inputs, received, rest
+                del captured_inputs, router_inputs, received, rest
                 yield capture
                 if capture.replacement is not None:
                     self._load_moe(module, layer, capture.replacement, capture.moe)
                     outputs = self._forward_routed(module, layer, hidden, capture)
                 result = capture.result
                 capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
+                capture.router_input = None
                 capture.replacement = None
                 del capture
             del moe
@@ -478,22 +484,17 @@ class CalibrationSweep:
         """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set."""
         if capture.allowed is None:
             return self.forward_layer(module, layer, hidden)
-        adapter, allowed = self.adapter, capture.allowed
-        rule = adapter.routing_rule()
-        bias = capture.moe.correction_bias
+        adapter, allowed, moe = self.adapter, capture.allowed, capture.moe
 
-        def reroute(router, inputs, output):
-            logits = adapter.route_of(output)[0]
-            ids, weights = rule.route(
-                logits, None if bias is None else bias.to(logits.device), allowed.to(logits.device)
-            )
-            return adapter.with_route(output, weights, ids)
+        def choose(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return adapter.route(moe, logits, allowed.to(logits.device))
 
-        handle = module.get_submodule(self.adapter.router_module).register_forward_hook(reroute)
+        handles = adapter.reroute_hooks(module, choose)
         try:
             return self.forward_layer(module, layer, hidden)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     def forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         """The layer's outputs for each batch's input hidden states, called as the stock forward calls it."""
@@ -523,6 +524,20 @@ def _meta_model(auto_class, config, dtype: torch.dtype, attention: str) -> torch
         if attention == "eager":
             raise
         return build("eager")
+
+
+def _capture_input(module: torch.nn.Module, into: list[torch.Tensor]) -> Any:
+    """A forward hook that appends ``module``'s first input, flattened to ``[T, H]``, to ``into``; its handle."""
+    return module.register_forward_hook(lambda mod, args, out: into.append(args[0].reshape(-1, args[0].shape[-1])))
+
+
+def _initialise_meta_buffers(module: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Buffers a checkpoint does not hold (DeepSeek-V4's attention compressors' own rotary tables, non-persistent)
+    made on the host and set by the model's own initialisation, as transformers does for them at load."""
+    for child in module.modules():
+        if any(buffer.is_meta for buffer in child.buffers(recurse=False)):
+            child.to_empty(device=HOST, recurse=False)
+            model._init_weights(child)
 
 
 def _convert_in_turn(moe: MoEWeights, dtype: torch.dtype) -> None:

@@ -584,6 +584,44 @@ TINY_CONFIGS["longcat_flash"] = dict(
     zero_expert_num=4,
     routed_scaling_factor=2.0,
 )
+_GEMMA4 = dict(
+    _COMMON,
+    num_hidden_layers=2,
+    head_dim=16,
+    global_head_dim=16,
+    intermediate_size=48,
+    hidden_size_per_layer_input=0,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+)
+TINY_CONFIGS["gemma4_text"] = dict(_GEMMA4, model_type="gemma4_text")
+TINY_CONFIGS["gemma4"] = dict(
+    model_type="gemma4",
+    text_config=_GEMMA4,
+    vision_config=dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        patch_size=4,
+    ),
+    image_token_id=380,
+    video_token_id=381,
+    boi_token_id=382,
+    eoi_token_id=383,
+    audio_token_id=379,
+    boa_token_id=378,
+    eoa_token_index=377,
+    tie_word_embeddings=True,
+)
 TINY_CONFIGS["nemotron_h"] = dict(
     _COMMON,
     model_type="nemotron_h",

@@ -320,7 +320,6 @@ def _mask_experts(model: Any, adapter: Any, source: Path, removed: dict[int, lis
     from moecompress.checkpoint import CheckpointReader
     from moecompress.checkpoint.stream import group_keys_by_layer
 
-    rule = adapter.routing_rule()
     with CheckpointReader(source) as reader:
         keys, _ = group_keys_by_layer(reader, adapter)
         for layer, ids in removed.items():
@@ -328,12 +327,10 @@ def _mask_experts(model: Any, adapter: Any, source: Path, removed: dict[int, lis
             allowed = torch.ones(moe.router_columns, dtype=torch.bool)
             allowed[ids] = False
 
-            def reroute(module, inputs, output, bias=moe.correction_bias, allowed=allowed):
-                logits = adapter.route_of(output)[0]
-                chosen, weights = rule.route(logits, bias, allowed)
-                return adapter.with_route(output, weights, chosen)
+            def choose(logits, moe=moe, allowed=allowed):
+                return adapter.route(moe, logits, allowed)
 
-            adapter.router_of(model, layer).register_forward_hook(reroute)
+            adapter.reroute_hooks(adapter.decoder_layers(model)[layer], choose)
 
 
 def check_inspect(source: Path, work: Path) -> None:

@@ -11,11 +11,14 @@ from moecompress.sweep import CalibrationSweep
 from moecompress.synthetic import FAMILIES
 
 
-def _stock_moe_inputs(model, adapter, batches) -> dict:
-    """What every MoE block receives inside the stock model's own forward, per layer, all batches."""
+def _stock_moe_inputs(model, adapter, batches, module_name=None) -> dict:
+    """What every MoE block (or ``module_name`` of each MoE layer) receives inside the stock model's own forward, per
+    layer, all batches."""
     expected: dict = {}
     handles = [
-        adapter.moe_block_of(model, layer).register_forward_hook(
+        adapter.decoder_layers(model)[layer]
+        .get_submodule(module_name or adapter.moe_site_module)
+        .register_forward_hook(
             lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(
                 args[0].reshape(-1, args[0].shape[-1])
             )
@@ -41,6 +44,9 @@ def test_sweep_matches_stock_forward(family, capture_attention, tiny_checkpoints
     batches = [{"input_ids": torch.randint(0, 300, (2, 24), generator=generator)} for _ in range(2)]
 
     expected = _stock_moe_inputs(model, adapter, batches)
+    routed = (
+        _stock_moe_inputs(model, adapter, batches, adapter.router_input_module) if adapter.router_input_module else {}
+    )
 
     tags = torch.zeros(2 * 2 * 24, dtype=torch.long)
     sweep = CalibrationSweep(source, batches, tags, ["text"], capture_attention=capture_attention, progress=False)
@@ -48,6 +54,10 @@ def test_sweep_matches_stock_forward(family, capture_attention, tiny_checkpoints
     for capture in sweep.run():
         layers.append(capture.layer)
         torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=1e-5)
+        if routed:
+            torch.testing.assert_close(capture.router_input, torch.cat(routed[capture.layer]), rtol=1e-5, atol=1e-5)
+        else:
+            assert capture.router_input is None
         if capture_attention and not adapter.softmax_attention(capture.layer):
             assert capture.attention_received is None, "a linear-attention layer has no attention weights"
         elif capture_attention:

@@ -25,6 +25,7 @@ from .deepseek_derived import (
     SolarOpenAdapter,
 )
 from .ernie import Ernie45MoeAdapter
+from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
@@ -109,6 +110,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MiniMaxM3TextAdapter,
     MiniMaxM3VLAdapter,
     NemotronHAdapter,
+    Gemma4TextAdapter,
+    Gemma4Adapter,
     LongcatFlashAdapter,
     Qwen4ExpTextAdapter,
     Qwen4ExpAdapter,
@@ -168,13 +171,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "step3p7": (
         "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "
         "by the expert passes, GPTQ and the quantised-expert plugin) is one per family"
-    ),
-    **dict.fromkeys(
-        ("gemma4", "gemma4_text"),
-        "Gemma 4's experts run beside the dense MLP with no MoE block module: its router reads the layer's residual "
-        "through a norm and scale of its own while the experts read pre_feedforward_layernorm_2 of it, and each "
-        "chosen weight is multiplied by a per-expert scale, which the expert view (router and experts on one block "
-        "input, weights from the router logits alone) cannot hold",
     ),
 }
 """MoE families transformers has that moecompress refuses on purpose, with the reason it gives."""

@@ -41,6 +41,8 @@ class MoEWeights:
     ``identity_experts`` router columns follow the ``E`` FFN experts' (router rows and correction bias span
     ``E + identity_experts``): zero-computation experts whose output is their input (LongCat-Flash). They hold no
     weights, so no pass prunes or quantises them; routing and the block's output count them.
+    ``expert_scale`` ``[E]`` multiplies each chosen expert's routing weight after the rule's normalisation (Gemma 4's
+    ``per_expert_scale``): it is part of the routing, removed with its expert and never quantised.
     """
 
     router_weight: torch.Tensor
@@ -52,6 +54,7 @@ class MoEWeights:
     down_bias: torch.Tensor | None = None
     expert_ids: list[int] = field(default_factory=list)
     identity_experts: int = 0
+    expert_scale: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -89,6 +92,7 @@ class MoEWeights:
             gate_up_bias=pick(self.gate_up_bias),
             down_bias=pick(self.down_bias),
             expert_ids=[self.expert_ids[i] for i in keep],
+            expert_scale=pick(self.expert_scale),
         )
 
 
@@ -145,6 +149,13 @@ class FamilyAdapter:
     """Whether the model reads the token ids besides their embeddings (Qwen4-Exp's per-layer n-gram embeddings), so
     that the head's skeleton cannot be fed zero embeddings in their place."""
     gated_experts: ClassVar[bool] = True
+    expert_scale_name: ClassVar[str | None] = None
+    """The router tensor (beside its weight) that holds :attr:`MoEWeights.expert_scale` (Gemma 4:
+    ``per_expert_scale``), or None."""
+    router_input_module: ClassVar[str | None] = None
+    """The module in a decoder layer whose input the router's weight multiplies, where that is not the experts'
+    input (Gemma 4's ``router.proj``: its router normalises and scales the residual stream itself); the sweep
+    captures it there, so the stock modules compute it."""
     """Whether an expert gates its up projection (gate, up, down); otherwise it is up, activation, down (the view's
     ``gate_up`` then holds the up rows alone, ``[E, I, H]``, and :meth:`activation` gets ``gate=None``)."""
 
@@ -348,6 +359,8 @@ class FamilyAdapter:
         moe.router_bias = rest.pop(self._router_key(layer, "bias"), None)
         if self.has_correction_bias:
             moe.correction_bias = rest.pop(self._router_key(layer, "e_score_correction_bias"), None)
+        if self.expert_scale_name:
+            moe.expert_scale = rest.pop(self._router_key(layer, self.expert_scale_name))
         moe.expert_ids = self.original_expert_ids(layer)
         moe.identity_experts = self.identity_experts(layer)
         self._check_shapes(layer, moe)
@@ -369,6 +382,8 @@ class FamilyAdapter:
             "gate_up": (tuple(moe.gate_up.shape), (moe.num_experts, in_rows, hidden)),
             "down": (tuple(moe.down.shape), (moe.num_experts, hidden, moe.intermediate_size)),
         }
+        if moe.expert_scale is not None:
+            shapes["expert scale"] = (tuple(moe.expert_scale.shape), (moe.num_experts,))
         for name, (got, want) in shapes.items():
             if got != want:
                 raise UserInputError(
@@ -387,6 +402,8 @@ class FamilyAdapter:
             out[self._router_key(layer, "bias")] = moe.router_bias
         if moe.correction_bias is not None:
             out[self._router_key(layer, "e_score_correction_bias")] = moe.correction_bias
+        if moe.expert_scale is not None:
+            out[self._router_key(layer, self.expert_scale_name)] = moe.expert_scale
         out.update(self._expert_tensors(layer, moe, layout))
         return out
 
@@ -461,6 +478,10 @@ class FamilyAdapter:
         model gives them, for the calibration skeleton."""
         return state
 
+    def fix_skeleton(self, skeleton: torch.nn.Module) -> None:
+        """Undo what the stock model derived at build time from the sweep skeleton's zero decoder layers (Gemma 4's
+        first KV-sharing layer index)."""
+
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The decoder layers of a loaded model."""
         return model.get_submodule(self.runtime_layers_path)
@@ -499,7 +520,35 @@ class FamilyAdapter:
         return self.decoder_layers(model)[layer].get_submodule(self.moe_block_name)
 
     def experts_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
-        return self.moe_block_of(model, layer).get_submodule("experts")
+        return self.decoder_layers(model)[layer].get_submodule(self.experts_module)
+
+    @property
+    def experts_module(self) -> str:
+        """The routed-experts module's name inside a runtime decoder layer."""
+        return f"{self.moe_block_name}.experts"
+
+    @property
+    def experts_parent(self) -> str:
+        """The name of the module that holds :attr:`experts_module` (``""``: the decoder layer itself)."""
+        return self.experts_module.rpartition(".")[0]
+
+    @property
+    def moe_site_module(self) -> str:
+        """The module whose input is what the routed experts compute on and whose output is the MoE output the
+        passes measure: the MoE block, or the experts module where no block holds router and experts (Gemma 4)."""
+        return self.moe_block_name
+
+    def reroute_hooks(
+        self, layer_module: torch.nn.Module, choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[Any]:
+        """Forward hooks on a runtime decoder layer that replace its router's choice by ``choose(logits)``
+        (``(ids, weights)``); their handles."""
+
+        def reroute(router, inputs, output):
+            ids, weights = choose(self.route_of(output)[0])
+            return self.with_route(output, weights, ids)
+
+        return [layer_module.get_submodule(self.router_module).register_forward_hook(reroute)]
 
     def runtime_layer_state(
         self, layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor]
@@ -523,8 +572,8 @@ class FamilyAdapter:
         return state
 
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
-        block = self.moe_block_name
-        state = {f"{block}.experts.{self.fused_in_name}": moe.gate_up, f"{block}.experts.down_proj": moe.down}
+        experts = self.experts_module
+        state = {f"{experts}.{self.fused_in_name}": moe.gate_up, f"{experts}.down_proj": moe.down}
         state.update(self.runtime_router_state(moe))
         return state
 
@@ -535,6 +584,8 @@ class FamilyAdapter:
             state[f"{self.router_module}.bias"] = moe.router_bias
         if moe.correction_bias is not None:
             state[f"{self.router_module}.e_score_correction_bias"] = moe.correction_bias
+        if moe.expert_scale is not None:
+            state[f"{self.router_module}.{self.expert_scale_name}"] = moe.expert_scale
         return state
 
     # ---- computation ----------------------------------------------------------------------------------
@@ -556,9 +607,28 @@ class FamilyAdapter:
             out = out + moe.down_bias[expert].to(hidden.dtype)
         return out
 
-    def moe_forward(self, moe: MoEWeights, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' combined output for ``hidden`` ``[T, H]`` (shared experts excluded)."""
-        ids, weights = self.routing_rule().route(self.router_logits(moe, hidden), moe.correction_bias, allowed)
+    def route(
+        self, moe: MoEWeights, logits: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k ids ``[T, k]`` and routing weights of ``moe``'s router logits ``[T, E]``: the family's rule, then
+        the per-expert scale where the block has one."""
+        bias = None if moe.correction_bias is None else moe.correction_bias.to(logits.device)
+        ids, weights = self.routing_rule().route(logits, bias, allowed)
+        if moe.expert_scale is not None:
+            weights = weights * moe.expert_scale.to(weights.device).float()[ids]
+        return ids, weights
+
+    def moe_forward(
+        self,
+        moe: MoEWeights,
+        hidden: torch.Tensor,
+        allowed: torch.Tensor | None = None,
+        router_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' combined output for ``hidden`` ``[T, H]`` (shared experts excluded); the router reads
+        ``router_input`` where it is given (:attr:`router_input_module`), otherwise ``hidden``."""
+        logits = self.router_logits(moe, hidden if router_input is None else router_input)
+        ids, weights = self.route(moe, logits, allowed)
         return self.combine_experts(hidden, ids, weights, lambda expert, x: self.expert_output(moe, expert, x))
 
     def combine_experts(

@@ -63,8 +63,10 @@ def layer_expert_stats(
     hidden: torch.Tensor,
     chunk_tokens: int = 2048,
     removed: torch.Tensor | None = None,
+    router_input: torch.Tensor | None = None,
 ) -> TokenExpertStats:
-    """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]``.
+    """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]`` (the router reads
+    ``router_input`` where the family's router has an input of its own).
 
     ``removed`` (bool ``[E]``) marks experts already taken out: routing avoids them, and ΔH of the others is the
     change from that reduced block. Removed experts get ΔH 0.
@@ -86,11 +88,12 @@ def layer_expert_stats(
     for start in range(0, tokens, chunk_tokens):
         x = hidden[start : start + chunk_tokens].float()
         n = x.shape[0]
-        logits = adapter.router_logits(moe, x)
-        ids, weights = rule.route(logits, moe.correction_bias, allowed=base_allowed)
+        routed_by = x if router_input is None else router_input[start : start + chunk_tokens].to(device).float()
+        logits = adapter.router_logits(moe, routed_by)
+        ids, weights = adapter.route(moe, logits, allowed=base_allowed)
         # every present expert removed in turn: [E, n, k] re-routed ids and weights
         masked = [
-            rule.route(logits, moe.correction_bias, allowed=present & ~eye[e]) if present[e] else (ids, weights)
+            adapter.route(moe, logits, allowed=present & ~eye[e]) if present[e] else (ids, weights)
             for e in range(num_experts)
         ]
         new_ids = torch.stack([m[0] for m in masked])
@@ -142,13 +145,15 @@ def layer_expert_stats(
     )
 
 
-def brute_force_delta_h(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
+def brute_force_delta_h(
+    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None = None
+) -> torch.Tensor:
     """ΔH by re-running the whole block once per removed expert (the definition; for tests)."""
-    full = adapter.moe_forward(moe, hidden.float(), allowed=None)
+    full = adapter.moe_forward(moe, hidden.float(), allowed=None, router_input=router_input)
     eye = torch.eye(moe.router_columns, dtype=torch.bool, device=hidden.device)
     return torch.stack(
         [
-            (full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e])).norm(dim=-1)
+            (full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e], router_input=router_input)).norm(dim=-1)
             for e in range(moe.num_experts)
         ],
         dim=1,

@@ -60,6 +60,7 @@ def layer_errors(
     measure: bool = False,
     token_weights: torch.Tensor | None = None,
     only_kept: bool = False,
+    router_input: torch.Tensor | None = None,
 ) -> LayerErrors:
     """Spectra (with ``keep`` components' factors, one number for all or one per ``(expert, matrix)``, absent
     meaning 0) and loads of every expert matrix of one block.
@@ -84,7 +85,8 @@ def layer_errors(
     if token_weights is not None:
         token_weights = token_weights.to(hidden.device)
     rule = adapter.routing_rule()
-    ids, weights = rule.route(adapter.router_logits(moe, hidden), moe.correction_bias)
+    router_input = hidden if router_input is None else router_input.to(hidden.device).float()
+    ids, weights = adapter.route(moe, adapter.router_logits(moe, router_input))
     total_slots = float(ids.numel())
     result = LayerErrors({}, {})
     without_adapters = with_adapters = 0.0

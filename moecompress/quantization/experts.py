@@ -53,17 +53,22 @@ def quantize_experts_rtn(moe: MoEWeights, scheme: QuantScheme) -> QuantizedMoE:
     return QuantizedMoE(moe, gate_up, down, {"method": "rtn"})
 
 
-def routed_tokens(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> list[torch.Tensor]:
-    """For each expert (position in ``moe``), the indices of the tokens in ``hidden`` routed to it."""
-    ids, _ = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
+def routed_tokens(
+    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """For each expert (position in ``moe``), the indices of the tokens in ``hidden`` routed to it (the router reads
+    ``router_input`` where the family's router has an input of its own)."""
+    ids, _ = adapter.route(moe, adapter.router_logits(moe, hidden if router_input is None else router_input))
     return [torch.where((ids == expert).any(dim=-1))[0] for expert in range(moe.num_experts)]
 
 
-def routed_inputs(adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor) -> list[torch.Tensor]:
+def routed_inputs(
+    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """For each expert (position in ``moe``), what it computes on: the tokens of ``hidden`` routed to it, scaled by
     their routing weight where the family's rule scales expert inputs (Llama 4)."""
     rule = adapter.routing_rule()
-    ids, weights = rule.route(adapter.router_logits(moe, hidden), moe.correction_bias)
+    ids, weights = adapter.route(moe, adapter.router_logits(moe, hidden if router_input is None else router_input))
     inputs = []
     for expert in range(moe.num_experts):
         token, slot = torch.where(ids == expert)
@@ -143,6 +148,7 @@ def quantize_experts_calibrated(
     min_tokens: int = 64,
     damp: float = DEFAULT_DAMP,
     block_size: int = DEFAULT_BLOCK,
+    router_input: torch.Tensor | None = None,
 ) -> QuantizedMoE:
     """Quantise every routed expert of ``moe`` using the block's calibration inputs ``hidden`` ``[T, H]``: GPTQ
     (``method="gptq"``) and/or the choice of salient weights (schemes with a salient fraction).
@@ -157,7 +163,7 @@ def quantize_experts_calibrated(
         raise ValueError(f"unknown method {method!r}")
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
-    inputs = routed_inputs(adapter, moe, hidden)
+    inputs = routed_inputs(adapter, moe, hidden, None if router_input is None else router_input.to(hidden.device))
     counts = [int(x.shape[0]) for x in inputs]
     use = [count >= min_tokens for count in counts] if method == "gptq" else None
     gate_up = _quantize_matrix(moe.gate_up, inputs, scheme, use, damp, block_size)

@@ -149,7 +149,7 @@ def _backpropagate_layer(
             out = output[0] if isinstance(output, tuple) else output
             out.register_hook(lambda grad: squares[layer].append(grad.float().pow(2).mean(dim=-1).reshape(-1).cpu()))
 
-        handle = module.get_submodule(sweep.adapter.moe_block_name).register_forward_hook(record)
+        handle = module.get_submodule(sweep.adapter.moe_site_module).register_forward_hook(record)
     inputs = load_file(inputs_path)
     input_gradients = []
     try:
