@@ -27,6 +27,7 @@ from .checkpoint.stock_model import stock_config, stock_failures
 from .device import HOST, compute_device, host_buffer, is_accelerated, to_compute
 from .errors import UserInputError
 from .families import FamilyAdapter, MoEWeights, adapter_for
+from .layer_carry import LayerCarry
 from .memory import release_freed_memory
 from .progress import bar as progress_bar
 from .sweep_state import LayerResult, SweepState
@@ -176,6 +177,7 @@ class CalibrationSweep:
         """Planning needs the layers' inputs, not the logits: a 151,936-token head over a batch is 1.2 GB."""
         skeleton, recorder = self._skeleton()
         self.plans = self._plan(skeleton, recorder, batches)
+        self.carry = LayerCarry(self.adapter, len(self.plans))
         del skeleton
 
     def _skeleton(self) -> tuple[torch.nn.Module, _CallRecorder]:
@@ -415,6 +417,7 @@ class CalibrationSweep:
         start = 0
         if state is not None and state.last_layer is not None:
             hidden, start = state.hidden(), state.start_layer
+            self.carry.restore(state.carried())
         layers = range(start, self.adapter.num_layers)
         for layer in progress_bar(layers, desc=label, unit="layer", disable=not self.progress, initial=start):
             if self.keep_tensors:
@@ -470,7 +473,7 @@ class CalibrationSweep:
                 for out, plan in zip(outputs, self.plans, strict=True)
             ]
             if state is not None:
-                state.commit(layer, hidden, result)
+                state.commit(layer, hidden, result, self.carry.tensors() if self.carry.active else None)
         self.last_hidden = hidden
         """The last decoder layer's outputs per batch (what an MTP layer takes), once the sweep has finished."""
         if hasattr(self, "_reading"):
@@ -503,7 +506,9 @@ class CalibrationSweep:
         with torch.inference_mode():
             for index, states in enumerate(hidden):
                 args, kwargs = self.call_arguments(layer, index)
+                kwargs = self.carry.arguments(layer, index, kwargs)
                 out = module(to_compute(states), *args, **kwargs)
+                self.carry.record(layer, index, out, kwargs)
                 out = out[0] if isinstance(out, tuple) else out
                 outputs.append(host_buffer(out) if accelerated else out)
         return outputs

@@ -22,6 +22,7 @@ LayerResult = tuple[dict[str, torch.Tensor], Any]
 """A consumer's result for one layer: named tensors and JSON-ready metadata."""
 
 _HIDDEN = "hidden.safetensors"
+_CARRIED = "carried.safetensors"
 
 
 def load_with_metadata(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -80,12 +81,26 @@ class SweepState:
             path.unlink()
         self.last_layer, self._hidden, self._results = None, None, {}
 
-    def commit(self, layer: int, hidden: list[torch.Tensor], result: LayerResult | None) -> None:
-        """Record ``layer`` as done: its result first, then the hidden states leaving it."""
+    def carried(self) -> dict[str, torch.Tensor]:
+        """The state the committed layers hand to later ones (:class:`~moecompress.layer_carry.LayerCarry`)."""
+        path = self.directory / _CARRIED
+        return load_file(str(path)) if path.is_file() else {}
+
+    def commit(
+        self,
+        layer: int,
+        hidden: list[torch.Tensor],
+        result: LayerResult | None,
+        carried: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Record ``layer`` as done: its result and the state carried to later layers first, then the hidden states
+        leaving it."""
         if result is not None:
             tensors, meta = result
             write_safetensors(self.directory / f"layer-{layer:05d}.safetensors", tensors, {"meta": json.dumps(meta)})
             self._results[layer] = result
+        if carried is not None:
+            write_safetensors(self.directory / _CARRIED, carried, {"after_layer": str(layer)})
         metadata = {"after_layer": str(layer), "result_layers": json.dumps(sorted(self._results))}
         write_safetensors(self.directory / _HIDDEN, {f"batch-{i}": h for i, h in enumerate(hidden)}, metadata)
         self.last_layer = layer

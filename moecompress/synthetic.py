@@ -668,6 +668,34 @@ TINY_CONFIGS["qwen4_exp"] = _vision_language(
     vision_start_token_id=382,
     vision_end_token_id=383,
 )
+TINY_CONFIGS["mistral_large4"] = dict(
+    model_type="mistral_large4",
+    text_config=dict(
+        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        **{k: v for k, v in _MLA.items() if k != "q_lora_rank"},
+        **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_group", "topk_group", "num_hidden_layers")},
+        model_type="mistral_large4_text",
+        num_hidden_layers=4,
+        index_topk=32,
+        index_head_dim=16,
+        index_n_heads=2,
+        indexer_types=["full", "shared", "full", "shared"],
+        kv_source_layers=[0, 0, 2, 2],
+        no_rope_layers=[1, 1, 0, 0],
+    ),
+    vision_config=dict(
+        model_type="pixtral",
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        head_dim=16,
+        image_size=32,
+        patch_size=4,
+    ),
+    image_token_index=380,
+    tie_word_embeddings=False,
+)
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 

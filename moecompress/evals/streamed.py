@@ -140,7 +140,8 @@ class LayerStream(CalibrationSweep):
         dtype its module registered it with (what transformers' loader does)."""
         prefix = self.adapter.layer_prefix(layer)
         module = self.adapter.decoder_layers(self._meta_model)[layer]
-        names = {name[len(prefix) :]: name for name in self.quantization.modules if name.startswith(prefix)}
+        local = self.adapter.runtime_name_of_stored
+        names = {local(name[len(prefix) :]): name for name in self.quantization.modules if name.startswith(prefix)}
         try:
             replace_quantized_modules(module, self.quantization, names, self.adapter)
         except ValueError as error:
@@ -148,11 +149,12 @@ class LayerStream(CalibrationSweep):
         expected = module.state_dict(keep_vars=True)
         read = self.reader.read(self.layer_keys.get(layer, []))
         state = {}
-        for local, tensor in self.adapter.runtime_local_state({k[len(prefix) :]: t for k, t in read.items()}).items():
-            target = expected.get(local)
+        stored = {local(k[len(prefix) :]): t for k, t in read.items()}
+        for name, tensor in self.adapter.runtime_local_state(stored).items():
+            target = expected.get(name)
             if target is not None and tensor.is_floating_point() and target.is_floating_point():
                 tensor = tensor.to(target.dtype)
-            state[local] = tensor
+            state[name] = tensor
         try:
             module.load_state_dict(state, strict=True, assign=True)
             decode_salient_bitmaps(module)

@@ -38,6 +38,7 @@ from .longcat_flash import LongcatFlashAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
 from .minimax_m3 import MiniMaxM3TextAdapter, MiniMaxM3VLAdapter
 from .mistral4 import Mistral3Adapter, Mistral4Adapter
+from .mistral_large4 import MistralLarge4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .nemotron_h import NemotronHAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
@@ -113,6 +114,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Gemma4TextAdapter,
     Gemma4Adapter,
     LongcatFlashAdapter,
+    MistralLarge4Adapter,
     Qwen4ExpTextAdapter,
     Qwen4ExpAdapter,
 )
@@ -159,6 +161,10 @@ REFUSED_FAMILIES: dict[str, str] = {
     "kolibri1_1": (
         "Kolibri 1.1's decoder layers hand their sparse-attention index pool to the next layer, which the "
         "layer-by-layer sweep does not carry between layers"
+    ),
+    "mistral_large4_text": (
+        "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
+        "output head); its release is mistral_large4, whose text model moecompress compresses"
     ),
     "zaya": (
         "ZAYA1's router carries a hidden state from one layer to the next and has a skip (no-compute) expert, which "

@@ -140,6 +140,12 @@ class FamilyAdapter:
     layer_returns_tuple: ClassVar[bool] = False
     """Whether the stock decoder layer returns ``(hidden, extra)`` that the decoder unpacks (GLM-5 hands its
     sparse-attention top-k to the next layer)."""
+    carried_outputs: ClassVar[dict[int, str]] = {}
+    """Outputs of a decoder layer the stock forward passes to the next layer: position in the layer's output tuple
+    to the next layer's keyword (GLM-5's and Mistral Large 4's indexer top-k, ``prev_topk_indices``)."""
+    shared_state_keyword: ClassVar[str | None] = None
+    """The keyword of a dictionary the stock forward threads through every layer, written by some layers and read by
+    later ones (:meth:`shared_state_sources`; Mistral Large 4's ``shared_kv_states``)."""
     has_correction_bias: ClassVar[bool] = False
     accepts_images: ClassVar[bool] = False
     attention_module: ClassVar[str] = "self_attn"
@@ -312,6 +318,20 @@ class FamilyAdapter:
 
     def is_vision_key(self, key: str) -> bool:
         return False
+
+    def shared_state_sources(self, layer: int) -> list[int]:
+        """The earlier layers whose entries in the :attr:`shared_state_keyword` dictionary layer ``layer`` reads."""
+        return []
+
+    def stored_local_name(self, runtime_local: str) -> str:
+        """The name a quantised checkpoint stores a layer-local tensor or module under, from its runtime name: the
+        runtime name itself, except where transformers' conversion mapping would rename it again at load (Mistral
+        Large 4's native names)."""
+        return runtime_local
+
+    def runtime_name_of_stored(self, stored_local: str) -> str:
+        """The inverse of :meth:`stored_local_name`."""
+        return stored_local
 
     # ---- layer tensors <-> MoE view ---------------------------------------------------------------------
     def _expert_key(self, layer: int, expert: int, which: int) -> str:

@@ -23,11 +23,14 @@ from safetensors.torch import load_file
 from ..device import host_buffer, to_compute
 from ..evals.perplexity import windows_per_forward
 from ..files import write_safetensors
+from ..layer_carry import LayerCarry
 from ..progress import bar as progress_bar
 from ..sweep import CalibrationSweep, split_windows
 from ..sweep_state import load_with_metadata
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
+_CARRIED = "carried:"
+"""Spilled beside a layer's input hidden states: the state earlier layers hand it (:class:`LayerCarry`)."""
 
 
 def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,9 @@ def block_output_fisher(
             hidden = [plan.hidden for plan in sweep.plans]
             for layer in progress_bar(layers, desc="sensitivity (forward)", unit="layer", disable=not progress):
                 if layer >= lowest:
-                    write_safetensors(f"{spill}/{layer}.safetensors", {str(i): h for i, h in enumerate(hidden)}, {})
+                    carried = {f"{_CARRIED}{name}": value for name, value in sweep.carry.tensors().items()}
+                    inputs = {str(i): h for i, h in enumerate(hidden)}
+                    write_safetensors(f"{spill}/{layer}.safetensors", {**inputs, **carried}, {})
                 module, moe = sweep.materialise(layer)
                 del moe
                 outputs = sweep.forward_layer(module, layer, hidden)
@@ -151,12 +156,14 @@ def _backpropagate_layer(
 
         handle = module.get_submodule(sweep.adapter.moe_site_module).register_forward_hook(record)
     inputs = load_file(inputs_path)
+    carry = LayerCarry(sweep.adapter, len(output_gradients))
+    carry.restore({name[len(_CARRIED) :]: inputs.pop(name) for name in list(inputs) if name.startswith(_CARRIED)})
     input_gradients = []
     try:
         for index, gradient in enumerate(output_gradients):
             states = to_compute(inputs.pop(str(index))).requires_grad_(True)
             args, kwargs = sweep.call_arguments(layer, index)
-            out = module(states, *args, **kwargs)
+            out = module(states, *args, **carry.arguments(layer, index, kwargs))
             out = out[0] if isinstance(out, tuple) else out
             (input_gradient,) = torch.autograd.grad(out, states, grad_outputs=to_compute(gradient))
             input_gradients.append(host_buffer(input_gradient))

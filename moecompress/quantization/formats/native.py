@@ -32,7 +32,7 @@ def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str,
 
 
 def experts_module(adapter: FamilyAdapter, layer: int) -> str:
-    return f"{adapter.layer_prefix(layer)}{adapter.moe_block_name}.experts"
+    return f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(f'{adapter.moe_block_name}.experts')}"
 
 
 def runtime_key(adapter: FamilyAdapter, key: str) -> str:
@@ -41,7 +41,7 @@ def runtime_key(adapter: FamilyAdapter, key: str) -> str:
     if layer is None:
         return key
     prefix = adapter.layer_prefix(layer)
-    return prefix + adapter.runtime_local_name(key[len(prefix) :])
+    return prefix + adapter.stored_local_name(adapter.runtime_local_name(key[len(prefix) :]))
 
 
 def stored(name: str, tensor: torch.Tensor | QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -61,7 +61,8 @@ def layer_tensors(
         return out
     weights = moe.weights
     prefix = adapter.layer_prefix(layer)
-    out.update({prefix + name: tensor for name, tensor in adapter.runtime_router_state(weights).items()})
+    router = adapter.runtime_router_state(weights)
+    out.update({prefix + adapter.stored_local_name(name): tensor for name, tensor in router.items()})
     experts = experts_module(adapter, layer)
     out.update(moe.gate_up.stored(f"{experts}.{adapter.fused_in_name}"))
     out.update(moe.down.stored(f"{experts}.down_proj"))

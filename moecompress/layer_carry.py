@@ -1,0 +1,106 @@
+"""State that a decoder layer hands to later layers in the stock forward, carried by the layer sweep.
+
+The sweep runs one layer at a time on each calibration batch with the call arguments the skeleton recorded, which
+hold no such state (its proxies return their input). Two kinds are carried, per batch, as the adapter declares:
+
+- an output of layer ``i`` that the stock forward passes to layer ``i + 1`` (``carried_outputs``: output position to
+  keyword; Mistral Large 4's and GLM-5's indexer top-k as ``prev_topk_indices``), kept for the next layer only;
+- a dictionary the stock forward threads through all layers (``shared_state_keyword``, Mistral Large 4's
+  ``shared_kv_states``): each call gets a fresh one holding what the layer's sources
+  (:meth:`~moecompress.families.FamilyAdapter.shared_state_sources`) wrote into theirs, and what a layer writes is kept
+  until the last layer that names it as a source has run.
+
+What it holds: per batch one top-k ``[B, S, min(index_topk, S)]`` int32 (at 16,384 calibration tokens in
+256-token windows, 16 MiB in all, against 384 MiB for one layer's float32 hidden states at hidden size 6144) and each
+live source's entries (Mistral Large 4: ``kv_lora_rank + qk_rope_head_dim`` = 576 values a token, 9% of a hidden
+state). A layer run again (a replacement's recomputation) reads the same entries, as nothing is dropped before the
+next layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .device import to_compute
+from .families import FamilyAdapter
+
+
+class LayerCarry:
+    def __init__(self, adapter: FamilyAdapter, batches: int):
+        self.adapter = adapter
+        self.outputs = dict(adapter.carried_outputs)
+        self.keyword = adapter.shared_state_keyword
+        self.entering: list[dict[int, dict[str, Any]]] = [{} for _ in range(batches)]
+        """Per batch: layer → the keyword arguments carried into it."""
+        self.stored: list[dict[int, dict[str, tuple[torch.Tensor, ...]]]] = [{} for _ in range(batches)]
+        """Per batch: source layer → what it wrote into the shared dictionary."""
+        self.last_reader: dict[int, int] = {}
+        for layer in range(adapter.num_layers):
+            for source in adapter.shared_state_sources(layer):
+                self.last_reader[source] = max(self.last_reader.get(source, source), layer)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.outputs) or self.keyword is not None
+
+    def arguments(self, layer: int, batch: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` (the recorded call) with the state carried into layer ``layer`` for batch ``batch``."""
+        if not self.active:
+            return kwargs
+        kwargs = {**kwargs, **self.entering[batch].get(layer, {})}
+        if self.keyword is not None and self.keyword in kwargs:
+            shared = type(kwargs[self.keyword])()
+            for source in self.adapter.shared_state_sources(layer):
+                shared.update(self.stored[batch].get(source, {}))
+            kwargs[self.keyword] = shared
+        return kwargs
+
+    def record(self, layer: int, batch: int, output: Any, kwargs: dict[str, Any]) -> None:
+        """Keep what layer ``layer`` produced for batch ``batch`` (``kwargs``: the arguments it was called with)."""
+        if not self.active:
+            return
+        if self.outputs and isinstance(output, tuple):
+            self.entering[batch][layer + 1] = {keyword: output[pos] for pos, keyword in self.outputs.items()}
+        for earlier in [i for i in self.entering[batch] if i < layer]:
+            del self.entering[batch][earlier]
+        if self.keyword is not None and self.keyword in kwargs:
+            read = {
+                key for source in self.adapter.shared_state_sources(layer) for key in self.stored[batch].get(source, {})
+            }
+            written = {key: value for key, value in kwargs[self.keyword].items() if key not in read}
+            if written and layer in self.last_reader:
+                self.stored[batch][layer] = written
+        for source in [s for s in self.stored[batch] if self.last_reader.get(s, s) < layer]:
+            del self.stored[batch][source]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything held, flat, for a resumable sweep's commit."""
+        out = {}
+        for batch, entering in enumerate(self.entering):
+            for layer, values in entering.items():
+                for keyword, value in values.items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"in/{batch}/{layer}/{keyword}"] = value.cpu()
+        for batch, stored in enumerate(self.stored):
+            for source, entries in stored.items():
+                for key, values in entries.items():
+                    for index, value in enumerate(values):
+                        out[f"kv/{batch}/{source}/{key}/{index}"] = value.cpu()
+        return out
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold what :meth:`tensors` returned (a resumed sweep)."""
+        kv: dict[tuple[int, int, str], dict[int, torch.Tensor]] = {}
+        for name, value in tensors.items():
+            value = to_compute(value)
+            kind, *parts = name.split("/")
+            if kind == "in":
+                batch, layer, keyword = int(parts[0]), int(parts[1]), parts[2]
+                self.entering[batch].setdefault(layer, {})[keyword] = value
+            else:
+                batch, source, key, index = int(parts[0]), int(parts[1]), parts[2], int(parts[3])
+                kv.setdefault((batch, source, key), {})[index] = value
+        for (batch, source, key), values in kv.items():
+            self.stored[batch].setdefault(source, {})[key] = tuple(values[i] for i in sorted(values))
