@@ -338,10 +338,10 @@ class CalibrationSweep:
             ) from None
         return self.placed(module).eval(), moe, rest, layout
 
-    @staticmethod
-    def placed(module: torch.nn.Module) -> torch.nn.Module:
+    def placed(self, module: torch.nn.Module) -> torch.nn.Module:
         """``module`` on the compute device (its host tensors are freed as they move; a :class:`ViewExperts`'s
-        view is copied there)."""
+        view is copied there), its buffers that no checkpoint holds made first."""
+        _initialise_meta_buffers(module, self._meta_model)
         if not is_accelerated():
             return module
         device = compute_device()
@@ -534,6 +534,15 @@ def _meta_model(auto_class, config, dtype: torch.dtype, attention: str) -> torch
 def _capture_input(module: torch.nn.Module, into: list[torch.Tensor]) -> Any:
     """A forward hook that appends ``module``'s first input, flattened to ``[T, H]``, to ``into``; its handle."""
     return module.register_forward_hook(lambda mod, args, out: into.append(args[0].reshape(-1, args[0].shape[-1])))
+
+
+def _initialise_meta_buffers(module: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Buffers a checkpoint does not hold (DeepSeek-V4's attention compressors' own rotary tables, non-persistent)
+    made on the host and set by the model's own initialisation, as transformers does for them at load."""
+    for child in module.modules():
+        if any(buffer.is_meta for buffer in child.buffers(recurse=False)):
+            child.to_empty(device=HOST, recurse=False)
+            model._init_weights(child)
 
 
 def _initialise_meta_buffers(module: torch.nn.Module, model: torch.nn.Module) -> None:

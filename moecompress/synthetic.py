@@ -572,6 +572,27 @@ TINY_CONFIGS.update(
         ),
     }
 )
+TINY_CONFIGS["deepseek_v4"] = dict(
+    _COMMON,
+    model_type="deepseek_v4",
+    num_hidden_layers=3,
+    num_key_value_heads=1,
+    head_dim=16,
+    partial_rotary_factor=0.5,
+    q_lora_rank=32,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    hc_mult=2,
+    sliding_window=16,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+)
 TINY_CONFIGS["longcat_flash"] = dict(
     _COMMON,
     **_MLA,
@@ -751,6 +772,10 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
         for name, buffer in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+            elif name.endswith("tid2eid"):
+                experts = int(config.num_local_experts)
+                rows = [torch.randperm(experts, generator=generator)[: buffer.shape[1]] for _ in range(buffer.shape[0])]
+                buffer.copy_(torch.stack(rows))
     return model.eval()
 
 
@@ -770,6 +795,8 @@ def save_tiny_model(family: str, directory: str | os.PathLike[str], seed: int = 
         _add_qwen_mtp(directory)
     if family == "kimi_k25":
         _kimi_k25_release_layout(directory)
+    if family == "deepseek_v4":
+        _deepseek_v4_release_layout(directory)
     return directory
 
 
@@ -798,6 +825,23 @@ def _add_qwen_mtp(directory: Path) -> None:
         mtp[f"mtp.{name}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
     save_file({**tensors, **mtp}, str(shard), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _deepseek_v4_release_layout(directory: Path) -> None:
+    """DeepSeek-V4's release names its tensors without ``model.`` (``layers.*``, ``embed.weight``, ``norm.weight``,
+    ``hc_head_fn``...) and stores the hash table ``tid2eid`` as int32; ``save_pretrained`` keeps ``model.`` and
+    transformers' names outside the layers."""
+    from safetensors.torch import load_file, save_file
+
+    outside = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    outside.update({f"model.hc_head.hc_{part}": f"hc_head_{part}" for part in ("fn", "base", "scale")})
+    shard = directory / "model.safetensors"
+    tensors = load_file(shard)
+    renamed = {}
+    for key, tensor in tensors.items():
+        name = outside.get(key, key.removeprefix("model."))
+        renamed[name] = tensor.to(torch.int32) if name.endswith("tid2eid") else tensor
+    save_file(renamed, str(shard), metadata={"format": "pt"})
 
 
 def _kimi_k25_release_layout(directory: Path) -> None:

@@ -99,7 +99,6 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
             r"layers \[2\] reuse an earlier layer's sparse-attention top-k",
         ),
         ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}, "dbrx is not supported: DBRX's router"),
-        ({"model_type": "deepseek_v4", "n_routed_experts": 8}, "deepseek_v4 is not supported: .*hash routing"),
         (
             {"model_type": "nemotron_h", "n_routed_experts": 8, "layers_block_type": ["moe"], "moe_latent_size": 16},
             "nemotron_h with moe_latent_size .* not supported",

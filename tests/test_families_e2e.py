@@ -16,6 +16,8 @@ from moecompress.families import adapter_for
 from moecompress.synthetic import FAMILIES, tiny_tokenizer
 
 E2E_FAMILIES = FAMILIES
+PRUNABLE_FAMILIES = tuple(family for family in FAMILIES if family != "deepseek_v4")
+"""DeepSeek-V4's expert pruning is refused (its hash layers; tests/test_deepseek_v4.py)."""
 SEQ_LEN, TOKENS = 64, 512
 
 
@@ -51,7 +53,7 @@ def _run(command, source, out, *args):
     return json.loads((out / "moecompress_report.json").read_text())
 
 
-@pytest.mark.parametrize("family", E2E_FAMILIES)
+@pytest.mark.parametrize("family", PRUNABLE_FAMILIES)
 def test_layer_scope_prune_loads_in_stock_transformers_with_the_reported_perplexity(family, with_tokenizer, tmp_path):
     source = with_tokenizer(family)
     adapter = adapter_for(_config(source))

@@ -24,6 +24,7 @@ from .deepseek_derived import (
     SarvamMlaAdapter,
     SolarOpenAdapter,
 )
+from .deepseek_v4 import DeepseekV4Adapter
 from .ernie import Ernie45MoeAdapter
 from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
 from .gpt_oss import GptOssAdapter
@@ -114,6 +115,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Gemma4TextAdapter,
     Gemma4Adapter,
     LongcatFlashAdapter,
+    DeepseekV4Adapter,
     MistralLarge4Adapter,
     Qwen4ExpTextAdapter,
     Qwen4ExpAdapter,
@@ -129,10 +131,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "jetmoe": (
         "JetMoE's MoE block routes and groups tokens itself with no (hidden, ids, weights) experts module, adds a bias "
         "after the experts, and its attention is a mixture of experts too (MoA)"
-    ),
-    "deepseek_v4": (
-        "DeepSeek-V4's first MoE layers pick experts from a token-id table (hash routing) rather than router logits, "
-        "which no routing rule models"
     ),
     "ernie4_5_vl_moe": (
         "ERNIE 4.5 VL's MoE layers hold two expert sets (text and vision) routed by each token's modality, which the "

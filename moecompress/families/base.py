@@ -691,6 +691,9 @@ class FamilyAdapter:
                 "mixtral, qwen2_moe, qwen3_moe and olmoe)"
             )
 
+    def check_expert_pruning(self, source: str = "model") -> None:
+        """A :class:`UserInputError` where this model's experts cannot be removed consistently (none by default)."""
+
     def attention_prefix(self, layer: int) -> str:
         """On-disk (and runtime) prefix of layer ``layer``'s attention module, ending in a dot."""
         return f"{self.layer_prefix(layer)}{self.attention_module}."

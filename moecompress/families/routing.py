@@ -70,6 +70,8 @@ class RoutingRule:
     norm_eps: float = 1e-20
     """What ``sigmoid_group_topk`` adds to the sum it divides by (LFM2-MoE: 1e-6)."""
     scales_input: bool = False
+    score: Literal["sigmoid", "sqrtsoftplus"] = "sigmoid"
+    """``sigmoid_group_topk``'s score of a logit: the sigmoid, or DeepSeek-V4's ``sqrt(softplus(x))``."""
 
     def __post_init__(self) -> None:
         if self.scales_input and self.kind != "topk_sigmoid":
@@ -111,7 +113,7 @@ class RoutingRule:
             top_logits, ids = torch.topk(logits, self.top_k, dim=-1)
             weights = top_logits.sigmoid()
         elif self.kind == "sigmoid_group_topk":
-            scores = logits.sigmoid()
+            scores = self._scores(logits)
             choice = scores if correction_bias is None else scores + correction_bias.float()
             if allowed is not None:
                 choice = choice.masked_fill(~allowed, float("-inf"))
@@ -165,12 +167,15 @@ class RoutingRule:
         elif self.kind == "softmax_bias_topk":
             weights = self._clamped_normalised(torch.softmax(logits, dim=-1).gather(1, ids))
         else:
-            scores = logits.sigmoid() if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
+            scores = self._scores(logits) if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
             weights = scores.gather(1, ids)
             if self.normalize:
                 eps = {"softmax_topk": 0.0, "sigmoid_group_topk": self.norm_eps}.get(self.kind, 1e-20)
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return weights * self.scaling
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softplus(logits).sqrt() if self.score == "sqrtsoftplus" else logits.sigmoid()
 
     def _clamped_normalised(self, weights: torch.Tensor) -> torch.Tensor:
         return weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min) if self.normalize else weights
