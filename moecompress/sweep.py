@@ -545,15 +545,6 @@ def _initialise_meta_buffers(module: torch.nn.Module, model: torch.nn.Module) ->
             model._init_weights(child)
 
 
-def _initialise_meta_buffers(module: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Buffers a checkpoint does not hold (DeepSeek-V4's attention compressors' own rotary tables, non-persistent)
-    made on the host and set by the model's own initialisation, as transformers does for them at load."""
-    for child in module.modules():
-        if any(buffer.is_meta for buffer in child.buffers(recurse=False)):
-            child.to_empty(device=HOST, recurse=False)
-            model._init_weights(child)
-
-
 def _convert_in_turn(moe: MoEWeights, dtype: torch.dtype) -> None:
     """Convert ``moe``'s floating-point tensors to ``dtype`` in place, one at a time, so that each old tensor is
     freed before the next is converted (the view holds the only reference)."""
