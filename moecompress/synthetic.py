@@ -674,7 +674,7 @@ _QWEN4_EXP = dict(
     indexer_n_heads=2,
     indexer_kv_heads=1,
     indexer_head_dim=16,
-    indexer_budget=16,
+    indexer_budget=32,
     indexer_compress_ratio=4,
 )
 TINY_CONFIGS["qwen4_exp_text"] = dict(_COMMON, **_QWEN4_EXP, model_type="qwen4_exp_text")
@@ -716,6 +716,20 @@ TINY_CONFIGS["mistral_large4"] = dict(
     ),
     image_token_index=380,
     tie_word_embeddings=False,
+)
+
+TINY_CONFIGS["jamba"] = dict(
+    _COMMON,
+    model_type="jamba",
+    num_hidden_layers=4,
+    intermediate_size=32,
+    num_experts=4,
+    attn_layer_period=2,
+    attn_layer_offset=1,
+    expert_layer_period=2,
+    expert_layer_offset=0,
+    mamba_d_state=8,
+    mamba_dt_rank=8,
 )
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)

@@ -62,9 +62,9 @@ def test_errors_are_one_line_with_exit_code_2(tiny_checkpoints, tmp_path):
 
     unsupported = tmp_path / "unsupported"
     shutil.copytree(dense, unsupported)
-    (unsupported / "config.json").write_text(json.dumps({"model_type": "jamba", "num_experts": 16}))
+    (unsupported / "config.json").write_text(json.dumps({"model_type": "made_up_moe", "num_experts": 16}))
     result = run_cli("eval", str(unsupported))
-    _one_line_error(result, "unsupported MoE family 'jamba'")
+    _one_line_error(result, "unsupported MoE family 'made_up_moe'")
     assert "qwen3_moe" in result.stderr
 
     sharded = tmp_path / "sharded"

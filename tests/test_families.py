@@ -93,7 +93,13 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
     "config, message",
     [
         ({"model_type": "llama", "num_hidden_layers": 2}, "has no MoE layers"),
-        ({"model_type": "jamba", "num_experts": 16}, "unsupported MoE family 'jamba'"),
+        ({"model_type": "made_up_moe", "num_experts": 16}, "unsupported MoE family 'made_up_moe'"),
+        (
+            {"model_type": "glm4v_moe_text", "n_routed_experts": 8},
+            "glm4v_moe_text is not supported: glm4v_moe_text is a sub-config of glm4v_moe .*compress the glm4v_moe",
+        ),
+        ({"model_type": "nllb-moe", "num_experts": 8}, "nllb-moe is not supported: an encoder-decoder"),
+        ({"model_type": "inkling_text", "n_routed_experts": 8}, "inkling_text is not supported: Inkling routes"),
         (
             {"model_type": "glm_moe_dsa", "n_routed_experts": 8, "num_hidden_layers": 4, "index_topk_freq": 2},
             r"layers \[2\] reuse an earlier layer's sparse-attention top-k",

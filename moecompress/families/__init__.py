@@ -30,6 +30,7 @@ from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
+from .jamba import JambaAdapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
 from .kolibri import Kolibri1Adapter
@@ -56,6 +57,7 @@ from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapte
 from .routing import RoutingRule
 from .sarvam import Param2MoeAdapter, SarvamMoeAdapter
 from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
+from .sub_configs import sub_config_reason
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MixtralAdapter,
@@ -119,6 +121,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MistralLarge4Adapter,
     Qwen4ExpTextAdapter,
     Qwen4ExpAdapter,
+    JambaAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -168,9 +171,28 @@ REFUSED_FAMILIES: dict[str, str] = {
         "ZAYA1's router carries a hidden state from one layer to the next and has a skip (no-compute) expert, which "
         "the layer sweep and the expert view do not model"
     ),
-    "inkling": (
+    **dict.fromkeys(
+        ("inkling", "inkling_text", "inkling_mm_model"),
         "Inkling routes its shared experts together with the routed ones (the router's rows and the weights' "
-        "normalisation span both), which the routed-only expert view cannot hold"
+        "normalisation span both), which the routed-only expert view cannot hold",
+    ),
+    **dict.fromkeys(
+        ("nllb-moe", "switch_transformers"),
+        "an encoder-decoder (seq2seq) model: its experts sit in an encoder and a cross-attending decoder, and "
+        "moecompress calibrates and evaluates decoder-only language models",
+    ),
+    **dict.fromkeys(
+        ("vitpose", "vitpose_backbone"),
+        "ViTPose is a pose-estimation vision model: its 'experts' are per-dataset output rows of the backbone's MLP, "
+        "picked by a dataset index, not routed per token",
+    ),
+    "openai_privacy_filter": (
+        "OpenAI Privacy Filter is a bidirectional token classifier with no language-model head, so next-token "
+        "calibration and evaluation do not apply"
+    ),
+    "doge": (
+        "Doge's experts are single-neuron embedding rows (down_embed/up_embed) retrieved by product keys over "
+        "sqrt(E) x sqrt(E) router halves, with no gate/up/down matrices per expert"
     ),
     "step3p7": (
         "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "
@@ -194,6 +216,9 @@ def adapter_for(config: dict[str, Any], source: str = "model") -> FamilyAdapter:
     if cls is None:
         if model_type in REFUSED_FAMILIES:
             raise UserInputError(f"{source}: {model_type} is not supported: {REFUSED_FAMILIES[model_type]}")
+        part_of = sub_config_reason(model_type) if _declares_experts(config) else None
+        if part_of:
+            raise UserInputError(f"{source}: {model_type} is not supported: {part_of}")
         if _declares_experts(config):
             raise UserInputError(f"{source}: unsupported MoE family {model_type!r}; supported families: {supported}")
         raise UserInputError(
