@@ -190,6 +190,10 @@ REFUSED_FAMILIES: dict[str, str] = {
         "OpenAI Privacy Filter is a bidirectional token classifier with no language-model head, so next-token "
         "calibration and evaluation do not apply"
     ),
+    "ergo": (
+        "Ergo's experts each RMS-normalise their own output with a per-expert scale (post_expert_norm) before the "
+        "weighted sum, which the expert view (gate/up/down and biases per expert) does not hold"
+    ),
     "doge": (
         "Doge's experts are single-neuron embedding rows (down_embed/up_embed) retrieved by product keys over "
         "sqrt(E) x sqrt(E) router halves, with no gate/up/down matrices per expert"
