@@ -102,8 +102,11 @@ class Footprint:
         }
 
 
-def _logical_weights(key: str, info: TensorInfo, config: dict[str, Any]) -> int | None:
-    """Logical weights a tensor stores, 0 for pure metadata, None for a plain float tensor."""
+def _logical_weights(
+    key: str, info: TensorInfo, config: dict[str, Any], scales: TensorInfo | None = None
+) -> int | None:
+    """Logical weights a tensor stores, 0 for pure metadata, None for a plain float tensor (``scales``: the packed
+    weight's ``_scales`` entry, which tells apart layouts of equal packed width)."""
     quantization = config.get("quantization_config") or {}
     method = quantization.get("quant_method")
     module, _, param = key.rpartition(".")
@@ -114,7 +117,8 @@ def _logical_weights(key: str, info: TensorInfo, config: dict[str, Any]) -> int 
         scheme = QuantScheme.from_dict(quantization["schemes"][scheme_key])
         if param in _QUANTIZED_PARAMS:
             packed_cols = info.shape[-1] if info.shape else 0
-            return 0 if not packed_cols else info.numel // packed_cols * scheme.logical_cols(packed_cols)
+            scales_cols = scales.shape[-1] if scales is not None and scales.shape else None
+            return 0 if not packed_cols else info.numel // packed_cols * scheme.logical_cols(packed_cols, scales_cols)
         if param.endswith(("_scales", "_zeros", "_salient", "_salient_values")):
             return 0
         return None
@@ -154,7 +158,7 @@ def checkpoint_footprint(directory: Path) -> Footprint:
         footprint = Footprint(file_bytes=reader.total_bytes())
         for key, info in reader.tensors.items():
             part = footprint.classes.setdefault(adapter.classify_key(key), ClassFootprint())
-            logical = _logical_weights(key, info, reader.config)
+            logical = _logical_weights(key, info, reader.config, reader.tensors.get(f"{key}_scales"))
             part.bytes += info.nbytes
             if logical == 0 and key.endswith("_salient"):
                 part.bitmap_bytes += info.nbytes

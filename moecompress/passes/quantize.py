@@ -77,7 +77,7 @@ CALIBRATED = When(
 
 GROUP_SIZE_HELP = (
     "Weights per scale: int4, int2 and w4a8 take 32, 64 or 128 (default 32); binary 32, 64, 128 or 256 (default "
-    "128); mxfp4 blocks are always 32 wide, so mxfp4 refuses any other value."
+    "128); mxfp4 blocks are always 32 wide and k-quant super-blocks 256, so those refuse any other value."
 )
 
 
@@ -88,7 +88,9 @@ class QuantizeConfig:
         metadata=option(
             "mxfp4: OCP MXFP4 (E2M1, 32-wide E8M0 blocks); int4/int2: group-wise integers; w4a8: int4 weights with "
             "int8 per-token activations at inference; binary: sign bits with a bf16 scale per group (use with "
-            "--salient-fraction).",
+            "--salient-fraction); q2_k..q6_k: GGML k-quants (256-weight super-blocks stored as GGML's bytes; other "
+            "widths take llama.cpp's fallback: IQ4_NL for q2_k/q3_k, Q5_0, Q5_1, Q8_0 for q4_k, q5_k, q6_k; gptq "
+            "calibrates them as importance-weighted RTN).",
             choices=SCHEMES,
         ),
     )
@@ -315,11 +317,10 @@ class _TensorQuantizer:
             if not self.wanted(key, tensor):
                 out[key] = tensor
                 continue
-            if tensor.shape[-1] % self.scheme.group_size:
+            problem = self.scheme.width_problem(tensor.shape[-1])
+            if problem:
                 raise OptionError(
-                    f"{key}: input dimension {tensor.shape[-1]} is not a multiple of the group size "
-                    f"{self.scheme.group_size}; drop this target or pick another {named('group_size')}",
-                    QuantizeConfig,
+                    f"{key}: {problem}; drop this target or pick another {named('group_size')}", QuantizeConfig
                 )
             out[key] = self.scheme.quantize(tensor)
             self.keys.append(key)
@@ -328,11 +329,9 @@ class _TensorQuantizer:
 
 def _check_expert_dims(layer: int, moe: MoEWeights, scheme: QuantScheme) -> None:
     for name, tensor in (("gate_up", moe.gate_up), ("down", moe.down)):
-        if tensor.shape[-1] % scheme.group_size:
-            raise UserInputError(
-                f"layer {layer}: expert {name} input dimension {tensor.shape[-1]} is not a multiple of "
-                f"the group size {scheme.group_size}"
-            )
+        problem = scheme.width_problem(tensor.shape[-1])
+        if problem:
+            raise UserInputError(f"layer {layer}: expert {name}: {problem}")
 
 
 class _ExpertQuantizer:

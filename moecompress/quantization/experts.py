@@ -76,6 +76,19 @@ def routed_inputs(
     return inputs
 
 
+def input_importance(inputs: list[torch.Tensor], width: int, use: list[bool]) -> torch.Tensor:
+    """Per expert, each input column's mean square over its routed tokens (GPTQ's Hessian diagonal, normalised to
+    mean 1, floored at 1e-6) ``[E, 1, width]``; 1 for experts that fall back to plain RTN."""
+    importance = torch.ones(len(inputs), 1, width)
+    for expert, x in enumerate(inputs):
+        if use[expert]:
+            second = x.double().pow(2).mean(dim=0).float().cpu()
+            mean = second.mean()
+            if mean > 0:
+                importance[expert, 0] = (second / mean).clamp_min(1e-6)
+    return importance
+
+
 def _hessians(inputs: list[torch.Tensor], width: int, use: list[bool]) -> torch.Tensor:
     """``XᵀX`` per expert in float64 accumulation; the identity for experts that fall back to RTN."""
     device = inputs[0].device if inputs else "cpu"
@@ -105,6 +118,8 @@ def _quantize_matrix(
         keep = salient.choose(weight, salient.input_rms(inputs, width), scheme.salient_fraction)
     if use_gptq is None:
         return scheme.quantize(weight, keep)
+    if not scheme.kind.gptq:
+        return scheme.quantize(weight, keep, importance=input_importance(inputs, width, use_gptq))
     parts = []
     for start in range(0, weight.shape[0], GPTQ_EXPERTS_AT_ONCE):
         stop = min(start + GPTQ_EXPERTS_AT_ONCE, weight.shape[0])

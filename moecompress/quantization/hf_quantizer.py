@@ -90,8 +90,9 @@ def _quantized_twin(
     salient: SalientSizes | None,
 ) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
-        if module.in_features % scheme.group_size:
-            raise ValueError(f"group size {scheme.group_size} does not divide the input dimension {module.in_features}")
+        problem = scheme.width_problem(module.in_features)
+        if problem:
+            raise ValueError(problem)
         _check_salient_sizes({"weight": module.in_features * module.out_features}, salient)
         dtype = module.weight.dtype
         return QuantizedLinear(
@@ -130,8 +131,9 @@ def _check_experts_sizes(
     """Refuse sizes in the config that the tensors cannot have, before anything is allocated from them (a hostile
     config could otherwise ask for any amount of memory)."""
     for cols in (hidden, intermediate):
-        if cols % scheme.group_size:
-            raise ValueError(f"group size {scheme.group_size} does not divide the expert dimension {cols}")
+        problem = scheme.width_problem(cols)
+        if problem:
+            raise ValueError(problem)
     limit = min(hidden, intermediate)
     for which, per_expert in (ranks or {}).items():
         if which not in ("gate", "up", "down") or not isinstance(per_expert, list) or len(per_expert) != experts:

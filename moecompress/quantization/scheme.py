@@ -82,9 +82,13 @@ class QuantScheme:
         """Kept for callers outside moecompress; moecompress asks :attr:`kind` instead."""
         return self.kind.bits == 1
 
-    def logical_cols(self, packed_cols: int) -> int:
+    def logical_cols(self, packed_cols: int, scales_cols: int | None = None) -> int:
         """The input dimension of a weight whose packed codes are ``packed_cols`` bytes per row."""
-        return self.kind.logical_cols(self, packed_cols)
+        return self.kind.logical_cols(self, packed_cols, scales_cols)
+
+    def width_problem(self, cols: int) -> str | None:
+        """Why a weight with ``cols`` inputs cannot be quantised in this scheme, or None."""
+        return self.kind.width_problem(self, cols)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -134,7 +138,11 @@ class QuantScheme:
         return weight.reshape(*weight.shape[:-1], -1, self.group_size)
 
     def quantize(
-        self, weight: torch.Tensor, keep: torch.Tensor | None = None, chunk_elements: int = CHUNK_ELEMENTS
+        self,
+        weight: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        chunk_elements: int = CHUNK_ELEMENTS,
+        importance: torch.Tensor | None = None,
     ) -> QuantizedTensor:
         """Round-to-nearest quantisation of ``weight`` ``[..., cols]``; the weights ``keep`` marks (bool, same
         shape) are left out of the grids and stored exactly as salient weights.
@@ -143,6 +151,9 @@ class QuantScheme:
         rows are processed ``chunk_elements`` at a time so every intermediate stays in cache (about twice as fast
         as whole-tensor passes on CPU); the result does not depend on the chunking.
         """
+        whole = self._quantize_whole(weight, keep, importance)
+        if whole is not None:
+            return whole
         fast = None if keep is not None else self.kind.quantize_fast(self, weight)
         if fast is not None:
             return QuantizedTensor(self, tuple(weight.shape), *fast)
@@ -161,6 +172,20 @@ class QuantScheme:
         zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]).reshape(scales.shape)
         salient = None if keep is None else from_mask(keep, weight)
         return QuantizedTensor(self, tuple(weight.shape), packed, scales, zeros, salient)
+
+    def _quantize_whole(
+        self, weight: torch.Tensor, keep: torch.Tensor | None, importance: torch.Tensor | None
+    ) -> QuantizedTensor | None:
+        """A scheme with its own layout (k-quants): ``importance`` per input column ``[..., 1, cols]`` weights the
+        rounding error; salient weights get no weight in the fit."""
+        if keep is not None:
+            base = torch.ones_like(weight, dtype=torch.float32) if importance is None else importance.float()
+            importance = torch.where(keep, torch.zeros((), dtype=torch.float32), base.expand(weight.shape))
+        stored = self.kind.quantize(self, weight, importance)
+        if stored is None:
+            return None
+        salient = None if keep is None else from_mask(keep, weight)
+        return QuantizedTensor(self, tuple(weight.shape), *stored, salient)
 
 
 @dataclass
@@ -200,8 +225,10 @@ class QuantizedTensor:
 
     def _dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The definition (torch, any device): unpack the codes, compute float32 values, convert to ``dtype``."""
-        codes = self.scheme.grouped(self.codes())
-        dense = self.scheme.values(codes, self.grid()).to(dtype).reshape(self.shape)
+        dense = self.scheme.kind.dequantize(self, dtype)
+        if dense is None:
+            codes = self.scheme.grouped(self.codes())
+            dense = self.scheme.values(codes, self.grid()).to(dtype).reshape(self.shape)
         return dense if self.salient is None else self.salient.apply(dense)
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:

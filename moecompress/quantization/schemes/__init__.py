@@ -5,6 +5,7 @@ order the options list them."""
 from . import mxfp4  # noqa: F401
 from . import integer  # noqa: F401
 from . import binary  # noqa: F401
+from . import kquants  # noqa: F401
 
 # isort: on
 from .base import SCHEME_KINDS, Grid, RegisteredNames, SchemeKind, kind_of, register, unregister

@@ -123,9 +123,15 @@ class SchemeKind:
             out["_zeros"] = ((*lead, groups), torch.uint8)
         return out
 
-    def logical_cols(self, scheme: QuantScheme, packed_cols: int) -> int:
-        """The input dimension of a weight stored as ``packed_cols`` bytes per row."""
+    def logical_cols(self, scheme: QuantScheme, packed_cols: int, scales_cols: int | None = None) -> int:
+        """The input dimension of a weight stored as ``packed_cols`` bytes (and ``scales_cols`` scales) per row."""
         return packed_cols * 8 // self.bits
+
+    def width_problem(self, scheme: QuantScheme, cols: int) -> str | None:
+        """Why a weight with ``cols`` inputs cannot be held, or None."""
+        if cols % scheme.group_size:
+            return f"the input dimension {cols} is not a multiple of the group size {scheme.group_size}"
+        return None
 
     # ---- kernels and formats ---------------------------------------------------------------------------------
     def triton_linear(self, module: Any, x: torch.Tensor, bias: torch.Tensor | None, salient: bool) -> Any:

@@ -1,0 +1,124 @@
+"""GGML's k-quants (``q2_k`` .. ``q6_k``): 256-weight super-blocks with quantised sub-block scales (and mins),
+held in our checkpoints as GGML's own bytes (the quant fields in ``packed``, the scale fields in ``_scales``, each
+in GGML's field order; :func:`~.ggml_blocks.ggml_bytes` joins them into the blocks GGUF stores).
+
+Rows whose width is not a multiple of 256 take the type llama.cpp's quantiser itself falls back to
+(``llama_tensor_get_type``): Q2_K and Q3_K → IQ4_NL, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, all 32-weight
+blocks. llama.cpp writes F16 where the width is not even a multiple of 32; that width is refused here.
+
+Rounding is RTN; with calibration (``importance``: the routed tokens' input second moments per column, GPTQ's
+Hessian diagonal) each sub-block's scale and min minimise the importance-weighted error. GPTQ does not fit these
+grids column by column (``gptq = False``): a calibrated run uses the importance-weighted RTN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import SchemeKind, register
+from .ggml_blocks import FORMATS, QK_K, BlockFormat, fields_of, split
+
+FALLBACK_BLOCK = 32
+
+
+class KQuant(SchemeKind):
+    main: str
+    fallback: str
+    group_sizes = (QK_K,)
+    default_group_size = QK_K
+    fixed_group_size = QK_K
+    scale_dtype = torch.uint8
+    gptq = False
+
+    def check(self, scheme) -> None:
+        if scheme.group_size != QK_K:
+            raise ValueError(f"{self.name} super-blocks are {QK_K} wide, not {scheme.group_size}")
+
+    def describe(self, scheme) -> str:
+        return f"{self.name} (GGML {self.main} super-blocks of {QK_K}, {self.fallback} for other widths"
+
+    def width_problem(self, scheme, cols: int) -> str | None:
+        if cols % FALLBACK_BLOCK:
+            return (
+                f"{self.name}: the input dimension {cols} is not a multiple of {FALLBACK_BLOCK} (llama.cpp would "
+                "write F16 there)"
+            )
+        return None
+
+    def block_format(self, cols: int) -> BlockFormat:
+        return FORMATS[self.main if cols % QK_K == 0 else self.fallback]
+
+    def ggml_type(self, scheme, has_zeros):
+        return None
+
+    def stored_shapes(self, scheme, shape):
+        *lead, cols = shape
+        fmt = self.block_format(cols)
+        blocks = cols // fmt.block
+        return {
+            "": ((*lead, blocks * fmt.part_bytes("q")), torch.uint8),
+            "_scales": ((*lead, blocks * fmt.part_bytes("s")), torch.uint8),
+        }
+
+    def logical_cols(self, scheme, packed_cols, scales_cols=None):
+        for name in (self.main, self.fallback):
+            fmt = FORMATS[name]
+            quant, scale = fmt.part_bytes("q"), fmt.part_bytes("s")
+            if packed_cols % quant == 0 and (scales_cols is None or scales_cols * quant == packed_cols * scale):
+                cols = packed_cols // quant * fmt.block
+                if self.block_format(cols) is fmt:
+                    return cols
+        raise ValueError(f"{self.name}: {packed_cols} packed bytes per row fit neither {self.main} nor {self.fallback}")
+
+    def quantize(self, scheme, weight, importance=None):
+        *lead, cols = weight.shape
+        problem = self.width_problem(scheme, cols)
+        if problem:
+            raise ValueError(problem)
+        fmt = self.block_format(cols)
+        x = weight.float().reshape(-1, fmt.block)
+        w = torch.ones_like(x) if importance is None else importance.float().expand(weight.shape).reshape(x.shape)
+        quants, scales = split(fmt, fmt.encode(x, w))
+        rows = [*lead, -1]
+        return quants.reshape(rows), scales.reshape(rows), None
+
+    def dequantize(self, q, dtype):
+        cols = q.shape[-1]
+        fmt = self.block_format(cols)
+        quants = q.packed.reshape(-1, fmt.part_bytes("q"))
+        scales = q.scales.reshape(-1, fmt.part_bytes("s"))
+        return fmt.decode(fields_of(fmt, quants, scales)).reshape(q.shape).to(dtype)
+
+    def ggml_blocks(self, q) -> tuple[str, torch.Tensor]:
+        """The GGML type name and the blocks ``[..., rows, blocks · block bytes]`` as GGUF stores them."""
+        from .ggml_blocks import ggml_bytes
+
+        fmt = self.block_format(q.shape[-1])
+        quants = q.packed.reshape(-1, fmt.part_bytes("q"))
+        scales = q.scales.reshape(-1, fmt.part_bytes("s"))
+        return fmt.name, ggml_bytes(fmt, quants, scales).reshape(*q.shape[:-1], -1)
+
+
+@register
+class Q2K(KQuant):
+    name, bits, main, fallback = "q2_k", 2, "Q2_K", "IQ4_NL"
+
+
+@register
+class Q3K(KQuant):
+    name, bits, main, fallback = "q3_k", 3, "Q3_K", "IQ4_NL"
+
+
+@register
+class Q4K(KQuant):
+    name, bits, main, fallback = "q4_k", 4, "Q4_K", "Q5_0"
+
+
+@register
+class Q5K(KQuant):
+    name, bits, main, fallback = "q5_k", 5, "Q5_K", "Q5_1"
+
+
+@register
+class Q6K(KQuant):
+    name, bits, main, fallback = "q6_k", 6, "Q6_K", "Q8_0"
