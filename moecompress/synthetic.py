@@ -359,6 +359,8 @@ TINY_CONFIGS.update(
             index_topk=32,
             index_head_dim=16,
             index_n_heads=2,
+            index_topk_freq=2,
+            index_skip_topk_offset=1,
         ),
         "minicpm5_moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="minicpm5_moe", head_dim=16),
         "granitemoeshared": dict(_GRANITE, model_type="granitemoeshared", shared_intermediate_size=48),
@@ -730,6 +732,25 @@ TINY_CONFIGS["jamba"] = dict(
     expert_layer_offset=0,
     mamba_d_state=8,
     mamba_dt_rank=8,
+)
+
+_ARIA_TEXT = dict(
+    {k: v for k, v in _COMMON.items() if k not in ("num_experts_per_tok", "tie_word_embeddings")},
+    model_type="aria_text",
+    num_hidden_layers=2,
+    intermediate_size=32,
+    moe_num_experts=4,
+    moe_topk=2,
+    moe_num_shared_experts=2,
+)
+TINY_CONFIGS["aria_text"] = dict(_ARIA_TEXT, tie_word_embeddings=False)
+TINY_CONFIGS["aria"] = dict(
+    model_type="aria",
+    text_config=_ARIA_TEXT,
+    vision_config=dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1, patch_size=4),
+    projector_patch_to_query_dict={"1225": 8, "4900": 8},
+    image_token_id=380,
+    tie_word_embeddings=False,
 )
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)

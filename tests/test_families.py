@@ -100,10 +100,6 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
         ),
         ({"model_type": "nllb-moe", "num_experts": 8}, "nllb-moe is not supported: an encoder-decoder"),
         ({"model_type": "inkling_text", "n_routed_experts": 8}, "inkling_text is not supported: Inkling routes"),
-        (
-            {"model_type": "glm_moe_dsa", "n_routed_experts": 8, "num_hidden_layers": 4, "index_topk_freq": 2},
-            r"layers \[2\] reuse an earlier layer's sparse-attention top-k",
-        ),
         ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}, "dbrx is not supported: DBRX's router"),
         (
             {"model_type": "nemotron_h", "n_routed_experts": 8, "layers_block_type": ["moe"], "moe_latent_size": 16},

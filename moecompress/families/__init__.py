@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UserInputError
+from .aria import AriaAdapter, AriaTextAdapter
 from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
 from .cohere import Cohere2MoeAdapter
 from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
@@ -122,6 +123,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Qwen4ExpTextAdapter,
     Qwen4ExpAdapter,
     JambaAdapter,
+    AriaTextAdapter,
+    AriaAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

@@ -11,7 +11,8 @@ On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_
   ``auto_map`` into the release's own Python. That code is never run: the config is read as DeepSeek-V3's and the
   model built from that config (``DeepseekV3ForCausalLM``, which the release's ``architectures`` names).
 - GLM-5 (``glm_moe_dsa``): MLA with DeepSeek-V3.2's sparse-attention indexer; each decoder layer hands its indexer's
-  top-k to the next (a ``"shared"`` layer reuses it), so the layer returns ``(hidden, top-k)``.
+  top-k to the next (a ``"shared"`` layer reuses it), so the layer returns ``(hidden, top-k)``; the layer sweep
+  carries that top-k (:mod:`moecompress.layer_carry`).
 - MiniCPM-5 MoE (``minicpm5_moe``): grouped-query attention whose query projection also holds a per-head output gate
   (on disk ``self_attn.q_proj``, ``self_attn.q_gate_proj`` at runtime); ``mlp_layer_types``.
 """
@@ -19,7 +20,7 @@ On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from .base import FamilyAdapter
 from .block_bias import CorrectionBiasOffRouter
@@ -73,29 +74,7 @@ class GlmMoeDsaAdapter(DeepseekV3Adapter):
     model_types = ("glm_moe_dsa",)
     first_dense_default = 3
     layer_returns_tuple = True
-
-    def __init__(self, config: dict[str, Any]):
-        super().__init__(config)
-        shared = [i for i, kind in enumerate(self._indexer_types()) if kind != "full"]
-        if shared:
-            from ..errors import UserInputError
-
-            raise UserInputError(
-                f"glm_moe_dsa: layers {shared} reuse an earlier layer's sparse-attention top-k (indexer_types "
-                "'shared'), which the layer-by-layer sweep does not carry between layers; only configs whose every "
-                "layer runs its own indexer are supported"
-            )
-
-    def _indexer_types(self) -> list[str]:
-        """Each layer's indexer mode, as ``GlmMoeDsaConfig`` derives it when ``config.json`` does not list them."""
-        cfg = self.text_config
-        if cfg.get("indexer_types"):
-            return list(cfg["indexer_types"])
-        pattern = cfg.get("index_topk_pattern")
-        if pattern is not None:
-            return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-        freq, offset = max(int(cfg.get("index_topk_freq") or 1), 1), int(cfg.get("index_skip_topk_offset", 2))
-        return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_layers)]
+    carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
 
 
 class MiniCPM5MoeAdapter(_GroupedQueryAttentionAdapter):

@@ -1,0 +1,68 @@
+"""Families whose ``"shared"`` sparse-attention layers reuse the previous layer's indexer top-k (GLM-5): with an
+indexer budget smaller than the sequence, the layer sweep's outputs equal the stock forward's, and without the carry a
+shared layer has no top-k."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import load_stock
+
+from moecompress.families import adapter_for
+from moecompress.layer_carry import LayerCarry
+from moecompress.sweep import CalibrationSweep
+from moecompress.synthetic import save_tiny_model
+
+FAMILIES = ["glm_moe_dsa"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    directory = save_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "source")
+    config = json.loads((directory / "config.json").read_text())
+    text = config.get("text_config", config)
+    assert "shared" in text["indexer_types"]
+    text["index_topk"] = 8
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(3, 380, (2, 24), generator=generator)} for _ in range(2)]
+
+
+def _stock_last_hidden(checkpoint, batches) -> list[torch.Tensor]:
+    model = load_stock(checkpoint)
+    adapter = adapter_for(json.loads((checkpoint / "config.json").read_text()))
+    layers = model.get_submodule(adapter.runtime_layers_path)
+    outputs = []
+    handle = layers[-1].register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    handle.remove()
+    return outputs
+
+
+def _sweep(checkpoint, batches) -> CalibrationSweep:
+    tokens = sum(batch["input_ids"].numel() for batch in batches)
+    sweep = CalibrationSweep(checkpoint, batches, torch.zeros(tokens, dtype=torch.long), ["text"], progress=False)
+    for _ in sweep.run(None):
+        pass
+    return sweep
+
+
+def test_sweep_outputs_equal_the_stock_forward(checkpoint):
+    batches = _batches()
+    sweep = _sweep(checkpoint, batches)
+    for swept, stock in zip(sweep.last_hidden, _stock_last_hidden(checkpoint, batches), strict=True):
+        torch.testing.assert_close(swept, stock, rtol=0, atol=1e-6)
+
+
+def test_without_the_carry_a_shared_layer_has_no_top_k(checkpoint, monkeypatch):
+    monkeypatch.setattr(LayerCarry, "arguments", lambda self, layer, batch, kwargs: kwargs)
+    with pytest.raises(ValueError, match="top-k"):
+        _sweep(checkpoint, _batches()[:1])
