@@ -753,6 +753,22 @@ TINY_CONFIGS["aria"] = dict(
     tie_word_embeddings=False,
 )
 
+TINY_CONFIGS["lara_mini"] = dict(
+    _COMMON,
+    model_type="lara_mini",
+    num_hidden_layers=3,
+    head_dim=16,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    layer_types=["linear_attention", "sliding_attention", "full_attention"],
+    sliding_window=8,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {

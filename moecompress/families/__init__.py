@@ -36,6 +36,7 @@ from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
 from .kolibri import Kolibri1Adapter
 from .laguna import LagunaAdapter
+from .lara_mini import LaraMiniAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
 from .longcat_flash import LongcatFlashAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM2Adapter
@@ -125,6 +126,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     JambaAdapter,
     AriaTextAdapter,
     AriaAdapter,
+    LaraMiniAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
