@@ -768,6 +768,16 @@ TINY_CONFIGS["lara_mini"] = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
 )
+TINY_CONFIGS["axk2"] = dict(
+    _COMMON,
+    **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_group", "topk_group")},
+    **_MLA,
+    model_type="axk2",
+    index_topk=32,
+    index_head_dim=16,
+    index_n_heads=2,
+    gated_norm_rank=8,
+)
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..errors import UserInputError
 from .aria import AriaAdapter, AriaTextAdapter
+from .axk2 import AXK2Adapter
 from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
 from .cohere import Cohere2MoeAdapter
 from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
@@ -127,6 +128,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     AriaTextAdapter,
     AriaAdapter,
     LaraMiniAdapter,
+    AXK2Adapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
