@@ -595,6 +595,33 @@ TINY_CONFIGS["deepseek_v4"] = dict(
     index_head_dim=16,
     index_topk=4,
 )
+TINY_CONFIGS["hy_v4"] = dict(
+    _COMMON,
+    **_MLA,
+    **{key: value for key, value in _DEEPSEEK_MOE.items() if key != "first_k_dense_replace"},
+    model_type="hy_v4",
+    index_topk=32,
+    index_head_dim=16,
+    index_n_heads=2,
+    hc_mult=2,
+)
+TINY_CONFIGS["hy_v4_vl"] = dict(
+    model_type="hy_v4_vl",
+    text_config=dict(
+        {key: value for key, value in TINY_CONFIGS["hy_v4"].items() if key != "model_type"}, rope_parameters=_MROPE
+    ),
+    vision_config=dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        max_image_size=64,
+    ),
+    image_token_id=380,
+    video_token_id=381,
+)
 TINY_CONFIGS["longcat_flash"] = dict(
     _COMMON,
     **_MLA,

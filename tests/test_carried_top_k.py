@@ -15,7 +15,7 @@ from moecompress.layer_carry import LayerCarry
 from moecompress.sweep import CalibrationSweep
 from moecompress.synthetic import save_tiny_model
 
-FAMILIES = ["glm_moe_dsa"]
+FAMILIES = ["glm_moe_dsa", "hy_v4", "hy_v4_vl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

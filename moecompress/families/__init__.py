@@ -32,6 +32,7 @@ from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
+from .hy_v4 import HYV4Adapter, HYV4VLAdapter
 from .jamba import JambaAdapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
@@ -121,6 +122,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Gemma4Adapter,
     LongcatFlashAdapter,
     DeepseekV4Adapter,
+    HYV4Adapter,
+    HYV4VLAdapter,
     MistralLarge4Adapter,
     Qwen4ExpTextAdapter,
     Qwen4ExpAdapter,
@@ -153,14 +156,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "bailing_hybrid": (
         "Ling 2.5's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used by the "
         "expert passes, GPTQ and the quantised-expert plugin) is one per family"
-    ),
-    "hy_v4": (
-        "HY-V4's sparse-attention layers mostly reuse an earlier layer's top-k (indexer_types 'shared'), which the "
-        "layer-by-layer sweep does not carry between layers"
-    ),
-    "hy_v4_vl": (
-        "HY-V4's sparse-attention layers mostly reuse an earlier layer's top-k (indexer_types 'shared'), which the "
-        "layer-by-layer sweep does not carry between layers"
     ),
     "muse_spark": (
         "Muse Spark's experts run in a latent space (a projection and norm before them, a projection after), while "
