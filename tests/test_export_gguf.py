@@ -548,7 +548,7 @@ def test_gpt_oss_export_converts_to_the_same_mxfp4_values(tiny_with_tokenizer, t
 def _torch_to_ggml(q):
     """The re-pack before the numpy one (torch, whole tensor at once): the vectorised one must give its bytes."""
     type_name = ggml_blocks.ggml_type_for(q)
-    head = ggml_blocks.BLOCK_BYTES[type_name] - 16
+    head = ggml_blocks.BLOCKS[type_name][1] - 16
     blocks = torch.empty((*q.shape[:-1], q.shape[-1] // 32, head + 16), dtype=torch.uint8)
     if q.scheme.bits == 4 and not q.scheme.is_binary:
         quants = q.codes()
@@ -690,3 +690,99 @@ def test_an_export_through_the_converters_own_process_writes_the_same_file(nativ
     export_gguf(directory, tmp_path / "apart.gguf", progress=False)
     monkeypatch.undo()
     assert (tmp_path / "here.gguf").read_bytes() == (tmp_path / "apart.gguf").read_bytes()
+
+
+KQUANTS = {"q2_k": "IQ4_NL", "q3_k": "IQ4_NL", "q4_k": "Q5_0", "q5_k": "Q5_1", "q6_k": "Q8_0"}
+"""Each k-quant's 32-weight fallback at widths not a multiple of 256."""
+KQUANT_FILE_TYPES = {"q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_S", "q4_k": "MOSTLY_Q4_K_S"}
+KQUANT_FILE_TYPES |= {"q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K"}
+
+
+@pytest.mark.parametrize("name", list(KQUANTS))
+@pytest.mark.parametrize("cols", [512, 96])
+def test_kquant_experts_become_their_own_ggml_blocks_in_small_chunks(name, cols, monkeypatch):
+    monkeypatch.setattr(ggml_blocks, "CHUNK_BYTES", 5 * cols // 2)  # 5 rows a chunk: chunks end inside an expert
+    q = QuantScheme(name, 256).quantize(_weights(rows=12, cols=cols))
+    kind = name.upper() if cols == 512 else KQUANTS[name]
+    blocks = ggml_blocks.to_ggml(q)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    assert blocks.type_name == kind and blocks.blocks.shape == (3, 12, cols // block * block_bytes)
+    assert blocks.blocks.tobytes() == b"".join(chunk.tobytes() for chunk in ggml_blocks.ggml_chunks(q))
+    theirs = gguf.quants.dequantize(blocks.blocks, gguf.GGMLQuantizationType[kind])
+    assert np.array_equal(theirs.astype(np.float32).view(np.uint32), q.dequantize().numpy().view(np.uint32))
+    assert ggml_blocks.measure(q) == ggml_blocks.BlockError(0.0, 0.0, 0, q.numel)
+
+
+@pytest.fixture(scope="module")
+def kquant_outputs(tmp_path_factory):
+    """The builtin model (experts [8, 512, 128] gate_up and [8, 128, 256] down) in each k-quant: gate and up take
+    the fallback (width 128), down the k-quant itself (width 256)."""
+    root = tmp_path_factory.mktemp("kquants")
+    out = {}
+    for name in KQUANTS:
+        out[name] = root / name
+        quantize_checkpoint(BUILTIN, out[name], QuantizeConfig(scheme=name, group_size=256), progress=False)
+    return out
+
+
+@needs_converter
+@pytest.mark.parametrize("name", list(KQUANTS))
+def test_kquant_gguf_export_writes_our_blocks_bit_for_bit(kquant_outputs, tmp_path, name):
+    directory = kquant_outputs[name]
+    out = tmp_path / "model.gguf"
+    report = export_gguf(directory, out, progress=False)
+    main, fallback = name.upper(), KQUANTS[name]
+    assert report["experts"]["written_as"] == sorted({main, fallback})
+    assert report["experts"]["all_exact"] and report["experts"]["file_type"] == KQUANT_FILE_TYPES[name]
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType[KQUANT_FILE_TYPES[name]]
+    tensors = {t.name: t for t in reader.tensors}
+    seen = set()
+    with CheckpointReader(directory) as source_reader:
+        source = NativeSource(source_reader, adapter_for(source_reader.config))
+        for layer in source.iter_layers():
+            inter = layer.moe.intermediate_size
+            rows = torch.arange(2 * inter)
+            parts = {
+                "gate": layer.gate_up_q.take_rows(rows[:inter]),
+                "up": layer.gate_up_q.take_rows(rows[inter:]),
+                "down": layer.down_q,
+            }
+            for matrix, q in parts.items():
+                gguf_name = f"blk.{layer.layer}.ffn_{matrix}_exps.weight"
+                tensor = tensors[gguf_name]
+                kind = main if matrix == "down" else fallback
+                assert tensor.tensor_type.name == kind == report["experts"]["tensors"][gguf_name]["type"]
+                got = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+                assert np.array_equal(got.reshape(q.shape).view(np.uint32), q.dequantize().numpy().view(np.uint32))
+                seen.add(gguf_name)
+    assert len(seen) == 3 * 4 and seen == set(report["experts"]["tensors"])
+
+
+def test_a_routed_expert_scheme_with_no_ggml_form_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    from moecompress.cli.main import main
+    from moecompress.quantization.schemes import register, unregister
+    from moecompress.quantization.schemes.integer import INT4
+
+    @register
+    class NoGGML(INT4):
+        name = "int4_no_ggml"
+
+        def ggml_type(self, scheme, has_zeros):
+            return None
+
+    try:
+        directory = tmp_path / "no-ggml"
+        quantize_checkpoint(BUILTIN, directory, QuantizeConfig(scheme="int4_no_ggml"), progress=False)
+        out = tmp_path / "x.gguf"
+        monkeypatch.setenv(ENV_VAR, "")  # the refusal comes before the converter is looked for
+        argv = ["moecompress", "export", str(directory), "--format", "gguf", "--out", str(out)]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as stop:
+            main()
+    finally:
+        unregister("int4_no_ggml")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "int4_no_ggml has no GGML block type" in err and "--format bf16" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-ggml"]

@@ -10,6 +10,9 @@ GGML blocks hold 32 consecutive weights of a row; a 4-bit block stores weight ``
   blocks with the same scale. The codes map exactly (``q = code - z + 8`` for Q4_0); the differences are the fp16
   rounding of a bf16 scale outside fp16's range (or subnormal), of Q4_1's ``m = -z·s``, and our rounding of the
   product to bf16, which GGML does not do. :func:`measure` reports them.
+- GGML's k-quants (``Q2_K`` .. ``Q6_K``) and the 32-weight types they fall back to at other widths (``IQ4_NL``,
+  ``Q5_0``, ``Q5_1``, ``Q8_0``): we store GGML's own block fields, so the blocks are those fields joined in GGML's
+  order (the scheme's ``ggml_blocks``): exact.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from ..kernels.packing import pack_codes
 from ..quantization.scheme import QuantizedTensor, QuantScheme
+from ..quantization.schemes.ggml_blocks import FORMATS
 
 QK = 32
 
@@ -35,24 +39,31 @@ class GGMLTensor:
     blocks: np.ndarray
 
 
-BLOCK_BYTES = {"MXFP4": 1 + QK // 2, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
+BLOCKS = {
+    "MXFP4": (QK, 1 + QK // 2),
+    "Q4_0": (QK, 2 + QK // 2),
+    "Q4_1": (QK, 4 + QK // 2),
+    **{name: (fmt.block, fmt.block_bytes) for name, fmt in FORMATS.items()},
+}
+"""GGML type name -> (weights per block, bytes per block), for every type the export writes."""
 
 
-def ggml_type(scheme: QuantScheme, has_zeros: bool) -> str:
-    """The GGML block type that holds codes and grids of ``scheme`` (``MXFP4``, ``Q4_0`` or ``Q4_1``)."""
-    type_name = scheme.kind.ggml_type(scheme, has_zeros)
+def ggml_type(scheme: QuantScheme, has_zeros: bool, cols: int) -> str:
+    """The GGML block type that holds ``scheme``'s weights with ``cols`` inputs."""
+    type_name = scheme.kind.ggml_block_type(scheme, has_zeros, cols)
     if type_name is None:
         raise ValueError(f"{scheme.name} has no GGML block type")
     return type_name
 
 
 def ggml_type_for(q: QuantizedTensor) -> str:
-    return ggml_type(q.scheme, q.zeros is not None)
+    return ggml_type(q.scheme, q.zeros is not None, q.shape[-1])
 
 
 def byte_shape(type_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of :attr:`GGMLTensor.blocks` for a ``shape`` weight."""
-    return (*shape[:-1], shape[-1] // QK * BLOCK_BYTES[type_name])
+    block, block_bytes = BLOCKS[type_name]
+    return (*shape[:-1], shape[-1] // block * block_bytes)
 
 
 def _ggml_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -119,6 +130,9 @@ def ggml_chunks(q: QuantizedTensor) -> Iterator[np.ndarray]:
     type_name = ggml_type_for(q)
     scheme = q.scheme
     lead, rows, cols = math.prod(q.shape[:-2]), math.prod(q.shape[-2:-1]), q.shape[-1]
+    if scheme.kind.ggml_own_blocks:
+        yield from _stored_block_chunks(q, lead, rows)
+        return
     dtype = block_dtype(type_name)
     if _quants_are_codes(q):
         packed, nibbles = q.packed.reshape(lead, rows, -1), None
@@ -151,6 +165,17 @@ def ggml_chunks(q: QuantizedTensor) -> Iterator[np.ndarray]:
                 if type_name == "Q4_1":
                     out["m"] = _fp16_bits(_per_block(-(zeros[index, part].float() * scale), scheme.group_size))
             yield out
+
+
+def _stored_block_chunks(q: QuantizedTensor, lead: int, rows: int) -> Iterator[np.ndarray]:
+    """The blocks (uint8) of a scheme that stores GGML's own block fields, a few rows at a time."""
+    cols = q.shape[-1]
+    packed, scales = q.packed.reshape(lead, rows, -1), q.scales.reshape(lead, rows, -1)
+    for index in range(lead):
+        for part in _row_chunks(rows, cols):
+            rows_q = QuantizedTensor(q.scheme, (part.stop - part.start, cols), packed[index, part], scales[index, part])
+            _, blocks = q.scheme.kind.ggml_blocks(rows_q)
+            yield blocks.numpy().reshape(-1)
 
 
 def to_ggml(q: QuantizedTensor) -> GGMLTensor:
@@ -240,8 +265,9 @@ def measure(q: QuantizedTensor, tensor: GGMLTensor | None = None) -> BlockError:
     """GGML's values of ``tensor`` (``q``'s blocks, made here if not given) against ``q.dequantize()`` (what our model
     computes with). Where GGML's decoding of every (code, group) pair ``q`` has equals ours (MXFP4 always), the whole
     matrix is exact without decoding it; otherwise every weight is decoded both ways and compared. The table is small:
-    it is decoded by the reference (bit-identical to the kernels, which would cost a second to load)."""
-    table = _every_group(q)
+    it is decoded by the reference (bit-identical to the kernels, which would cost a second to load). A scheme that
+    stores GGML's own block fields has no such table: every weight is compared."""
+    table = None if q.scheme.kind.ggml_own_blocks else _every_group(q)
     if table is not None and compare(ggml_dequantize(to_ggml(table)), table._dequantize_reference()).exact:
         return BlockError(0.0, 0.0, 0, q.numel)
     return compare(ggml_dequantize(tensor if tensor is not None else to_ggml(q)), q.dequantize())

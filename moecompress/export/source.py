@@ -128,7 +128,7 @@ class NativeSource:
         packed = tensors.pop(name)
         scales = tensors.pop(f"{name}_scales")
         zeros = tensors.pop(f"{name}_zeros", None)
-        shape = (*packed.shape[:-1], packed.shape[-1] * 8 // scheme.bits)
+        shape = (*packed.shape[:-1], scheme.logical_cols(packed.shape[-1], scales.shape[-1]))
         salient = None
         if f"{name}_salient" in tensors:
             stored, values = tensors.pop(f"{name}_salient"), tensors.pop(f"{name}_salient_values")
@@ -176,11 +176,21 @@ class NativeSource:
         tensors = self._mapped(self._expert_keys(layer))
         return self._quantized(experts, "gate_up_proj", tensors), self._quantized(experts, "down_proj", tensors)
 
+    def expert_scheme(self, experts: str) -> QuantScheme:
+        return self.schemes[self.modules[experts]]
+
+    def logical_shape(self, experts: str, param: str) -> tuple[int, ...]:
+        """A quantised expert tensor's dequantised shape, from the stored shapes (nothing read)."""
+        packed = self.reader.tensors[f"{experts}.{param}"].shape
+        scales = self.reader.tensors[f"{experts}.{param}_scales"].shape
+        return (*packed[:-1], self.expert_scheme(experts).logical_cols(packed[-1], scales[-1]))
+
+    def has_zeros(self, experts: str, param: str) -> bool:
+        return f"{experts}.{param}_zeros" in self.reader.tensors
+
     def _unread(self, experts: str, param: str) -> torch.Tensor:
         """A quantised expert tensor's dequantised bf16 shape, on the meta device (nothing read)."""
-        scheme = self.schemes[self.modules[experts]]
-        packed = self.reader.tensors[f"{experts}.{param}"].shape
-        return torch.empty((*packed[:-1], packed[-1] * 8 // scheme.bits), dtype=torch.bfloat16, device="meta")
+        return torch.empty(self.logical_shape(experts, param), dtype=torch.bfloat16, device="meta")
 
     def layer(self, layer: int, *, experts_read: bool = True) -> SourceLayer:
         """Decoder layer ``layer``. With ``experts_read=False`` its quantised experts are neither read nor decoded:

@@ -3,7 +3,8 @@
 llama.cpp's own converter writes the metadata, vocabulary and every non-expert tensor, from a view of the
 checkpoint (:mod:`.view`: unquantised per-expert layout, bf16 where we dequantise) in which the routed experts are
 holes, never decoded nor written; those are then filled with our codes re-packed as GGML blocks
-(:mod:`.ggml_blocks`): MXFP4 exactly, integer grids as Q4_0 / Q4_1 with the error measured. Matrices with
+(:mod:`.ggml_blocks`): MXFP4 and GGML's k-quants (with their fallback types) exactly, integer grids as Q4_0 / Q4_1
+with the error measured. A routed-expert scheme with no GGML block type is refused before any work. Matrices with
 low-rank adapters or salient weights have no GGML block form: they are refused, or with ``fold`` written
 folded into dense bf16. A checkpoint that is not in our native format (an original or pruned bf16 model, our
 gpt-oss export) goes to the converter as it is.
@@ -34,8 +35,25 @@ from .source import NativeSource, check_exportable, fold, quant_config
 from .to_bf16 import dense_layer, fold_error, open_native, plain_config
 from .view import ConverterView
 
-FILE_TYPES = {"MXFP4": "MOSTLY_MXFP4_MOE", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
+FILE_TYPES = {
+    "MXFP4": "MOSTLY_MXFP4_MOE",
+    "Q4_0": "MOSTLY_Q4_0",
+    "Q4_1": "MOSTLY_Q4_1",
+    "Q2_K": "MOSTLY_Q2_K",
+    "Q3_K": "MOSTLY_Q3_K_S",
+    "Q4_K": "MOSTLY_Q4_K_S",
+    "Q5_K": "MOSTLY_Q5_K_S",
+    "Q6_K": "MOSTLY_Q6_K",
+    "IQ4_NL": "MOSTLY_IQ4_NL",
+    "Q5_0": "MOSTLY_Q5_0",
+    "Q5_1": "MOSTLY_Q5_1",
+    "Q8_0": "MOSTLY_Q8_0",
+}
+"""``general.file_type`` per expert block type. A k-quant file takes the ``_S`` type: ours has the one k-quant in
+every expert (llama.cpp's ``_M``/``_L`` mixes raise some ``ffn_down`` and ``attn_v`` to wider types)."""
+_STORED_EXACT = "exact: GGML's own block fields as stored, joined in GGML's block order"
 BOUNDS = {
+    **{kind: _STORED_EXACT for kind in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0")},
     "MXFP4": "exact: same E2M1 codes and E8M0 scale byte",
     "Q4_0": "|ggml - ours| <= 2^-8 |ours| (our bf16 rounding of (q-8)*s; the scale converts to fp16 exactly "
     "when it lies in fp16's normal range)",
@@ -103,10 +121,10 @@ def _write_view(native: NativeSource, source: Path, view: Path, progress: bool) 
             if folded:
                 folded_layers[str(index)] = sorted(folded)
                 worst = max(worst, fold_error(folded))
-            scheme = native.schemes[native.modules[experts]]
+            scheme = native.expert_scheme(experts)
             for matrix, shape in _hole_shapes(layer.moe, folded):
                 param = "down_proj" if matrix == "down" else "gate_up_proj"
-                kind = ggml_blocks.ggml_type(scheme, f"{experts}.{param}_zeros" in native.reader.tensors)
+                kind = ggml_blocks.ggml_type(scheme, native.has_zeros(experts, param), shape[-1])
                 holes[_gguf_name(index, matrix)] = (kind, ggml_blocks.byte_shape(kind, shape))
         writer.add(dense_layer(native.adapter, layer, folded))
         del layer, folded
@@ -210,9 +228,30 @@ def native_schemes(config: dict[str, Any]) -> list[QuantScheme]:
     return [QuantScheme.from_dict(value) for value in (quant_config(config) or {}).get("schemes", {}).values()]
 
 
-def _file_type(types: dict[str, str]) -> str | None:
+def _file_type(types: dict[str, str], schemes: set[QuantScheme]) -> str | None:
+    """One expert block type: its file type. Several, written by one scheme: the one super-block type among them
+    (a k-quant, with its 32-weight fallback at other widths). Otherwise none: the converter's own."""
     kinds = set(types.values())
-    return FILE_TYPES[kinds.pop()] if len(kinds) == 1 else None
+    if len(kinds) == 1:
+        return FILE_TYPES.get(kinds.pop())
+    wide = [kind for kind in kinds if ggml_blocks.BLOCKS[kind][0] > ggml_blocks.QK]
+    return FILE_TYPES.get(wide[0]) if len(schemes) == 1 and len(wide) == 1 else None
+
+
+def check_ggml_form(native: NativeSource, source: Path) -> None:
+    """Every quantised routed-expert matrix has a GGML block type (read from the stored shapes, nothing decoded)."""
+    for index in native.layers:
+        experts = native.quantized_experts_module(index)
+        if experts is None:
+            continue
+        scheme = native.expert_scheme(experts)
+        for param in ("gate_up_proj", "down_proj"):
+            cols = native.logical_shape(experts, param)[-1]
+            if scheme.kind.ggml_block_type(scheme, native.has_zeros(experts, param), cols) is None:
+                raise UserInputError(
+                    f"{source}: the routed experts' scheme {scheme.name} has no GGML block type (GGUF holds "
+                    "mxfp4, int4/int2/binary/w4a8 as Q4_0/Q4_1, and q2_k..q6_k); export --format bf16 instead"
+                )
 
 
 def _export_native(
@@ -234,15 +273,16 @@ def _export_native(
         plan = _write_view(native, source, work / "view", progress)
         holes = plan["holes"]
         types = {name: kind for name, (kind, _) in holes.items()}
-        done = run_converter(
-            converter, work / "view", partial, outtype=outtype, holes=holes, file_type=_file_type(types)
-        )
+        modules = {native.quantized_experts_module(index) for index in native.layers} - {None}
+        file_type = _file_type(types, {native.expert_scheme(experts) for experts in modules})
+        done = run_converter(converter, work / "view", partial, outtype=outtype, holes=holes, file_type=file_type)
         missing = sorted(set(holes) - set(done["substituted"]))
         if missing:
             raise RuntimeError(f"the converter did not write {missing[0]}")
         errors = _fill_blocks(native, partial, holes, done.get("hole_offsets", {}), progress)
     report["experts"] = {
         "written_as": sorted(set(types.values())),
+        "file_type": file_type,
         "bounds": {kind: BOUNDS[kind] for kind in sorted(set(types.values()))},
         "tensors": errors,
         "all_exact": all(entry["exact"] for entry in errors.values()),
@@ -284,12 +324,13 @@ def export_gguf(
     with CheckpointReader(source) as reader:
         config = reader.config
         outtype = source_outtype(reader)
-    adapter = adapter_for(config, source=str(source))
-    check_scope(adapter, source)
-    native = quant_config(config) is not None
-    needs = check_foldable(config, source, fold) if native else []
-    if native:
-        check_exportable(adapter)
+        adapter = adapter_for(config, source=str(source))
+        check_scope(adapter, source)
+        native = quant_config(config) is not None
+        needs = check_foldable(config, source, fold) if native else []
+        if native:
+            check_exportable(adapter)
+            check_ggml_form(NativeSource(reader, adapter), source)
     converter = find_converter(llama_cpp)
     work = out.with_name(f".{out.name}.work")
     shutil.rmtree(work, ignore_errors=True)

@@ -146,6 +146,19 @@ class SchemeKind:
         """GGML's 4-bit quants of our ``codes`` in a ``type_name`` block."""
         return codes
 
+    ggml_own_blocks: ClassVar[bool] = False
+    """Whether the stored tensors are GGML's own block fields (:meth:`ggml_blocks` joins them), not codes on a grid
+    that the export re-packs."""
+
+    def ggml_block_type(self, scheme: QuantScheme, has_zeros: bool, cols: int) -> str | None:
+        """The GGML block type of a weight with ``cols`` inputs, or None (default: :meth:`ggml_type` at any width)."""
+        return self.ggml_type(scheme, has_zeros)
+
+    def ggml_blocks(self, q: QuantizedTensor) -> tuple[str, torch.Tensor]:
+        """The GGML type name and the blocks ``[..., rows, block bytes · blocks]`` as GGUF stores them, for a scheme
+        with :attr:`ggml_own_blocks`."""
+        raise NotImplementedError
+
 
 def register(cls: type[SchemeKind]) -> type[SchemeKind]:
     """Class decorator: make ``cls`` the scheme called ``cls.name`` (replacing one of that name)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .base import SchemeKind, register
-from .ggml_blocks import FORMATS, QK_K, BlockFormat, fields_of, split
+from .ggml_blocks import FORMATS, QK_K, BlockFormat, fields_of, ggml_bytes, split
 
 FALLBACK_BLOCK = 32
 
@@ -48,8 +48,10 @@ class KQuant(SchemeKind):
     def block_format(self, cols: int) -> BlockFormat:
         return FORMATS[self.main if cols % QK_K == 0 else self.fallback]
 
-    def ggml_type(self, scheme, has_zeros):
-        return None
+    ggml_own_blocks = True
+
+    def ggml_block_type(self, scheme, has_zeros, cols):
+        return self.block_format(cols).name
 
     def stored_shapes(self, scheme, shape):
         *lead, cols = shape
@@ -89,10 +91,7 @@ class KQuant(SchemeKind):
         scales = q.scales.reshape(-1, fmt.part_bytes("s"))
         return fmt.decode(fields_of(fmt, quants, scales)).reshape(q.shape).to(dtype)
 
-    def ggml_blocks(self, q) -> tuple[str, torch.Tensor]:
-        """The GGML type name and the blocks ``[..., rows, blocks · block bytes]`` as GGUF stores them."""
-        from .ggml_blocks import ggml_bytes
-
+    def ggml_blocks(self, q):
         fmt = self.block_format(q.shape[-1])
         quants = q.packed.reshape(-1, fmt.part_bytes("q"))
         scales = q.scales.reshape(-1, fmt.part_bytes("s"))
