@@ -622,6 +622,28 @@ TINY_CONFIGS["hy_v4_vl"] = dict(
     image_token_id=380,
     video_token_id=381,
 )
+TINY_CONFIGS["kolibri1_1"] = dict(
+    _COMMON,
+    model_type="kolibri1_1",
+    num_hidden_layers=4,
+    head_dim=16,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=8,
+    norm_topk_prob=True,
+    layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+    sliding_window=8,
+    index_layers=[1],
+    kv_source_layers=[0, 1, 2, 1],
+    mlp_only_layers=[0],
+    mlp_only_intermediate_size=64,
+    index_topk=4,
+    index_pool_size=8,
+    index_compression=4,
+    index_num_heads=2,
+    index_num_local_tokens=4,
+    index_num_sink_tokens=2,
+)
 TINY_CONFIGS["longcat_flash"] = dict(
     _COMMON,
     **_MLA,

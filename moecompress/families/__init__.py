@@ -37,6 +37,7 @@ from .jamba import JambaAdapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
 from .kolibri import Kolibri1Adapter
+from .kolibri1_1 import Kolibri1_1Adapter
 from .laguna import LagunaAdapter
 from .lara_mini import LaraMiniAdapter
 from .llama4 import Llama4Adapter, Llama4TextAdapter
@@ -124,6 +125,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     DeepseekV4Adapter,
     HYV4Adapter,
     HYV4VLAdapter,
+    Kolibri1_1Adapter,
     MistralLarge4Adapter,
     Qwen4ExpTextAdapter,
     Qwen4ExpAdapter,
@@ -160,10 +162,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "muse_spark": (
         "Muse Spark's experts run in a latent space (a projection and norm before them, a projection after), while "
         "the expert view computes on the MoE block's input"
-    ),
-    "kolibri1_1": (
-        "Kolibri 1.1's decoder layers hand their sparse-attention index pool to the next layer, which the "
-        "layer-by-layer sweep does not carry between layers"
     ),
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
