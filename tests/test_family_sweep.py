@@ -54,7 +54,7 @@ def test_dense_and_vision_configs_are_not_counted(sweep):
     _, entries, module_only = sweep
     assert "llama" not in entries and "qwen3" not in entries
     assert "qwen3_vl_moe_vision" in module_only and "qwen3_vl_moe_vision" not in entries
-    assert entries["gemma4_text"].reason.startswith("gemma4_text is not supported")  # its default is dense
+    assert entries["gemma4_text"].status == "supported"  # counted although its default config is dense
     assert entries["mistral3"].evidence == "text_config.n_routed_experts"  # dense default, MoE release
 
 
