@@ -827,6 +827,22 @@ TINY_CONFIGS["axk2"] = dict(
     index_n_heads=2,
     gated_norm_rank=8,
 )
+TINY_CONFIGS["nemotron_h_omni"] = dict(
+    model_type="nemotron_h_omni",
+    text_config={k: v for k, v in TINY_CONFIGS["nemotron_h"].items() if k != "tie_word_embeddings"},
+    vision_config=dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        patch_size=4,
+        video_temporal_patch_size=2,
+    ),
+    vision_hidden_size=32,
+    projector_hidden_size=32,
+    image_token_id=380,
+    tie_word_embeddings=False,
+)
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 

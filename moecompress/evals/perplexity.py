@@ -125,6 +125,13 @@ def windows_per_forward(seq_len: int, vocab: int, token_bytes: int = 0) -> int:
     return max(1, min(16, limit))
 
 
+def _head_rows(model: torch.nn.Module) -> int:
+    """The output projection's row count; the text config's vocabulary size where the stock class does not expose
+    its head (Nemotron 3 Nano Omni's ``language_model.lm_head``)."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else int(model.config.get_text_config().vocab_size)
+
+
 def evaluate_windows(
     model: torch.nn.Module,
     adapter: FamilyAdapter,
@@ -134,9 +141,9 @@ def evaluate_windows(
 ) -> EvalResult:
     """Evaluate a loaded model on token windows, optionally against a loaded reference model."""
     seq_len = windows.input_ids.shape[1]
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = _head_rows(model)
     if reference is not None:
-        ref_vocab = reference[0].get_output_embeddings().weight.shape[0]
+        ref_vocab = _head_rows(reference[0])
         if ref_vocab != vocab:
             raise UserInputError(f"model and reference vocabularies differ ({vocab} vs {ref_vocab})")
     totals = EvalTotals()

@@ -48,6 +48,7 @@ from .mistral4 import Mistral3Adapter, Mistral4Adapter
 from .mistral_large4 import MistralLarge4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .nemotron_h import NemotronHAdapter
+from .nemotron_h_omni import NemotronHOmniAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
 from .qwen4_exp import Qwen4ExpAdapter, Qwen4ExpTextAdapter
 from .qwen_moe import (
@@ -134,6 +135,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     AriaAdapter,
     LaraMiniAdapter,
     AXK2Adapter,
+    NemotronHOmniAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
