@@ -843,6 +843,25 @@ TINY_CONFIGS["nemotron_h_omni"] = dict(
     image_token_id=380,
     tie_word_embeddings=False,
 )
+TINY_CONFIGS["dots3_note_text"] = dict(
+    _COMMON,
+    **_DEEPSEEK_MOE,
+    **_MLA,
+    model_type="dots3_note_text",
+    head_dim=16,
+    shared_experts_intermediate_size=32,
+    index_topk=32,
+    index_head_dim=16,
+    index_n_heads=2,
+    sliding_window=8,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=4,
+    swa_q_lora_rank=32,
+    swa_kv_lora_rank=32,
+    swa_head_dim=16,
+    swa_qk_nope_head_dim=8,
+    swa_v_head_dim=8,
+)
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
