@@ -862,6 +862,39 @@ TINY_CONFIGS["dots3_note_text"] = dict(
     swa_qk_nope_head_dim=8,
     swa_v_head_dim=8,
 )
+TINY_CONFIGS["dots3_note"] = dict(
+    model_type="dots3_note",
+    text_config={
+        k: v for k, v in TINY_CONFIGS["dots3_note_text"].items() if k not in ("model_type", "tie_word_embeddings")
+    },
+    vision_config=dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        patch_size=4,
+        moe_intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        pyramid_num_routed=[4],
+        adapter_in_dim=32,
+        adapter_out_dim=64,
+    ),
+    audio_config=dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        downsample_hidden_size=16,
+        adapter_input_size=32,
+        adapter_out_dim=64,
+        feature_size=16,
+    ),
+    image_token_id=380,
+    video_token_id=381,
+    audio_token_id=382,
+    tie_word_embeddings=False,
+)
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 

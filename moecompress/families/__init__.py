@@ -27,7 +27,7 @@ from .deepseek_derived import (
     SolarOpenAdapter,
 )
 from .deepseek_v4 import DeepseekV4Adapter
-from .dots3_note import Dots3NoteTextAdapter
+from .dots3_note import Dots3NoteAdapter, Dots3NoteTextAdapter
 from .ernie import Ernie45MoeAdapter
 from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
 from .gpt_oss import GptOssAdapter
@@ -138,6 +138,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     AXK2Adapter,
     NemotronHOmniAdapter,
     Dots3NoteTextAdapter,
+    Dots3NoteAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
