@@ -895,6 +895,44 @@ TINY_CONFIGS["dots3_note"] = dict(
     audio_token_id=382,
     tie_word_embeddings=False,
 )
+_OCR_TEXT = dict(
+    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    topk_method="group_limited_greedy",
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=1.5,
+)
+_OCR_VISION = dict(
+    sam_config=dict(
+        hidden_size=32,
+        output_channels=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=64,
+        patch_size=16,
+        window_size=2,
+        global_attn_indexes=[0],
+        mlp_dim=32,
+        downsample_channels=[32, 64],
+    ),
+    encoder_config=dict(
+        vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    ),
+)
+TINY_CONFIGS["deepseek_ocr2"] = dict(
+    model_type="deepseek_ocr2",
+    text_config=_OCR_TEXT,
+    vision_config=_OCR_VISION,
+    image_token_id=380,
+    tie_word_embeddings=False,
+)
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 

@@ -26,6 +26,7 @@ from .deepseek_derived import (
     SarvamMlaAdapter,
     SolarOpenAdapter,
 )
+from .deepseek_ocr import DeepseekOcr2Adapter
 from .deepseek_v4 import DeepseekV4Adapter
 from .dots3_note import Dots3NoteAdapter, Dots3NoteTextAdapter
 from .ernie import Ernie45MoeAdapter
@@ -139,6 +140,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     NemotronHOmniAdapter,
     Dots3NoteTextAdapter,
     Dots3NoteAdapter,
+    DeepseekOcr2Adapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

@@ -5,10 +5,8 @@ layers with a DSA indexer and sliding-window MLA layers of their own sizes (``pe
 
 from __future__ import annotations
 
-import torch
-
 from .deepseek import DeepseekV3Adapter
-from .vision_language import TextTowerBesideVision
+from .text_under_model import TextUnderModel
 
 
 class Dots3NoteTextAdapter(DeepseekV3Adapter):
@@ -17,25 +15,11 @@ class Dots3NoteTextAdapter(DeepseekV3Adapter):
     first_dense_default = 1
 
 
-class Dots3NoteAdapter(TextTowerBesideVision, Dots3NoteTextAdapter):
+class Dots3NoteAdapter(TextUnderModel, Dots3NoteTextAdapter):
     """The omni release (``dots3_note``, ``Dots3NoteForConditionalGeneration``): that text model under its own names
-    (``model.layers``, ``model.embed_tokens``, ``model.norm``, ``lm_head``; ``model.language_model.*`` at runtime)
     beside ``vision_encoder.*`` (a vision tower with MoE layers of its own, passed through untouched like the rest of
     it) and ``audio_encoder.*``."""
 
     family = "dots3_note"
     model_types = ("dots3_note",)
-    layers_prefix = "model.layers."
-
-    def is_vision_key(self, key: str) -> bool:
-        return key.startswith(("vision_encoder.", "audio_encoder."))
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
-    def runtime_module_name(self, name: str) -> str:
-        return "model.language_model." + name[len("model.") :] if name.startswith("model.") else name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+    vision_prefixes = ("vision_encoder.", "audio_encoder.")
