@@ -100,6 +100,8 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
         ),
         ({"model_type": "nllb-moe", "num_experts": 8}, "nllb-moe is not supported: an encoder-decoder"),
         ({"model_type": "inkling_text", "n_routed_experts": 8}, "inkling_text is not supported: Inkling routes"),
+        ({"model_type": "inkling2_loop", "text_config": {"n_routed_experts": 8}}, "inkling2_loop .* block_states"),
+        ({"model_type": "diffusion_gemma", "text_config": {"num_experts": 8}}, "diffusion_gemma .* block-diffusion"),
         ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}, "dbrx is not supported: DBRX's router"),
         (
             {"model_type": "nemotron_h", "n_routed_experts": 8, "layers_block_type": ["moe"], "moe_latent_size": 16},

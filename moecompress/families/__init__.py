@@ -209,6 +209,17 @@ REFUSED_FAMILIES: dict[str, str] = {
         "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "
         "by the expert passes, GPTQ and the quantised-expert plugin) is one per family"
     ),
+    **dict.fromkeys(
+        ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
+        "Inkling 2's decoder layers each read block_states, the stack of the hidden states at every earlier "
+        "attention-residual block boundary, beside their input (the final norm's input is mixed from them too), which the layer "
+        "sweep, carrying one hidden state from layer to layer, does not provide",
+    ),
+    "diffusion_gemma": (
+        "DiffusionGemma is a block-diffusion model: its experts serve a causal encoder and a bidirectional denoising "
+        "decoder that share their weights and read the encoder's cache, so next-token calibration and evaluation do "
+        "not apply"
+    ),
 }
 """MoE families transformers has that moecompress refuses on purpose, with the reason it gives."""
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
