@@ -933,6 +933,33 @@ TINY_CONFIGS["deepseek_ocr2"] = dict(
     image_token_id=380,
     tie_word_embeddings=False,
 )
+TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
+    model_type="qwen3_omni_moe_thinker",
+    text_config=dict(
+        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        num_hidden_layers=2,
+        head_dim=16,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        rope_parameters=dict(_MROPE, mrope_interleaved=True),
+    ),
+    audio_config=dict(
+        num_mel_bins=16,
+        encoder_layers=1,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        d_model=32,
+        output_dim=64,
+        downsample_hidden_size=16,
+        max_source_positions=64,
+    ),
+    vision_config=dict(_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+    image_token_id=380,
+    video_token_id=381,
+    audio_token_id=382,
+    tie_word_embeddings=False,
+)
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 

@@ -51,6 +51,7 @@ from .mistral_large4 import MistralLarge4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .nemotron_h import NemotronHAdapter
 from .nemotron_h_omni import NemotronHOmniAdapter
+from .qwen3_omni_thinker import Qwen3OmniMoeThinkerAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
 from .qwen4_exp import Qwen4ExpAdapter, Qwen4ExpTextAdapter
 from .qwen_moe import (
@@ -141,6 +142,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Dots3NoteTextAdapter,
     Dots3NoteAdapter,
     DeepseekOcr2Adapter,
+    Qwen3OmniMoeThinkerAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -212,8 +214,8 @@ REFUSED_FAMILIES: dict[str, str] = {
     **dict.fromkeys(
         ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
         "Inkling 2's decoder layers each read block_states, the stack of the hidden states at every earlier "
-        "attention-residual block boundary, beside their input (the final norm's input is mixed from them too), which the layer "
-        "sweep, carrying one hidden state from layer to layer, does not provide",
+        "attention-residual block boundary, beside their input (the final norm's input is mixed from them too), "
+        "which the layer sweep, carrying one hidden state from layer to layer, does not provide",
     ),
     "diffusion_gemma": (
         "DiffusionGemma is a block-diffusion model: its experts serve a causal encoder and a bidirectional denoising "

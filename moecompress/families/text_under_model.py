@@ -1,6 +1,6 @@
 """Releases that keep a wrapper's text model under the text model's own names (``model.layers``,
 ``model.embed_tokens``, ``model.norm``, ``lm_head``) beside the other towers' top-level or ``model.*`` prefixes, while
-transformers builds it as ``model.language_model.*`` (dots.llm3 Note, DeepSeek-OCR-2, Unlimited-OCR)."""
+transformers builds it as ``model.language_model.*`` (dots.llm3 Note, DeepSeek-OCR-2, Qwen3-Omni's thinker)."""
 
 from __future__ import annotations
 
