@@ -32,7 +32,7 @@ def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str,
 
 
 def experts_module(adapter: FamilyAdapter, layer: int) -> str:
-    return f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(f'{adapter.moe_block_name}.experts')}"
+    return f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(adapter.experts_module)}"
 
 
 def runtime_key(adapter: FamilyAdapter, key: str) -> str:
