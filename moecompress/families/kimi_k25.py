@@ -13,10 +13,8 @@ weights (transformers splits its fused ``wqkv`` at load; text never reaches it).
 
 from __future__ import annotations
 
-import torch
-
 from .deepseek import DeepseekV3Adapter
-from .vision_language import TextTowerBesideVision
+from .vision_language import RenamedTextTower
 
 _RELEASE_LAYERS = "language_model.model.layers."
 _SAVED_LAYERS = "language_model.model.blocks."
@@ -31,27 +29,13 @@ _RUNTIME_PREFIXES = (
 _VISION_PREFIXES = ("vision_tower.", "mm_projector.", "model.mm_projector.", "model.vision_tower.")
 
 
-class KimiK25Adapter(TextTowerBesideVision, DeepseekV3Adapter):
+class KimiK25Adapter(RenamedTextTower, DeepseekV3Adapter):
     family = "kimi_k25"
     model_types = ("kimi_k25",)
+    runtime_prefixes = _RUNTIME_PREFIXES
+    vision_prefixes = _VISION_PREFIXES
 
     @property
     def layers_prefix(self) -> str:
         saved = self.text_config.get("model_type") == _SAVED_TEXT_MODEL_TYPE
         return _SAVED_LAYERS if saved else _RELEASE_LAYERS
-
-    def is_vision_key(self, key: str) -> bool:
-        return key.startswith(_VISION_PREFIXES)
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
-    def runtime_module_name(self, name: str) -> str:
-        for disk, runtime in _RUNTIME_PREFIXES:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}

@@ -5,36 +5,14 @@ embeds tokens and computes the logits is built without the vision weights."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-import torch
-
-from .vision_language import TextTowerBesideVision
-
-_RUNTIME_PREFIXES = (
-    ("language_model.model.", "model.language_model."),
-    ("language_model.lm_head.", "lm_head."),
-)
+from .vision_language import RenamedTextTower
 
 
-class LlavaLayout(TextTowerBesideVision):
-    """Mixin, listed before the text family's adapter class."""
+class LlavaLayout(RenamedTextTower):
+    """Mixin, listed before the text family's adapter class; ``vision_prefixes`` are the vision weights' names."""
 
     layers_prefix = "language_model.model.layers."
-    vision_prefixes: ClassVar[tuple[str, ...]]
-
-    def is_vision_key(self, key: str) -> bool:
-        return key.startswith(self.vision_prefixes)
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
-    def runtime_module_name(self, name: str) -> str:
-        for disk, runtime in _RUNTIME_PREFIXES:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+    runtime_prefixes = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+    )

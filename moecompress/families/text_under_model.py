@@ -4,30 +4,11 @@ transformers builds it as ``model.language_model.*`` (dots.llm3 Note, DeepSeek-O
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-import torch
-
-from .vision_language import TextTowerBesideVision
-
-_DISK, _RUNTIME = "model.", "model.language_model."
+from .vision_language import RenamedTextTower
 
 
-class TextUnderModel(TextTowerBesideVision):
+class TextUnderModel(RenamedTextTower):
     """Mixin, listed before the text family's adapter class; ``vision_prefixes`` are the other towers' names."""
 
     layers_prefix = "model.layers."
-    vision_prefixes: ClassVar[tuple[str, ...]]
-
-    def is_vision_key(self, key: str) -> bool:
-        return key.startswith(self.vision_prefixes)
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
-    def runtime_module_name(self, name: str) -> str:
-        return _RUNTIME + name[len(_DISK) :] if name.startswith(_DISK) else name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+    runtime_prefixes = (("model.", "model.language_model."),)

@@ -3,7 +3,9 @@ in ``text_config``, beside a vision tower ``model.visual`` that is passed throug
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
 
 
 class TextTowerBesideVision:
@@ -22,3 +24,28 @@ class TextTowerBesideVision:
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith("model.visual.")
+
+
+class RenamedTextTower(TextTowerBesideVision):
+    """Mixin for releases whose text tower is stored under other names than transformers builds: each name starting
+    with a ``runtime_prefixes`` disk prefix takes its runtime prefix (the first that matches), and the keys under
+    ``vision_prefixes`` are the other towers' (passed through untouched)."""
+
+    runtime_prefixes: ClassVar[tuple[tuple[str, str], ...]]
+    vision_prefixes: ClassVar[tuple[str, ...]]
+
+    def is_vision_key(self, key: str) -> bool:
+        return key.startswith(self.vision_prefixes)
+
+    @property
+    def runtime_layers_path(self) -> str:
+        return "model.language_model.layers"
+
+    def runtime_module_name(self, name: str) -> str:
+        for disk, runtime in self.runtime_prefixes:
+            if name.startswith(disk):
+                return runtime + name[len(disk) :]
+        return name
+
+    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
