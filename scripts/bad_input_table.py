@@ -265,7 +265,7 @@ CASES: tuple[Case, ...] = (
     Case("inspect-empty-dir", ("inspect", "{w}/empty"), "config.json", "empty_dir"),
     Case("inspect-bad-config", ("inspect", "{w}/m"), "config.json", "bad_json"),
     Case("inspect-dense", ("inspect", "{s}/dense"), "has no MoE layers"),
-    Case("inspect-unsupported", ("inspect", "{s}/jamba"), "unsupported MoE family 'jamba'"),
+    Case("inspect-unsupported", ("inspect", "{s}/made_up_moe"), "unsupported MoE family 'made_up_moe'"),
     Case("inspect-file", ("inspect", "{w}/afile"), "afile", "a_file"),
     # eval
     Case("eval-seq-len-beyond-positions", ("eval", TINY, "--seq-len", "100000"), "max_position_embeddings"),
@@ -844,7 +844,7 @@ def prepare_shared(shared: Path) -> None:
     for name, edit in (
         ("native", lambda c: c.update(quantization_config={"quant_method": "moecompress"})),
         ("dense", lambda c: (c.clear(), c.update(model_type="llama", num_hidden_layers=2))),
-        ("jamba", lambda c: c.update(model_type="jamba", architectures=["JambaForCausalLM"])),
+        ("made_up_moe", lambda c: c.update(model_type="made_up_moe", architectures=["MadeUpMoeForCausalLM"])),
     ):
         target = shared / name
         shutil.copytree(tiny, target)

@@ -77,7 +77,9 @@ class MoEWeights:
     def select(self, keep: list[int]) -> MoEWeights:
         """The same block restricted to the experts at positions ``keep`` (in that order)."""
         index = torch.tensor(keep, dtype=torch.long, device="cpu")
-        columns = torch.tensor(keep + list(range(self.num_experts, self.router_columns)), dtype=torch.long)
+        columns = torch.tensor(
+            keep + list(range(self.num_experts, self.router_columns)), dtype=torch.long, device="cpu"
+        )
 
         def pick(tensor: torch.Tensor | None, rows: torch.Tensor = index) -> torch.Tensor | None:
             return None if tensor is None else tensor.index_select(0, rows).contiguous()
