@@ -71,7 +71,13 @@ def test_group_size_help_matches_each_scheme():
 
     assert intq.GROUP_SIZES == (32, 64, 128) and "int4, int2 and w4a8 take 32, 64 or 128" in GROUP_SIZE_HELP
     assert binary.GROUP_SIZES == (32, 64, 128, 256) and "binary 32, 64, 128 or 256" in GROUP_SIZE_HELP
-    assert "mxfp4 refuses any other value" in GROUP_SIZE_HELP
+    assert "mxfp4 blocks are always 32 wide and k-quant super-blocks 256, so those refuse any other value" in (
+        GROUP_SIZE_HELP
+    )
+    from moecompress.quantization.schemes import SCHEME_KINDS
+
+    fixed = {name: kind.fixed_group_size for name, kind in SCHEME_KINDS.items() if kind.fixed_group_size}
+    assert fixed == {"mxfp4": 32, **{f"q{bits}_k": 256 for bits in range(2, 7)}}
 
 
 def test_partial_work_is_refused_until_resume_or_restart(tmp_path):
