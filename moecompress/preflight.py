@@ -262,6 +262,10 @@ def _check_pass(
         quantize = config.quantize if name == "qat" else config
         _check_format(adapter, quantize, quantize.quant_scheme())
         check_output_smaller(model_dir, quantize)
+        if quantize.imatrix_out is not None:
+            from .export.imatrix import check_imatrix_target
+
+            check_imatrix_target(Path(quantize.imatrix_out), adapter, [model_dir], type(quantize))
         if name == "qat":
             check_seq_len(adapter, config.seq_len, named("seq_len"), type(config))
 

@@ -533,6 +533,7 @@ def run_recipe(
         distributed.init_from_environment()
         _check_ranks(recipe, resume)
         check_recipe(recipe, model_dir)
+        _check_imatrix_outside(recipe, out_dir)
         with using_device(distributed.rank_device(recipe.device)):
             return _run_recipe(
                 recipe, model_dir, out_dir, overwrite=overwrite, progress=progress, resume=resume, chained=chained
@@ -541,6 +542,15 @@ def run_recipe(
         raise _spelled(recipe, error) from None
     finally:
         end_of_command()
+
+
+def _check_imatrix_outside(recipe: Recipe, out_dir: Path) -> None:
+    from .export.imatrix import check_outside_output
+
+    for name, config in recipe.passes:
+        quantize = config.quantize if name == "qat" else config if name == "quantize" else None
+        if quantize is not None and quantize.imatrix_out is not None:
+            check_outside_output(Path(quantize.imatrix_out), out_dir, type(quantize))
 
 
 def _spelled(recipe: Recipe, error: OptionError) -> OptionError:

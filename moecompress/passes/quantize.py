@@ -23,9 +23,11 @@ from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, 
 from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluation_report
+from ..export.imatrix import ImatrixCollector, check_imatrix_target, covered_tensors
 from ..families import FamilyAdapter, MoEWeights
 from ..kernels.mxfp4 import ScaleRule
 from ..loading import load_adapter
+from ..preflight import data_paths
 from ..quantization.compensation import LayerErrors, layer_errors
 from ..quantization.experts import QuantizedMoE, quantize_experts_calibrated, quantize_experts_rtn
 from ..quantization.formats import gpt_oss, native
@@ -70,8 +72,15 @@ ADAPTERS = When(
     lambda c: c.lowrank_budget > 0 or c.lowrank_rank > 0,
 )
 CALIBRATED = When(
-    f"calibration ({named('method', 'gptq')}, {named('salient_fraction')} or low-rank adapters)",
-    lambda c: c.method == "gptq" or c.salient_fraction > 0 or c.lowrank_budget > 0 or c.lowrank_rank > 0,
+    f"calibration ({named('method', 'gptq')}, {named('salient_fraction')}, low-rank adapters or "
+    f"{named('imatrix_out')})",
+    lambda c: (
+        c.method == "gptq"
+        or c.salient_fraction > 0
+        or c.lowrank_budget > 0
+        or c.lowrank_rank > 0
+        or c.imatrix_out is not None
+    ),
 )
 
 
@@ -233,6 +242,15 @@ class QuantizeConfig:
             choices=MTP_MODES,
         ),
     )
+    imatrix_out: str | None = field(
+        default=None,
+        metadata=option(
+            "Also write what the calibration measured as a llama.cpp importance matrix (GGUF, llama-imatrix's "
+            "format) to this file, for `llama-quantize --imatrix`: per MoE layer the routed experts' input sums of "
+            "squares and token counts, per expert, and the router's (docs/llama_cpp.md). Runs the calibration "
+            "sweep even with --method rtn.",
+        ),
+    )
 
     def quant_scheme(self) -> QuantScheme:
         """``symmetric`` and the group size default to the scheme's own (``SchemeKind.default_symmetric``,
@@ -267,6 +285,8 @@ class QuantizeConfig:
                 f"{named('salient_fraction')}: salient weights are stored in the native format only, "
                 f"not {named('format', self.format)}"
             )
+        if self.imatrix_out is not None and not self.imatrix_out.strip():
+            raise refuse(f"{named('imatrix_out', self.imatrix_out)}: name a file")
         if (self.lowrank_budget or self.lowrank_rank) and self.format != "native":
             raise refuse(
                 f"{named('lowrank_budget') if self.lowrank_budget else named('lowrank_rank')}: low-rank adapters are "
@@ -470,7 +490,10 @@ def quantize_checkpoint(
     tensors = _TensorQuantizer(adapter, scheme, config.targets)
     quantizer = _ExpertQuantizer(adapter, scheme, config)
     lowrank = config.lowrank_budget > 0 or config.lowrank_rank > 0
-    needs_calibration = quantizer.calibrated or lowrank
+    needs_calibration = quantizer.calibrated or lowrank or config.imatrix_out is not None
+    if config.imatrix_out is not None:
+        inputs = [Path(model_dir), *data_paths(calib)]
+        check_imatrix_target(Path(config.imatrix_out), adapter, inputs, QuantizeConfig, Path(out_dir))
     quantize_mtp_plan(model_dir, adapter, config.mtp, needs_calibration)
     calibration: dict[str, Any] | None = None
     if needs_calibration:
@@ -514,8 +537,20 @@ def quantize_checkpoint(
             "family": adapter.family,
             "calibration": calibration,
         }
+        imatrix = None if config.imatrix_out is None else ImatrixCollector(writer.state_dir / "imatrix", adapter)
         _write_quantized(
-            model_dir, out_dir, report, lowrank_report, layout, tensors, quantizer, ranks, captures, writer, progress
+            model_dir,
+            out_dir,
+            report,
+            lowrank_report,
+            layout,
+            tensors,
+            quantizer,
+            ranks,
+            captures,
+            writer,
+            progress,
+            imatrix,
         )
     except (UserInputError, OSError):
         writer.abort()
@@ -572,9 +607,11 @@ class QuantizedLayers:
         tensors: _TensorQuantizer,
         quantizer: _ExpertQuantizer,
         ranks: dict,
+        imatrix: ImatrixCollector | None = None,
     ):
         self.report, self.lowrank_report, self.layout = report, lowrank_report, layout
         self.tensors, self.quantizer, self.ranks = tensors, quantizer, ranks
+        self.imatrix = imatrix
         self.expert_modules: list[str] = []
         self.layer_stats: dict[str, Any] = {}
         self.lowrank_ranks: dict[str, dict[str, list[int]]] = {}
@@ -587,6 +624,8 @@ class QuantizedLayers:
     def quantize_moe(self, layer: int, moe: MoEWeights, capture) -> QuantizedMoE:
         meta: dict[str, Any] = {}
         quantizer = self.quantizer
+        if self.imatrix is not None:
+            self.imatrix.add(layer, moe, capture.moe_input, capture.router_input)
         quantized = quantizer.quantize(layer, moe, capture)
         if self.ranks:
             layer_ranks = {(e, w): r for (lay, e, w), r in self.ranks.items() if lay == layer}
@@ -608,6 +647,8 @@ class QuantizedLayers:
         if "layer" not in meta:
             return
         module = native.experts_module(self.quantizer.adapter, meta["layer"])
+        if self.imatrix is not None:
+            self.imatrix.restore(meta["layer"])
         self.expert_modules.append(module)
         self.layer_stats[str(meta["layer"])] = meta["stats"]
         if "lowrank_ranks" in meta:
@@ -639,15 +680,38 @@ class QuantizedLayers:
         return self.pending.pop(unit)
 
     def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """``config`` with the quantisation config of everything written."""
+        """``config`` with the quantisation config of everything written. Called once every layer is written and
+        before the output appears: the importance matrix (if asked for) is written here, so that a finished
+        output always has it."""
+        if self.imatrix is not None:
+            self._write_imatrix()
         adapter, scheme = self.quantizer.adapter, self.quantizer.scheme
         quantization = self.layout.config_for(
             adapter, scheme, self.expert_modules, self.tensors.keys, self.lowrank_ranks or None, self.salient or None
         )
         return {**config, "quantization_config": quantization}
 
+    def _imatrix_metadata(self) -> dict[str, Any]:
+        calibration = self.report["calibration"]
+        return {
+            "datasets": [calibration["source"]],
+            "chunk_count": calibration["tokens"] // calibration["seq_len"],
+            "chunk_size": calibration["seq_len"],
+        }
+
+    def _write_imatrix(self) -> None:
+        path = Path(self.quantizer.config.imatrix_out)
+        self.imatrix.write(path, **self._imatrix_metadata())
+
     def final_report(self) -> dict[str, Any]:
         report = self.report
+        if self.imatrix is not None:
+            report["imatrix"] = {
+                "path": str(Path(self.quantizer.config.imatrix_out).absolute()),
+                "layers": sorted(self.imatrix.layers),
+                "tensors_per_layer": covered_tensors(self.quantizer.adapter.family),
+                **self._imatrix_metadata(),
+            }
         report["rtn_fallback_experts"] = {
             layer: stats["rtn_fallback"] for layer, stats in self.layer_stats.items() if stats.get("rtn_fallback")
         }
@@ -669,9 +733,10 @@ def _write_quantized(
     captures,
     writer: CheckpointWriter,
     progress: bool,
+    imatrix: ImatrixCollector | None = None,
 ) -> None:
     """The rewriting sweep: quantise and write layer after layer, completing ``report`` (but its footprint)."""
-    layers = QuantizedLayers(report, lowrank_report, layout, tensors, quantizer, ranks)
+    layers = QuantizedLayers(report, lowrank_report, layout, tensors, quantizer, ranks, imatrix)
 
     def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:
         quantized = None

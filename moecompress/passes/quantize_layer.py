@@ -12,6 +12,8 @@ import torch
 from ..checkpoint.decode import describe_input
 from ..checkpoint.mtp import quantize_mtp_plan, without_mtp
 from ..evals.footprint import checkpoint_footprint
+from ..export.imatrix import ImatrixCollector, check_imatrix_target
+from ..preflight import data_paths
 from ..quantization.sensitivity import stored_layer_sensitivity
 from ..sweep_state import LayerResult
 from .base import LayerPass, Needs, PassContext
@@ -52,12 +54,15 @@ class QuantizePass(LayerPass):
     def needs(self) -> Needs:
         config = self.config
         calibrated = config.method == "gptq" or config.salient_fraction > 0
+        imatrix = config.imatrix_out is not None
         rewrites = f"quantise the experts ({config.scheme}, {config.method})"
         if self.lowrank:
             rewrites += ", then add the low-rank adapters"
+        if imatrix:
+            rewrites += "; sum the experts' squared inputs for the importance matrix"
         return Needs(
             measuring="quantisation error spectra of every expert matrix" if self.lowrank else None,
-            calibration=calibrated or self.lowrank,
+            calibration=calibrated or self.lowrank or imatrix,
             sensitivity=config.sensitivity if self.lowrank and config.sensitivity != "none" else None,
             sequential=calibrated,
             rewrites=rewrites,
@@ -74,6 +79,9 @@ class QuantizePass(LayerPass):
         self.tensors = _TensorQuantizer(adapter, self.scheme, config.targets)
         self.quantizer = _ExpertQuantizer(adapter, self.scheme, config)
         self._source = str(context.model_dir)
+        if config.imatrix_out is not None:
+            inputs = [context.model_dir, *data_paths(context.calibration.source)]
+            check_imatrix_target(Path(config.imatrix_out), adapter, inputs, QuantizeConfig)
         self._mtp = quantize_mtp_plan(context.model_dir, adapter, config.mtp, self.needs().calibration)
         context.extra["drop_layers"] = context.extra.get("drop_layers", frozenset()) | self._mtp.drop_layers
         context.extra["drop_keys"] = context.extra.get("drop_keys", frozenset()) | self._mtp.drop_keys
@@ -147,7 +155,10 @@ class QuantizePass(LayerPass):
             "calibration": calibration,
             "mtp": self._mtp.report or None,
         }
-        self.layers = QuantizedLayers(report, lowrank_report, self.layout, self.tensors, self.quantizer, ranks)
+        imatrix = None
+        if config.imatrix_out is not None:
+            imatrix = ImatrixCollector(context.state_dir / "imatrix", adapter)
+        self.layers = QuantizedLayers(report, lowrank_report, self.layout, self.tensors, self.quantizer, ranks, imatrix)
 
     def rewrite(self, layer: int, block: Any, capture) -> Any:
         return None if block is None else self.layers.quantize_moe(layer, block, capture)

@@ -1,0 +1,229 @@
+"""``--imatrix-out``: the quantisation pass's calibration written as a llama.cpp importance matrix. The file is read
+back with the ``gguf`` package and its sums compared with sums computed here from a stock transformers forward of
+the same calibration windows; with a llama.cpp build (``MOECOMPRESS_LLAMA_CPP`` names the converter,
+``MOECOMPRESS_LLAMA_CPP_BIN`` a directory holding ``llama-quantize``; otherwise skipped) ``llama-quantize``
+uses it."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import load_stock, run_cli
+
+import moecompress
+from moecompress.errors import UserInputError
+from moecompress.export.imatrix import covered_tensors
+from moecompress.export.llama_cpp import find_converter
+from moecompress.loading import load_adapter
+from moecompress.passes.prune_experts import calibration_batches
+from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+
+BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
+TOKENS, SEQ_LEN = 512, 128
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    tensors = {t.name: (list(t.shape), np.array(t.data), t.tensor_type) for t in reader.tensors}
+    return fields, tensors
+
+
+@torch.no_grad()
+def _expected(model_dir: Path, shared: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per tensor name, (sums, counts) from the stock model's forward of the calibration windows: each MoE block's
+    input captured by a hook, routed by its own router (softmax, top-k), the experts' intermediate activation
+    computed from its own weights."""
+    adapter = load_adapter(model_dir)
+    batches, _, _ = calibration_batches(adapter, model_dir, "builtin:prose", TOKENS, SEQ_LEN, 8, 0, 224)
+    model = load_stock(model_dir, torch.float32)
+    inputs: dict[int, list[torch.Tensor]] = {}
+    handles = [
+        layer.mlp.register_forward_hook(lambda m, a, o, i=i: inputs.setdefault(i, []).append(a[0].flatten(0, 1)))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    for batch in batches:
+        model(**batch)
+    for handle in handles:
+        handle.remove()
+    top_k = model.config.num_experts_per_tok
+    expected = {}
+    for i, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):
+            continue  # a dense layer: not covered
+        x = torch.cat(inputs[i]).double()
+        ids = torch.topk(F.linear(x, mlp.gate.weight.double()), top_k, dim=-1).indices
+        gate_up, down = mlp.experts.gate_up_proj.double(), mlp.experts.down_proj.double()
+        width, experts = down.shape[-1], gate_up.shape[0]
+        routed, hidden = np.zeros((experts, x.shape[1])), np.zeros((experts, width))
+        counts = np.zeros((experts, 1))
+        for e in range(experts):
+            rows = x[(ids == e).any(dim=-1)]
+            gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+            routed[e] = rows.pow(2).sum(0).numpy()
+            hidden[e] = (F.silu(gate) * up).pow(2).sum(0).numpy()
+            counts[e] = rows.shape[0]
+        every, tokens = x.pow(2).sum(0).numpy(), np.array([float(x.shape[0])])
+        names = {"ffn_gate_exps": (routed, counts), "ffn_up_exps": (routed, counts), "ffn_down_exps": (hidden, counts)}
+        names["ffn_gate_inp"] = (every, tokens)
+        if shared:
+            names["ffn_gate_shexp"] = names["ffn_up_shexp"] = (every, tokens)
+        expected.update({f"blk.{i}.{name}.weight": value for name, value in names.items()})
+    return expected
+
+
+def _check_values(path: Path, expected: dict) -> None:
+    fields, tensors = _read(path)
+    assert fields["general.type"] == "imatrix"
+    assert "general.architecture" not in fields  # llama-imatrix writes none
+    assert fields["imatrix.datasets"] == ["builtin:prose"]
+    assert fields["imatrix.chunk_count"] == TOKENS // SEQ_LEN
+    assert fields["imatrix.chunk_size"] == SEQ_LEN
+    assert sorted(tensors) == sorted(f"{name}.{part}" for name in expected for part in ("in_sum2", "counts"))
+    assert list(tensors) == [f"{name}.{part}" for name in sorted(expected) for part in ("in_sum2", "counts")]
+    for name, (sums, counts) in expected.items():
+        shape, values, kind = tensors[f"{name}.in_sum2"]
+        assert kind == gguf.GGMLQuantizationType.F32
+        assert shape == list(sums.shape[::-1])  # GGUF's ne order: [width, experts], or [width]
+        np.testing.assert_allclose(values, sums, rtol=2e-4, err_msg=name)
+        shape, values, _ = tensors[f"{name}.counts"]
+        assert shape == list(counts.shape[::-1])
+        np.testing.assert_array_equal(values, counts, err_msg=name)
+
+
+def test_routed_sums_and_counts_equal_those_of_the_stock_forward(tmp_path):
+    target = tmp_path / "tiny.imatrix"
+    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
+    report = quantize_checkpoint(BUILTIN, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    expected = _expected(BUILTIN, shared=False)
+    assert len(expected) == 4 * 4
+    _check_values(target, expected)
+    _, tensors = _read(target)
+    assert tensors["blk.0.ffn_gate_exps.weight.in_sum2"][0] == [128, 8]
+    assert tensors["blk.0.ffn_down_exps.weight.in_sum2"][0] == [256, 8]
+    assert tensors["blk.0.ffn_gate_exps.weight.counts"][0] == [1, 8]
+    assert tensors["blk.0.ffn_gate_inp.weight.in_sum2"][0] == [128]
+    # every calibration token goes to top_k = 2 experts
+    assert tensors["blk.2.ffn_down_exps.weight.counts"][1].sum() == 2 * TOKENS
+    assert report["imatrix"]["layers"] == [0, 1, 2, 3]
+    assert report["imatrix"]["tensors_per_layer"] == covered_tensors("qwen3_moe")
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_gptq_calibration_writes_the_same_first_layer(tmp_path):
+    """With GPTQ the later layers calibrate on the quantised earlier ones; the first layer's inputs are the model's."""
+    rtn, gptq = tmp_path / "rtn.imatrix", tmp_path / "gptq.imatrix"
+    common = dict(calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    quantize_checkpoint(BUILTIN, tmp_path / "a", QuantizeConfig(scheme="int4", imatrix_out=str(rtn)), **common)
+    config = QuantizeConfig(scheme="int4", method="gptq", imatrix_out=str(gptq))
+    quantize_checkpoint(BUILTIN, tmp_path / "b", config, **common)
+    (_, first), (_, second) = _read(rtn), _read(gptq)
+    assert first.keys() == second.keys()
+    for name in first:
+        if name.startswith("blk.0."):
+            np.testing.assert_array_equal(first[name][1], second[name][1])
+    later = "blk.3.ffn_down_exps.weight.in_sum2"
+    assert not np.array_equal(first[later][1], second[later][1])
+
+
+def test_shared_expert_inputs_are_covered(tmp_path):
+    source = save_tiny_model("qwen2_moe", tmp_path / "qwen2")
+    tiny_tokenizer().save_pretrained(source)
+    target = tmp_path / "qwen2.imatrix"
+    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
+    quantize_checkpoint(source, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    expected = _expected(source, shared=True)
+    _check_values(target, expected)
+
+
+def test_pipeline_writes_the_pruned_blocks_statistics(tmp_path):
+    """In a recipe the pass measures the block it quantises: after pruning, the kept experts."""
+    target = tmp_path / "pruned.imatrix"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "calibration: {tokens: 512, seq_len: 128}\n"
+        "passes:\n"
+        "  - prune_experts: {method: frequency, ratio: 0.25}\n"
+        f"  - quantize: {{scheme: mxfp4, imatrix_out: {target}}}\n"
+    )
+    result = run_cli("run", str(recipe), "--model", str(BUILTIN), "--out", str(tmp_path / "out"), "--quiet")
+    assert result.returncode == 0, result.stderr
+    _, tensors = _read(target)
+    assert tensors["blk.0.ffn_down_exps.weight.in_sum2"][0] == [256, 6]
+    assert tensors["blk.3.ffn_gate_exps.weight.counts"][1].sum() == 2 * 512
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("missing/x.imatrix", "does not exist"),
+        ("out/x.imatrix", "inside the output directory"),
+        ("model/x.imatrix", "inside the input"),
+        (".", "a directory"),
+    ],
+)
+def test_bad_targets_are_refused_before_any_work(tmp_path, where, message):
+    model = tmp_path / "model"
+    model.symlink_to(BUILTIN, target_is_directory=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "moecompress_report.json").write_text("{}")
+    result = run_cli(
+        "quantize", str(model), "--out", str(tmp_path / "out"), "--overwrite", "--imatrix-out", str(tmp_path / where)
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--imatrix-out" in lines[0] and message in lines[0], result.stderr
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_a_family_without_a_known_llama_cpp_naming_is_refused(tmp_path):
+    source = save_tiny_model("deepseek_v3", tmp_path / "ds")
+    tiny_tokenizer().save_pretrained(source)
+    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(tmp_path / "ds.imatrix"))
+    with pytest.raises(UserInputError, match=r"qwen3_moe.*not deepseek_v3"):
+        quantize_checkpoint(source, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    assert not (tmp_path / "q").exists()
+
+
+def _binaries() -> Path | None:
+    directory = os.environ.get("MOECOMPRESS_LLAMA_CPP_BIN")
+    if not directory or not (Path(directory) / "llama-quantize").is_file():
+        return None
+    try:
+        find_converter(None)
+    except UserInputError:
+        return None
+    return Path(directory)
+
+
+@pytest.mark.skipif(_binaries() is None, reason="MOECOMPRESS_LLAMA_CPP_BIN names no llama-quantize (or no converter)")
+def test_llama_quantize_uses_the_importance_matrix(tmp_path):
+    target = tmp_path / "tiny.imatrix"
+    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
+    quantize_checkpoint(BUILTIN, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    model = tmp_path / "tiny-bf16.gguf"
+    exported = run_cli("export", str(BUILTIN), "--format", "gguf", "--out", str(model))
+    assert exported.returncode == 0, exported.stderr
+    result = subprocess.run(
+        [_binaries() / "llama-quantize", "--imatrix", target, model, tmp_path / "q4km.gguf", "Q4_K_M", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    assert f"loaded 16 importance matrix entries from {target} computed on {TOKENS // SEQ_LEN} chunks" in log
+    assert "imatrix datasets=['builtin:prose']" in log
+    for layer in range(4):
+        for matrix in ("gate", "up", "down"):
+            assert f"did not find weights for blk.{layer}.ffn_{matrix}_exps.weight" not in log
+    assert "did not find weights for blk.0.attn_q.weight" in log  # attention is not covered
+    fields, _ = _read(tmp_path / "q4km.gguf")
+    assert fields["quantize.imatrix.entries_count"] == 16
