@@ -29,7 +29,8 @@ from .trust_options import trust_options
 @out_option()
 @config_options("quantize", exclude=("lowrank_rank",))
 @calib_option(
-    "Calibration source(s), comma-separated, for gptq, --salient-fraction and --lowrank-budget (plain rtn needs none)."
+    "Calibration source(s), comma-separated, for gptq, --salient-fraction, --lowrank-budget and --imatrix-out (plain "
+    "rtn needs none)."
 )
 @calib_tokens_option()
 @seq_len_option()

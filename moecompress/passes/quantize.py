@@ -246,7 +246,7 @@ class QuantizeConfig:
         default=None,
         metadata=option(
             "Also write what the calibration measured as a llama.cpp importance matrix (GGUF, llama-imatrix's "
-            "format) to this file, for `llama-quantize --imatrix`: per MoE layer the routed experts' input sums of "
+            "format) to this file, for llama-quantize to read: per MoE layer the routed experts' input sums of "
             "squares and token counts, per expert, and the router's (docs/llama_cpp.md). Runs the calibration "
             "sweep even with --method rtn.",
         ),
