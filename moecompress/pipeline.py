@@ -25,7 +25,7 @@ writes the same tensors for it (tests/test_pipeline.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,28 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
                 p.absorb(capture.layer, p.measure(capture))
 
 
+_ROUTER_FIELDS = ("router_weight", "router_bias", "correction_bias", "expert_scale")
+
+
+def _router_replacement(original: MoEWeights, weights: MoEWeights) -> MoEWeights | None:
+    """A block of ``original``'s size routing with ``weights``'s router where that changed (merged or refitted
+    rows, at their experts' original indices; removed experts' rows stay, never chosen), else None."""
+    rows = [original.expert_ids.index(expert) for expert in weights.expert_ids]
+    rows += list(range(original.num_experts, original.router_columns))
+    index = torch.tensor(rows, dtype=torch.long, device="cpu")
+    changes = {}
+    for name in _ROUTER_FIELDS:
+        new, old = getattr(weights, name), getattr(original, name)
+        if new is None or old is None:
+            continue
+        picked = old.index_select(0, index[: new.shape[0]])
+        if picked.dtype != new.dtype or not torch.equal(picked, new):
+            full = old.clone()
+            full[index[: new.shape[0]]] = new.to(old.dtype)
+            changes[name] = full
+    return replace(original, **changes) if changes else None
+
+
 def _replacement(original: MoEWeights, block: Any) -> tuple[ExpertSource, torch.Tensor | None]:
     """What the next layer's calibration should see of a rewritten block: its experts (a quantised block
     dequantised one expert at a time as the layer computes), placed at the original block's expert indices (the
@@ -271,9 +293,10 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
             )
             for capture in sweep.run(state, label="rewriting"):
                 block = write.layer(capture.layer, capture.moe, capture.rest, capture.layout, capture)
-                capture.replacement = capture.allowed = None
+                capture.replacement = capture.allowed = capture.router = None
                 if sweeps.sequential and capture.moe is not None and block is not capture.moe:
                     capture.replacement, capture.allowed = _replacement(capture.moe, block)
+                    capture.router = _router_replacement(capture.moe, capture.replacement.view)
                 del block
         dropped = context.extra.get("drop_layers", frozenset())
         if state is not None:

@@ -59,6 +59,9 @@ class LayerCapture:
     """With a ``replacement``: the experts (bool ``[E]``) its router may choose; the others are routed around as the
     family's rule does when an expert is removed. A pruned block is recomputed at its original size this way, so
     that the stock layer module (built for ``E`` experts) computes what the pruned model will."""
+    router: MoEWeights | None = None
+    """With a ``replacement``: a block of the original's size whose router tensors (rows, biases, correction bias,
+    expert scale) the layer routes with from then on (a merged or refitted router); None keeps the original's."""
     rest: dict[str, torch.Tensor] | None = None
     """With ``keep_tensors``: the layer's other tensors (attention, norms, shared experts) as read, for a writer."""
     layout: Any = None
@@ -398,6 +401,17 @@ class CalibrationSweep:
             raise RuntimeError(f"layer {layer}: replacement tensors the layer lacks: {unexpected[:5]}")
         self.placed(module)
 
+    def _load_router(self, module: torch.nn.Module, layer: int, router: MoEWeights) -> None:
+        """Route layer ``layer`` with ``router``'s router tensors from now on."""
+        state = {
+            key: value.to(self.dtype) if value.is_floating_point() else value
+            for key, value in self.adapter.runtime_router_state(router).items()
+        }
+        _, unexpected = module.load_state_dict(state, strict=False, assign=True)
+        if unexpected:
+            raise RuntimeError(f"layer {layer}: router tensors the layer lacks: {unexpected[:5]}")
+        self.placed(module)
+
     @staticmethod
     def release(module: torch.nn.Module) -> None:
         """Return a materialised layer's memory (its module goes back to the meta device)."""
@@ -460,11 +474,13 @@ class CalibrationSweep:
                 yield capture
                 if capture.replacement is not None:
                     self._load_moe(module, layer, capture.replacement, capture.moe)
+                    if capture.router is not None:
+                        self._load_router(module, layer, capture.router)
                     outputs = self._forward_routed(module, layer, hidden, capture)
                 result = capture.result
                 capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
                 capture.router_input = None
-                capture.replacement = None
+                capture.replacement = capture.router = None
                 del capture
             del moe
             self.release(module)
@@ -487,7 +503,8 @@ class CalibrationSweep:
         """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set."""
         if capture.allowed is None:
             return self.forward_layer(module, layer, hidden)
-        adapter, allowed, moe = self.adapter, capture.allowed, capture.moe
+        adapter, allowed = self.adapter, capture.allowed
+        moe = capture.moe if capture.router is None else capture.router
 
         def choose(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return adapter.route(moe, logits, allowed.to(logits.device))

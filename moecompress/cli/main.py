@@ -265,9 +265,11 @@ def prune_command(
     if not distributed.is_writer():
         return
     counts = [len(layer["kept"]) for layer in report["layers"].values()]
+    verb = "merged away" if config.method == "merge" else "pruned"
+    refit = ", router refitted" if config.recalibrate_router else ""
     click.echo(
-        f"pruned {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "
-        f"experts ({config.method}, scope {config.scope}); kept per layer: {', '.join(map(str, counts))}"
+        f"{verb} {report['experts_before'] - report['experts_after']} of {report['experts_before']} routed "
+        f"experts ({config.method}, scope {config.scope}{refit}); kept per layer: {', '.join(map(str, counts))}"
         + ("" if report["uniform"] else "  (per-layer counts differ: load after `import moecompress`)")
     )
 

@@ -9,6 +9,13 @@ Methods:
 - ``reap``: mean over routed tokens of gate weight × ‖expert output‖ (REAP).
 - ``frequency``: fraction of tokens whose top-k holds the expert.
 - ``random``: seeded uniform scores.
+- ``merge``: instead of removing experts, groups of experts whose outputs on the calibration tokens are alike are
+  merged into one expert each (:mod:`moecompress.passes.expert_merge`); how many each layer keeps follows the scope
+  (global scope ranks by the MAEP score).
+
+``recalibrate_router`` refits the surviving router rows on the calibration tokens so the compressed layer's output
+reproduces the original layer's (:mod:`moecompress.passes.router_refit`). Merging and recalibration change weights
+from calibration inputs, so they run in the pipeline's calibrated rewriting sweep (:mod:`moecompress.pipeline`).
 
 ``scope="layer"`` removes the same number from every MoE layer; ``scope="global"`` ranks all experts of all
 layers together after dividing each layer's scores by the layer's mean expert score, so counts may differ by
@@ -44,7 +51,7 @@ from ..vocabulary import named
 from .expert_scores import layer_expert_stats
 from .options import When, check_declared, option, recipe_only
 
-METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random")
+METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random", "merge")
 SCOPES: tuple[str, ...] = ("layer", "global")
 AGGREGATES: tuple[str, ...] = ("mean_sq", "mean")
 DEFAULT_RATIO = 0.25
@@ -61,7 +68,8 @@ class PruneExpertsConfig:
         default="maep",
         metadata=option(
             "How experts are scored: MAEP Delta-H (redistribution-aware output change), REAP (gate × output norm), "
-            "routing frequency, or random.",
+            "routing frequency, or random; or merge: experts with alike outputs on the calibration tokens merged "
+            "into one (aligned, load-weighted, refitted by least squares), counts as --scope says.",
             choices=METHODS,
         ),
     )
@@ -143,6 +151,13 @@ class PruneExpertsConfig:
             applies=GREEDY,
         ),
     )
+    recalibrate_router: bool = field(
+        default=False,
+        metadata=option(
+            "Refit each layer's surviving router rows (and biases) so the compressed layer reproduces the original "
+            "layer's output on the calibration tokens (a few distillation steps per layer, in the layer sweep)."
+        ),
+    )
     seed: int = field(default=0, metadata=option("Seed for calibration windows and --method random."))
     mtp: str = field(
         default="keep",
@@ -166,6 +181,12 @@ class PruneExpertsConfig:
         if (self.ratio is None) == (self.keep is None):
             raise refuse(f"give exactly one of {named('ratio')} and {named('keep')}")
 
+    @property
+    def rewrites_from_calibration(self) -> bool:
+        """Whether the rewrite computes new weights from calibration inputs (merging, router refit), which the
+        pipeline's calibrated rewriting sweep provides; plain removal only slices."""
+        return self.method == "merge" or self.recalibrate_router
+
 
 @dataclass
 class LayerScores:
@@ -182,6 +203,8 @@ class LayerScores:
     removal_scores: list[float] | None = None
     identity_frequency: list[float] | None = None
     """Share of tokens routed to each identity expert (LongCat-Flash); they are never candidates for removal."""
+    merge_tree: list[list[int]] | None = None
+    """``--method merge``: the layer's agglomerative merges of experts by output similarity, cut at decision time."""
 
     def to_result(self) -> LayerResult:
         """The scores as a sweep state keeps them for a resumed run (tensors exact, the rest JSON)."""
@@ -193,6 +216,7 @@ class LayerScores:
             "removal_order": self.removal_order,
             "removal_scores": self.removal_scores,
             "identity_frequency": self.identity_frequency,
+            "merge_tree": self.merge_tree,
         }
         return tensors, meta
 
@@ -231,6 +255,14 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         score = torch.rand(capture.moe.num_experts, generator=generator, device="cpu")
     else:
         score, extra = _maep_score(stats.delta_h, capture, config)
+    merges = None
+    if config.method == "merge":
+        from .expert_merge import expert_signatures, merge_tree
+
+        signatures = expert_signatures(adapter, capture.moe, capture.moe_input, router_input=capture.router_input)
+        limit = group_limit(adapter)
+        group_size = None if limit is None else capture.moe.num_experts // limit.n_group
+        merges = [list(pair) for pair in merge_tree(signatures, group_size=group_size)]
     scores = LayerScores(
         layer=capture.layer,
         expert_ids=list(capture.moe.expert_ids),
@@ -239,6 +271,7 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         reap=reap,
         delta_h=(delta_h_sum / tokens).float(),
         extra=extra,
+        merge_tree=merges,
     )
     if stats.identity_counts is not None:
         (identity_counts,) = distributed.sum_over_ranks(stats.identity_counts)
@@ -570,6 +603,21 @@ def prune_experts(
             f"this {adapter.family} model use linear attention; use {named('preserve_tags')} alone",
             PruneExpertsConfig,
         )
+    if config.rewrites_from_calibration:
+        return _prune_in_pipeline(
+            Path(model_dir),
+            Path(out_dir),
+            config,
+            calib=calib,
+            calib_tokens=calib_tokens,
+            seq_len=seq_len,
+            image_size=image_size,
+            eval_data=eval_data,
+            eval_tokens=eval_tokens,
+            overwrite=overwrite,
+            progress=progress,
+            resume=resume,
+        )
     batches, tags, tag_names = calibration_batches(
         adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size
     )
@@ -610,6 +658,51 @@ def prune_experts(
         return report
 
     return distributed.on_writer(write)
+
+
+def _prune_in_pipeline(
+    model_dir: Path,
+    out_dir: Path,
+    config: PruneExpertsConfig,
+    *,
+    calib: str,
+    calib_tokens: int,
+    seq_len: int,
+    image_size: int,
+    eval_data: str | None,
+    eval_tokens: int | None,
+    overwrite: bool,
+    progress: bool,
+    resume: bool,
+) -> dict[str, Any]:
+    """Merging and router recalibration compute weights from each layer's calibration inputs: the pipeline's
+    measuring sweep scores, its calibrated rewriting sweep rewrites every layer on inputs that already went through
+    the rewritten layers before it."""
+    from ..pipeline import run_layer_passes
+    from ..recipes import Calibration
+
+    ranks = distributed.world_size()
+    if ranks > 1:
+        what = named("method", "merge") if config.method == "merge" else named("recalibrate_router", True)
+        raise OptionError(f"{what} runs in a single process, not {ranks} ranks; run it without torchrun")
+    calibration = Calibration(
+        source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed, image_size=image_size
+    )
+    report = run_layer_passes(
+        model_dir,
+        out_dir,
+        [("prune_experts", config)],
+        calibration,
+        overwrite=overwrite,
+        progress=progress,
+        resume=resume,
+    )
+    if eval_data:
+        report["eval"] = evaluation_report(
+            out_dir, eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir, progress=progress
+        )
+        update_report(out_dir, report)
+    return report
 
 
 def update_report(out_dir: Path, report: dict[str, Any]) -> None:
@@ -666,6 +759,8 @@ class PrunePlan:
     keep_positions: dict[int, list[int]]
     config: dict[str, Any]
     report: dict[str, Any]
+    merge_groups: dict[int, list[list[int]]] | None = None
+    """``--method merge``: per layer, the groups of positions merged into each kept expert (anchor first)."""
 
 
 def plan_pruning(
@@ -678,10 +773,19 @@ def plan_pruning(
     """Choose the removals from every layer's scores (a :class:`UserInputError` when they are impossible)."""
     removals = choose_removals(layer_scores, config, adapter.top_k, group_limit(adapter))
     by_layer = {s.layer: s for s in layer_scores}
-    keep_positions = {
-        layer: [e for e in range(len(by_layer[layer].expert_ids)) if e not in set(removed)]
-        for layer, removed in removals.items()
-    }
+    groups = None
+    if config.method == "merge":
+        groups = {layer: merge_groups(by_layer[layer], len(removed), adapter) for layer, removed in removals.items()}
+        keep_positions = {layer: [group[0] for group in layer_groups] for layer, layer_groups in groups.items()}
+        removals = {
+            layer: sorted(set(range(len(by_layer[layer].expert_ids))) - set(keep_positions[layer]))
+            for layer in removals
+        }
+    else:
+        keep_positions = {
+            layer: [e for e in range(len(by_layer[layer].expert_ids)) if e not in set(removed)]
+            for layer, removed in removals.items()
+        }
     kept_ids = {layer: [by_layer[layer].expert_ids[e] for e in pos] for layer, pos in keep_positions.items()}
     new_config = adapter.with_expert_counts({layer: len(pos) for layer, pos in keep_positions.items()}, kept_ids)
     before = sum(len(s.expert_ids) for s in layer_scores)
@@ -706,8 +810,31 @@ def plan_pruning(
                 "delta_h": s.delta_h.tolist(),
                 **({"maep": s.extra} if s.extra else {}),
                 **({"identity_frequency": s.identity_frequency} if s.identity_frequency is not None else {}),
+                **(
+                    {"merged": [[s.expert_ids[e] for e in group] for group in groups[s.layer]]}
+                    if groups is not None and s.layer in groups
+                    else {}
+                ),
             }
             for s in layer_scores
         },
     }
-    return PrunePlan(keep_positions, new_config, report)
+    return PrunePlan(keep_positions, new_config, report, groups)
+
+
+def merge_groups(scores: LayerScores, remove: int, adapter: FamilyAdapter) -> list[list[int]]:
+    """The layer's merge groups when ``remove`` experts go: its merge tree cut to the kept count, each group led by
+    its anchor (the member routed most often in the measuring sweep, ties to the lower position) and the groups
+    ordered by anchor position, the order the merged block holds them in."""
+    from .expert_merge import cut_tree
+
+    limit = group_limit(adapter)
+    size = len(scores.expert_ids)
+    group_size = None if limit is None else size // limit.n_group
+    merges = [tuple(pair) for pair in scores.merge_tree]
+    groups = cut_tree(merges, size, size - remove, group_size=group_size)
+    led = []
+    for group in groups:
+        anchor = min(group, key=lambda e: (-float(scores.frequency[e]), e))
+        led.append([anchor, *sorted(e for e in group if e != anchor)])
+    return sorted(led, key=lambda group: group[0])

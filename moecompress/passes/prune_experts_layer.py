@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..checkpoint.decode import describe_input
 from ..checkpoint.mtp import plan_stored_prune
-from ..families import FamilyAdapter
+from ..checkpoint.stream import layer_unit
+from ..families import FamilyAdapter, MoEWeights
 from ..sweep import LayerCapture
 from ..sweep_state import LayerResult
 from .base import LayerPass, Needs, PassContext
@@ -19,7 +21,8 @@ from .prune_experts import LayerScores, PruneExpertsConfig, PrunePlan, group_lim
 class PruneExpertsPass(LayerPass):
     """Expert pruning in the pipeline: scores every expert in the measuring sweep (on the original model, as the
     one-pass ``prune`` does, so that both scopes rank on the same footing), chooses the removals from all layers'
-    scores, and in the rewriting sweep slices each block to its kept experts."""
+    scores, and in the rewriting sweep slices each block to its kept experts, or merges each group of experts into
+    one (``merge``), then refits the router on the layer's calibration inputs (``recalibrate_router``)."""
 
     name = "prune_experts"
 
@@ -28,15 +31,22 @@ class PruneExpertsPass(LayerPass):
         self.layer_scores: list[LayerScores] = []
         self.plan: PrunePlan | None = None
         self._adapter: FamilyAdapter | None = None
+        self.rewrites: dict[str, dict[str, Any]] = {}
+        """Per written unit, what merging and the router refit did there (the journal keeps it for a resume)."""
 
     def needs(self) -> Needs:
         config = self.config
+        merge = config.method == "merge"
+        steps = ["merge each group of alike experts into one" if merge else "remove the chosen experts"]
+        if config.recalibrate_router:
+            steps.append("refit the router")
         return Needs(
-            measuring=f"{config.method} expert scores",
+            measuring=f"{config.method} expert scores" + (" and merge trees" if merge else ""),
+            calibration=config.rewrites_from_calibration,
             attention=config.method == "maep" and bool(config.prune_tags),
             sequential=True,
             weights_only=True,
-            rewrites=f"remove the chosen experts ({config.scope} scope)",
+            rewrites=f"{', then '.join(steps)} ({config.scope} scope)",
         )
 
     def prepare(self, context: PassContext) -> None:
@@ -81,10 +91,66 @@ class PruneExpertsPass(LayerPass):
 
     def rewrite(self, layer: int, block: Any, capture: LayerCapture | None) -> Any:
         keep = self.plan.keep_positions
-        return block.select(keep[layer]) if block is not None and layer in keep else block
+        if block is None or layer not in keep:
+            return block
+        if not self.config.rewrites_from_calibration:
+            return block.select(keep[layer])
+        if capture is None:
+            raise RuntimeError(f"layer {layer}: merging and router recalibration need the layer's calibration inputs")
+        done: dict[str, Any] = {}
+        groups = (self.plan.merge_groups or {}).get(layer)
+        if groups is None:
+            rewritten = block.select(keep[layer])
+        else:
+            from .expert_merge import merge_experts
+
+            rewritten, done["merge"] = merge_experts(
+                self._adapter, block, groups, capture.moe_input, router_input=capture.router_input
+            )
+            rewritten = replace(rewritten, expert_ids=[block.expert_ids[group[0]] for group in groups])
+        if self.config.recalibrate_router:
+            from .router_refit import recalibrate_router
+
+            rewritten, done["router"] = recalibrate_router(
+                self._adapter, block, rewritten, capture.moe_input, router_input=capture.router_input
+            )
+        self.rewrites[layer_unit(layer)] = done
+        return _in_dtypes_of(rewritten, block)
+
+    def unit_meta(self, unit: str) -> Any:
+        return self.rewrites.get(unit)
+
+    def restore(self, unit: str, entry: Any) -> None:
+        self.rewrites[unit] = entry
 
     def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
         return self.plan.config
 
     def report(self) -> dict[str, Any]:
-        return self.plan.report
+        report = self.plan.report
+        for unit, done in sorted(self.rewrites.items()):
+            layer = report["layers"].get(unit.removeprefix("layer-"))
+            if layer is not None:
+                layer.update(
+                    {("merge_groups" if key == "merge" else "router_refit"): value for key, value in done.items()}
+                )
+        return report
+
+
+def _in_dtypes_of(block: MoEWeights, original: MoEWeights) -> MoEWeights:
+    """``block``'s tensors in the dtypes the original layer stores, so the output keeps the input's layout."""
+    changes = {}
+    for name in (
+        "router_weight",
+        "gate_up",
+        "down",
+        "router_bias",
+        "correction_bias",
+        "gate_up_bias",
+        "down_bias",
+        "expert_scale",
+    ):
+        tensor, stored = getattr(block, name), getattr(original, name)
+        if tensor is not None and stored is not None and tensor.dtype != stored.dtype:
+            changes[name] = tensor.to(stored.dtype)
+    return replace(block, **changes) if changes else block
