@@ -150,6 +150,34 @@ def test_merged_output_exports_to_gguf(merged, tmp_path):
     assert counts == [6]
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     assert shapes["blk.0.ffn_down_exps.weight"][-1] == 6
+    built = os.environ.get("MOECOMPRESS_LLAMA_CPP_BIN")
+    if not built or not (Path(built) / "llama-perplexity").is_file():
+        return
+    from moecompress.calibration.builtin_corpus import builtin_documents
+
+    text = tmp_path / "heldout.txt"
+    text.write_text("\n\n".join(doc.text for doc in builtin_documents("prose", "heldout"))[:20000])
+    run = subprocess.run(
+        [
+            str(Path(built) / "llama-perplexity"),
+            "-m",
+            str(target),
+            "-f",
+            str(text),
+            "-c",
+            "128",
+            "--chunks",
+            "4",
+            "-t",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    estimate = float((run.stdout + run.stderr).split("Final estimate: PPL = ")[1].split()[0])
+    assert 1 < estimate < 2048
 
 
 def _start(args: list[str]) -> subprocess.Popen:
