@@ -92,12 +92,7 @@ def _reference(adapter, moe, members, hidden, refit):
         if moe.down_bias is not None:
             activation = torch.cat([activation, torch.ones(activation.shape[0], 1, dtype=torch.float64)], 1)
         output_weight = rule.output_weight(group_weights) * mask
-        target = torch.zeros_like(x, dtype=torch.float64)
-        for t in range(x.shape[0]):
-            for slot in mask[t].nonzero().squeeze(1).tolist():
-                e = int(group_ids[t, slot])
-                inputs = rule.expert_input(x[t : t + 1], group_weights[t : t + 1, slot : slot + 1])
-                target[t] += output_weight[t, slot] * adapter.expert_output(moe, e, inputs)[0].double()
+        target = _group_output(adapter, moe, x, group_ids, group_weights, mask)
         scaled = activation * output_weight.sum(1, keepdim=True).double()
         gram = scaled.T @ scaled
         ridge = torch.zeros(gram.shape[0], dtype=torch.float64)
@@ -197,25 +192,34 @@ def test_permuted_and_identical_experts_merge_back(family, tokens, tiny_checkpoi
                 torch.testing.assert_close(merged.down_bias[0], block.down_bias[anchor], rtol=1e-5, atol=1e-5)
 
 
+def _group_output(adapter, moe, x, ids, weights, mask):
+    """Per token, the sum over its top-k slots that ``mask`` marks of the rule's output weight times the expert's
+    output on its input (float64)."""
+    rule = adapter.routing_rule()
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for slot in range(ids.shape[1]):
+        for expert in ids[mask[:, slot], slot].unique().tolist():
+            rows = (ids[:, slot] == expert) & mask[:, slot]
+            weight = weights[rows, slot, None]
+            expert_out = adapter.expert_output(moe, expert, rule.expert_input(x[rows], weight))
+            out[rows] += (rule.output_weight(weight) * expert_out).double()
+    return out
+
+
 def _group_error(adapter, moe, merged, members, position, hidden):
-    """The group's relative output error with expert ``position`` of ``merged`` in its place, computed directly."""
+    """The group's relative output error with expert ``position`` of ``merged`` in its place (its input: the mean of
+    the inputs its members saw; its output weight: the sum of theirs), computed directly."""
     rule = adapter.routing_rule()
     ids, weights = adapter.route(moe, adapter.router_logits(moe, hidden))
     in_group = torch.isin(ids, torch.tensor(members))
-    error = total = 0.0
-    for t in in_group.any(1).nonzero().squeeze(1).tolist():
-        slots = in_group[t].nonzero().squeeze(1).tolist()
-        out_weights = [rule.output_weight(weights[t, s]) for s in slots]
-        inputs = [rule.expert_input(hidden[t : t + 1], weights[t : t + 1, s : s + 1]) for s in slots]
-        original = sum(
-            w * adapter.expert_output(moe, int(ids[t, s]), x)
-            for w, s, x in zip(out_weights, slots, inputs, strict=True)
-        )
-        merged_input = sum(inputs) / len(inputs)
-        replaced = sum(out_weights) * adapter.expert_output(merged, position, merged_input)
-        error += float(((replaced - original) ** 2).sum())
-        total += float((original**2).sum())
-    return (error / total) ** 0.5
+    rows = in_group.any(1)
+    x, mask, ids, weights = hidden[rows], in_group[rows], ids[rows], weights[rows]
+    original = _group_output(adapter, moe, x, ids, weights, mask)
+    inputs = sum(rule.expert_input(x, weights[:, s : s + 1]) * mask[:, s : s + 1] for s in range(ids.shape[1]))
+    merged_input = inputs / mask.sum(1, keepdim=True)
+    total_weight = (rule.output_weight(weights) * mask).sum(1, keepdim=True)
+    replaced = (total_weight * adapter.expert_output(merged, position, merged_input)).double()
+    return float(((replaced - original) ** 2).sum() / (original**2).sum()) ** 0.5
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "llama4", "nemotron_h"])
