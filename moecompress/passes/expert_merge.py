@@ -85,10 +85,9 @@ def merge_tree(signatures: torch.Tensor, *, group_size: int | None = None) -> li
     """
     total = signatures.shape[0]
     size = _group_size(total, group_size)
-    unit = signatures.double()
     merges: list[tuple[int, int]] = []
     for start in range(0, total, size):
-        merges += _average_linkage(unit[start : start + size], start, total + len(merges))
+        merges += _average_linkage(signatures[start : start + size].float(), start, total + len(merges))
     return merges
 
 
@@ -102,7 +101,7 @@ def _group_size(total: int, group_size: int | None) -> int:
 def _average_linkage(unit: torch.Tensor, first_leaf: int, first_new: int) -> list[tuple[int, int]]:
     """The merges of the leaves ``first_leaf..`` (rows of ``unit``), new clusters numbered from ``first_new``."""
     count = unit.shape[0]
-    similarity = unit @ unit.T
+    similarity = (unit @ unit.T).double()
     dist = (1.0 - (similarity + similarity.T) / 2).clamp_min(0.0)
     dist.fill_diagonal_(float("inf"))
     sizes = [1] * count
@@ -304,10 +303,11 @@ def _merge_group(
     total = member_counts.sum()
     share = (member_counts / total if total > 0 else torch.full_like(member_counts, 1 / len(members))).float()
     routes = _GroupRoutes(adapter, members, ids, weights)
-    if routes.tokens >= inter:
-        similarity, aligned_on = _activation_correlation(adapter, moe, members, anchor, routes, hidden, chunk_tokens)
+    aligned_on = "activations" if routes.tokens >= inter else "weights"
+    if aligned_on == "activations":
+        similarity = _activation_correlation(adapter, moe, members, anchor, routes, hidden, chunk_tokens)
     else:
-        similarity, aligned_on = _weight_similarity(moe, members, anchor), "weights"
+        similarity = _weight_similarity(moe, members, anchor)
     matches = {
         m: torch.arange(inter, device=ids.device) if m == anchor else _greedy_match(similarity[m]) for m in members
     }
@@ -399,29 +399,31 @@ def _activation_correlation(
     routes: _GroupRoutes,
     hidden: torch.Tensor,
     chunk_tokens: int,
-) -> tuple[dict[int, torch.Tensor], str]:
-    """Per member, ``[I, I]`` Pearson correlations of the anchor's neurons (rows) with its own (columns) on the
-    group's routed tokens, each member computing on the merged expert's input."""
+) -> dict[int, torch.Tensor]:
+    """Per member but the anchor, ``[I, I]`` Pearson correlations of the anchor's neurons (rows) with its own
+    (columns) on the group's routed tokens, each member computing on the merged expert's input."""
     inter = moe.intermediate_size
     zeros = torch.zeros(inter, dtype=torch.float64, device=hidden.device)
+    others = [m for m in members if m != anchor]
     sums = {m: zeros.clone() for m in members}
     squares = {m: zeros.clone() for m in members}
-    cross = {m: torch.zeros(inter, inter, dtype=torch.float64, device=hidden.device) for m in members}
+    cross = {m: torch.zeros(inter, inter, dtype=torch.float64, device=hidden.device) for m in others}
     for _, merged_input, _ in routes.chunks(hidden, chunk_tokens):
         anchor_act = _intermediate(adapter, moe, anchor, merged_input).double()
         for member in members:
             act = anchor_act if member == anchor else _intermediate(adapter, moe, member, merged_input).double()
             sums[member] += act.sum(0)
             squares[member] += (act * act).sum(0)
-            cross[member] += anchor_act.T @ act
+            if member != anchor:
+                cross[member] += anchor_act.T @ act
     n = routes.tokens
     std = {m: (squares[m] / n - (sums[m] / n) ** 2).clamp_min(0).sqrt() for m in members}
     correlation = {}
-    for member in members:
+    for member in others:
         covariance = cross[member] / n - torch.outer(sums[anchor] / n, sums[member] / n)
         scale = torch.outer(std[anchor], std[member])
         correlation[member] = torch.where(scale > 0, covariance / scale.clamp_min(1e-300), 0.0)
-    return correlation, "activations"
+    return correlation
 
 
 def _neuron_features(moe: MoEWeights, expert: int) -> torch.Tensor:
@@ -436,7 +438,7 @@ def _neuron_features(moe: MoEWeights, expert: int) -> torch.Tensor:
 
 def _weight_similarity(moe: MoEWeights, members: list[int], anchor: int) -> dict[int, torch.Tensor]:
     anchor_features = F.normalize(_neuron_features(moe, anchor), dim=1)
-    return {m: anchor_features @ F.normalize(_neuron_features(moe, m), dim=1).T for m in members}
+    return {m: anchor_features @ F.normalize(_neuron_features(moe, m), dim=1).T for m in members if m != anchor}
 
 
 def _greedy_match(similarity: torch.Tensor) -> torch.Tensor:
