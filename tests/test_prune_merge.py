@@ -237,3 +237,23 @@ def test_a_killed_merge_with_router_refit_resumes_to_the_same_bytes(tmp_path):
     final = _start([*args, "--resume"])
     assert final.wait() == 0, final.stderr.read()
     assert tree_hashes(out) == tree_hashes(reference)
+
+
+def test_merging_a_fp8_release_writes_a_plain_checkpoint_stock_transformers_loads(tmp_path):
+    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+    from moecompress.synthetic_quantized import convert_to_block_fp8
+
+    bf16 = save_tiny_model("deepseek_v3", tmp_path / "bf16")
+    tiny_tokenizer().save_pretrained(bf16)
+    fp8 = convert_to_block_fp8(bf16, tmp_path / "fp8")
+    out = tmp_path / "merged"
+    config = PruneExpertsConfig(method="merge", ratio=0.5, recalibrate_router=True)
+    report = prune_experts(fp8, out, config, calib_tokens=512, seq_len=64, progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in written and "fp8" in report["written_decoded"]
+    assert written["n_routed_experts"] == json.loads((fp8 / "config.json").read_text())["n_routed_experts"] // 2
+    with CheckpointReader(out, decode=False) as reader:
+        assert not [key for key in reader.keys() if key.endswith("weight_scale_inv")]
+    model = load_stock(out)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.arange(16)[None]).logits).all()

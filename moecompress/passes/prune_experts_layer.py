@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ..checkpoint.decode import describe_input
+from ..checkpoint.decode import describe_input, quant_method
 from ..checkpoint.mtp import plan_stored_prune
 from ..checkpoint.stream import layer_unit
 from ..families import FamilyAdapter, MoEWeights
@@ -124,7 +125,19 @@ class PruneExpertsPass(LayerPass):
         self.rewrites[unit] = entry
 
     def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        return self.plan.config
+        """The pruned config; a quantised release's ``quantization_config`` goes, because the pipeline writes every
+        tensor decoded (merged experts and refitted routers are new weights, not copies of stored blocks)."""
+        pruned = copy.deepcopy(self.plan.config)
+        method = quant_method(pruned)
+        if method is not None:
+            for section in [pruned, *(v for v in pruned.values() if isinstance(v, dict))]:
+                section.pop("quantization_config", None)
+            dtype = pruned.get("torch_dtype") or pruned.get("dtype") or "its compute dtype"
+            self.plan.report["written_decoded"] = (
+                f"the input is a {method} release; every tensor is written decoded ({dtype}) and the output has no "
+                "quantization_config"
+            )
+        return pruned
 
     def report(self) -> dict[str, Any]:
         report = self.plan.report
