@@ -348,3 +348,14 @@ def test_deepseek_groups_end_to_end(tiny_checkpoints):
     assert sorted(r["anchor"] for r in reports) == sorted(merged.expert_ids)
     out = adapter.moe_forward(merged, hidden)
     assert torch.isfinite(out).all()
+
+
+def test_refit_is_skipped_where_the_merged_expert_never_activates(tiny_checkpoints):
+    adapter, moe = _layer_view(tiny_checkpoints["qwen3_moe"])
+    gate_up = moe.gate_up.clone()
+    gate_up[[0, 1]] = 0
+    block = dataclasses.replace(moe, gate_up=gate_up)
+    merged, reports = merge_experts(adapter, block, [[0, 1]], _tokens(moe, 400))
+    assert reports[0]["tokens"] >= moe.intermediate_size and reports[0]["aligned_on"] == "activations"
+    assert not reports[0]["refit"] and reports[0]["refit_skipped"] == "its intermediate activations are all zero"
+    assert torch.equal(merged.gate_up[0], gate_up[0]) and torch.isfinite(merged.down).all()

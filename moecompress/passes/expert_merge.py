@@ -342,8 +342,9 @@ def _merge_group(
         report["refit_skipped"] = "not asked"
     elif routes.tokens < inter:
         report["refit_skipped"] = f"{routes.tokens} routed tokens, fewer than its {inter} neurons"
+    elif (solved := system.ridge_solution(inter)) is None:
+        report["refit_skipped"] = "its intermediate activations are all zero"
     else:
-        solved = system.ridge_solution(inter)
         tensors["down"] = solved[:inter].T.contiguous()
         if tensors["down_bias"] is not None:
             tensors["down_bias"] = solved[inter].contiguous()
@@ -497,9 +498,13 @@ class _NormalEquations:
         error = (down * (self.gram @ down)).sum() - 2 * (down * self.cross).sum() + self.energy
         return float((error.clamp_min(0) / self.energy).sqrt())
 
-    def ridge_solution(self, inter: int) -> torch.Tensor:
+    def ridge_solution(self, inter: int) -> torch.Tensor | None:
+        """The refitted down projection, or None where the merged expert's activations are all zero."""
+        trace = torch.diagonal(self.gram)[:inter].sum()
+        if trace <= 0:
+            return None
         ridge = torch.zeros(self.gram.shape[0], dtype=self.gram.dtype, device=self.gram.device)
-        ridge[:inter] = RIDGE * torch.diagonal(self.gram)[:inter].sum() / inter
+        ridge[:inter] = RIDGE * trace / inter
         return torch.linalg.solve(self.gram + torch.diag(ridge), self.cross)
 
 
