@@ -368,8 +368,8 @@ class _GroupRoutes:
         self.rule = rule
 
     def chunks(self, hidden: torch.Tensor, chunk_tokens: int):
-        """``(x, merged_input, slots)`` per chunk: the tokens, what the merged expert computes on, and the chunk's
-        slice of the routes."""
+        """``(x, merged_input, part)`` per chunk: the tokens, what the merged expert computes on, and the chunk's
+        slice of this object's per-token tensors."""
         for start in range(0, self.tokens, chunk_tokens):
             part = slice(start, start + chunk_tokens)
             x = hidden[self.rows[part]].float()
