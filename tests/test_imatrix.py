@@ -5,7 +5,10 @@ the same calibration windows; with a llama.cpp build (``MOECOMPRESS_LLAMA_CPP`` 
 uses it."""
 
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -158,6 +161,32 @@ def test_pipeline_writes_the_pruned_blocks_statistics(tmp_path):
     _, tensors = _read(target)
     assert tensors["blk.0.ffn_down_exps.weight.in_sum2"][0] == [256, 6]
     assert tensors["blk.3.ffn_gate_exps.weight.counts"][1].sum() == 2 * 512
+
+
+def test_a_killed_run_resumed_writes_the_same_file(tmp_path):
+    """The layers a killed run wrote keep their saved sums; the resumed run adds the others."""
+    command = [sys.executable, "-m", "moecompress.cli.main", "quantize", str(BUILTIN), "--scheme", "int4"]
+    command += ["--method", "gptq", "--calib-tokens", str(TOKENS), "--seq-len", str(SEQ_LEN), "--no-eval", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(name: str, *extra: str) -> subprocess.Popen:
+        out = [*command, "--out", str(tmp_path / name), "--imatrix-out", str(tmp_path / f"{name}.imatrix"), *extra]
+        return subprocess.Popen(out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    reference = start("reference")
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()
+    saved = tmp_path / ".killed.run" / ".step-0.incomplete" / "state" / "imatrix" / "layer-1.safetensors"
+    killed = start("killed")
+    deadline = time.monotonic() + 600
+    while not saved.exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert killed.poll() is None, "the run finished before the kill point"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert not (tmp_path / "killed.imatrix").exists()
+    resumed = start("killed", "--resume")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
+    assert (tmp_path / "killed.imatrix").read_bytes() == (tmp_path / "reference.imatrix").read_bytes()
 
 
 @pytest.mark.parametrize(
