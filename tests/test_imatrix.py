@@ -175,6 +175,8 @@ def test_a_killed_run_resumed_writes_the_same_file(tmp_path):
 
     reference = start("reference")
     assert reference.wait(timeout=600) == 0, reference.stderr.read()
+    summary = f"importance matrix for llama-quantize: {tmp_path / 'reference.imatrix'} (4 MoE layers: "
+    assert summary in reference.stdout.read()
     saved = tmp_path / ".killed.run" / ".step-0.incomplete" / "state" / "imatrix" / "layer-1.safetensors"
     killed = start("killed")
     deadline = time.monotonic() + 600

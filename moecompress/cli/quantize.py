@@ -98,6 +98,12 @@ def quantize_command(
             f"{measured['with_adapters']:.4g} "
             f"(predicted {lowrank['predicted_weighted_error']['with_adapters']:.4g})"
         )
+    if "imatrix" in report:
+        imatrix = report["imatrix"]
+        click.echo(
+            f"importance matrix for llama-quantize: {imatrix['path']} ({len(imatrix['layers'])} MoE layers: "
+            f"{', '.join(imatrix['tensors_per_layer'])}; {imatrix['chunk_count']} chunks of {imatrix['chunk_size']})"
+        )
     fallback = sum(len(v) for v in report["rtn_fallback_experts"].values())
     if fallback:
         click.echo(
