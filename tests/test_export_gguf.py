@@ -337,15 +337,16 @@ def test_global_scope_output_is_refused_naming_scope_layer(tiny_with_tokenizer, 
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_adapters_are_refused_without_fold(native_outputs, tmp_path):
-    directory = tmp_path / "with-adapters"
+def test_salient_weights_are_refused_without_fold(native_outputs, tmp_path):
+    """Adapters go to a LoRA file (tests/test_export_gguf_lora.py); salient weights have no GGML form."""
+    directory = tmp_path / "with-salient"
     shutil.copytree(native_outputs[("qwen3_moe", "mxfp4")], directory)
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"]["lowrank"] = {"model.layers.0.mlp.experts": {"gate": [1] * 8}}
+    config["quantization_config"]["salient"] = {"model.layers.0.mlp.experts": {"down_proj": [16, 4]}}
     (directory / "config.json").write_text(json.dumps(config))
     result = run_cli("export", str(directory), "--format", "gguf", "--out", str(tmp_path / "x.gguf"))
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "--fold" in result.stderr and "low-rank adapters" in result.stderr
+    assert result.stderr.count("\n") == 1 and "--fold" in result.stderr and "salient weights" in result.stderr
 
 
 def test_missing_converter_is_refused_with_one_line(native_outputs, tmp_path):

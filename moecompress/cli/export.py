@@ -33,18 +33,34 @@ from .numbers import human_bytes as _human_bytes
 @click.option(
     "--fold",
     is_flag=True,
-    help="gguf: fold low-rank adapters and salient weights, which GGML cannot express, into dense bf16 expert "
-    "tensors for the layers that have them (without it such outputs are refused).",
+    help="gguf: fold low-rank adapters and salient weights into dense bf16 expert tensors for the layers that "
+    "have them, in one file (without it adapters go to a LoRA file and salient weights are refused).",
+)
+@click.option(
+    "--lora-out",
+    "lora_out",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="gguf, an output with low-rank adapters: the llama.cpp LoRA adapter file for them, used as "
+    "`llama-cli -m OUT --lora FILE` (default: OUT with .gguf replaced by .lora.gguf).",
 )
 @overwrite_option("Replace an existing output.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export_command(
-    model: str, fmt: str, out: Path, llama_cpp: str | None, fold: bool, overwrite: bool, quiet: bool
+    model: str,
+    fmt: str,
+    out: Path,
+    llama_cpp: str | None,
+    fold: bool,
+    lora_out: Path | None,
+    overwrite: bool,
+    quiet: bool,
 ) -> None:
     """Export MODEL (a moecompress output, or any checkpoint llama.cpp's converter reads) for other tools.
 
     gguf refuses global-scope pruned outputs (layers with different expert counts; prune with --scope layer)
-    and, without --fold, outputs with low-rank adapters or salient weights. The report, with the measured
+    and, without --fold, outputs with salient weights; low-rank adapters go to a llama.cpp LoRA file beside the
+    GGUF (--lora-out) unless --fold puts them in the GGUF. The report, with the measured
     difference between GGML's values and ours for every expert tensor, is written beside the file as
     FILE.report.json (for bf16: moecompress_export.json inside the directory).
     """
@@ -55,12 +71,16 @@ def export_command(
 
     source = resolve_model(model)
     check_not_in_inputs(out, [source], f"--out {out}")
+    if lora_out is not None:
+        check_not_in_inputs(lora_out, [source], f"--lora-out {lora_out}")
     run_lock.acquire(out, label=f"--out {out}")
     click.get_current_context().call_on_close(lambda: run_lock.release(out))
     if fmt == "gguf":
         from ..export.to_gguf import export_gguf, report_path
 
-        report = export_gguf(source, out, llama_cpp=llama_cpp, fold=fold, overwrite=overwrite, progress=not quiet)
+        report = export_gguf(
+            source, out, llama_cpp=llama_cpp, fold=fold, lora_out=lora_out, overwrite=overwrite, progress=not quiet
+        )
         experts = report["experts"]
         kinds = experts["written_as"]
         line = f"wrote {out} ({_human_bytes(report['bytes'])})"
@@ -68,10 +88,18 @@ def export_command(
             exact = "exact" if experts["all_exact"] else "within the stated bounds, see the report"
             line += f"; experts as {', '.join(kinds) or 'bf16 (folded)'} ({exact})"
         click.echo(line)
+        lora = report.get("lora")
+        if lora:
+            click.echo(
+                f"wrote {lora['path']} ({_human_bytes(lora['bytes'])}): the low-rank adapters of "
+                f"{len(lora['tensors'])} expert tensors as a llama.cpp LoRA; run with -m {out} --lora {lora['path']}"
+            )
         click.echo(f"report: {report_path(out.absolute())}")
         return
-    if llama_cpp is not None or fold:
-        raise UserInputError("--llama-cpp and --fold apply to --format gguf only (bf16 always folds adapters)")
+    if llama_cpp is not None or fold or lora_out is not None:
+        raise UserInputError(
+            "--llama-cpp, --fold and --lora-out apply to --format gguf only (bf16 always folds adapters)"
+        )
     from ..export.to_bf16 import export_bf16
 
     report = export_bf16(source, out, overwrite=overwrite, progress=not quiet)

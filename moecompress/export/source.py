@@ -221,18 +221,34 @@ class NativeSource:
             down_bias=tensors.pop(f"{experts}.down_proj_bias", None),
             expert_ids=adapter.original_expert_ids(layer),
         )
-        for key in [k for k in tensors if k.startswith(f"{experts}.lowrank.")]:
-            expert, which = key[len(f"{experts}.lowrank.") :].split(".")
-            if which.endswith("_L"):
-                matrix = which.removesuffix("_L")
-                right = tensors.pop(key.removesuffix("_L") + "_R")
-                out.adapters[(int(expert), matrix)] = (tensors.pop(key), right)
+        out.adapters = _pop_adapters(experts, tensors)
         out.rest = self._dense_rest(tensors)
         return out
+
+    def adapters(self, layer: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """The layer's low-rank adapters alone, ``(expert, matrix) -> (L, R)`` as stored (nothing else read)."""
+        experts = self.quantized_experts_module(layer)
+        if experts is None:
+            return {}
+        keys = [key for key in self.layers[layer] if key.startswith(f"{experts}.lowrank.")]
+        return _pop_adapters(experts, self._read(keys))
 
     def iter_layers(self) -> Iterator[SourceLayer]:
         for layer in self.layers:
             yield self.layer(layer)
+
+
+def _pop_adapters(
+    experts: str, tensors: dict[str, torch.Tensor]
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """``experts.lowrank.<e>.<matrix>_L`` / ``_R`` taken out of ``tensors`` as ``(e, matrix) -> (L, R)``."""
+    out = {}
+    prefix = f"{experts}.lowrank."
+    for key in [k for k in tensors if k.startswith(prefix) and k.endswith("_L")]:
+        expert, which = key[len(prefix) :].split(".")
+        right = tensors.pop(key.removesuffix("_L") + "_R")
+        out[(int(expert), which.removesuffix("_L"))] = (tensors.pop(key), right)
+    return out
 
 
 def fold(layer: SourceLayer) -> dict[str, torch.Tensor]:

@@ -4,10 +4,11 @@ llama.cpp's own converter writes the metadata, vocabulary and every non-expert t
 checkpoint (:mod:`.view`: unquantised per-expert layout, bf16 where we dequantise) in which the routed experts are
 holes, never decoded nor written; those are then filled with our codes re-packed as GGML blocks
 (:mod:`.ggml_blocks`): MXFP4 and GGML's k-quants (with their fallback types) exactly, integer grids as Q4_0 / Q4_1
-with the error measured. A routed-expert scheme with no GGML block type is refused before any work. Matrices with
-low-rank adapters or salient weights have no GGML block form: they are refused, or with ``fold`` written
-folded into dense bf16. A checkpoint that is not in our native format (an original or pruned bf16 model, our
-gpt-oss export) goes to the converter as it is.
+with the error measured. A routed-expert scheme with no GGML block type is refused before any work. Low-rank
+adapters go to a llama.cpp LoRA adapter file beside the GGUF (:mod:`.gguf_lora`), whose experts are then written
+as for the same checkpoint without adapters. Salient weights have no GGML form: they are refused, or with ``fold``
+written folded (adapters too) into dense bf16. A checkpoint that is not in our native format (an original or
+pruned bf16 model, our gpt-oss export) goes to the converter as it is.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..files import DiskFullError, is_full, write_json
 from ..memory import release_freed_memory
 from ..progress import bar as progress_bar
 from ..quantization.scheme import QuantizedTensor, QuantScheme
-from . import ggml_blocks
+from . import ggml_blocks, gguf_lora
 from .llama_cpp import find_converter, run_converter
 from .source import NativeSource, check_exportable, fold, quant_config
 from .to_bf16 import dense_layer, fold_error, open_native, plain_config
@@ -76,16 +77,36 @@ def check_scope(adapter: FamilyAdapter, source: Path) -> None:
 
 
 def check_foldable(config: dict[str, Any], source: Path, fold: bool) -> list[str]:
-    """What needs folding (``lowrank``, ``salient``); refused unless ``fold``."""
+    """What is folded (``lowrank``, ``salient``): with ``fold`` all there is; without it nothing, and salient
+    weights are refused (adapters go to the LoRA file)."""
     qc = quant_config(config) or {}
     needs = [name for name in ("lowrank", "salient") if qc.get(name)]
-    if needs and not fold:
-        what = " and ".join({"lowrank": "low-rank adapters", "salient": "salient weights"}[n] for n in needs)
+    if "salient" in needs and not fold:
         raise UserInputError(
-            f"{source}: has {what}, which GGML cannot express; pass --fold to fold them into dense bf16 expert "
-            "tensors for the layers that have them (those lose their 4-bit form), or quantize without them"
+            f"{source}: has salient weights, which GGML cannot express; pass --fold to fold them into dense bf16 "
+            "expert tensors for the layers that have them (those lose their 4-bit form), or quantize without them"
         )
-    return needs
+    return needs if fold else []
+
+
+def lora_path(
+    config: dict[str, Any], source: Path, out: Path, fold: bool, lora_out: Path | None, overwrite: bool
+) -> Path | None:
+    """Where the adapters' LoRA file goes: the checkpoint has low-rank adapters and ``fold`` is not given."""
+    lowrank = bool((quant_config(config) or {}).get("lowrank"))
+    if lora_out is not None and (fold or not lowrank):
+        why = "--fold folds the adapters into the GGUF" if fold else f"{source} has no low-rank adapters"
+        raise UserInputError(f"--lora-out {lora_out}: {why}")
+    if not lowrank or fold:
+        return None
+    path = gguf_lora.default_path(out) if lora_out is None else Path(os.path.abspath(lora_out))
+    if path == out:
+        raise UserInputError(f"--lora-out {lora_out}: is the base GGUF --out")
+    if path.is_dir():
+        raise UserInputError(f"{path}: is a directory; the LoRA adapters are one file")
+    if path.exists() and not overwrite:
+        raise UserInputError(f"{path}: exists (pass --overwrite to replace it)")
+    return path
 
 
 def _gguf_name(layer: int, matrix: str) -> str:
@@ -103,17 +124,17 @@ def _hole_shapes(moe, folded: dict[str, torch.Tensor]) -> list[tuple[str, tuple[
     return out
 
 
-def _write_view(native: NativeSource, source: Path, view: Path, progress: bool) -> dict[str, Any]:
+def _write_view(native: NativeSource, source: Path, view: Path, folding: bool, progress: bool) -> dict[str, Any]:
     """The converter's view of the checkpoint (:mod:`.view`): our expert blocks' places are holes, and only layers
-    that need folding have their experts read and decoded. Returns the holes (GGUF name -> GGML type and the
-    blocks' byte shape), the folded matrices per layer and their largest bf16 rounding error."""
+    that need folding (when ``folding``) have their experts read and decoded. Returns the holes (GGUF name -> GGML
+    type and the blocks' byte shape), the folded matrices per layer and their largest bf16 rounding error."""
     writer = ConverterView(view)
     holes: dict[str, tuple[str, tuple[int, ...]]] = {}
     folded_layers: dict[str, list[str]] = {}
     worst = 0.0
     writer.add(native.outside_tensors())
     for index in progress_bar(list(native.layers), desc="converter's view", unit="layer", disable=not progress):
-        needs = native.needs_fold(index)
+        needs = folding and native.needs_fold(index)
         layer = native.layer(index, experts_read=needs)
         folded = fold(layer) if needs else {}
         experts = native.quantized_experts_module(index)
@@ -262,15 +283,16 @@ def _export_native(
     config: dict[str, Any],
     outtype: str,
     needs: list[str],
+    lora: tuple[Path, list[gguf_lora.LoraTensor]] | None,
     progress: bool,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A native-format checkpoint: the converter writes everything but our expert blocks, from a view of the
-    checkpoint in which their places are holes; then our blocks fill them. Returns the converter driver's result
-    and the report's entries."""
+    checkpoint in which their places are holes; then our blocks fill them, and the planned adapters go to the
+    (partial) LoRA file where ``lora`` gives one. Returns the converter driver's result and the report's entries."""
     report: dict[str, Any] = {}
     reader, native = open_native(source)
     with reader:
-        plan = _write_view(native, source, work / "view", progress)
+        plan = _write_view(native, source, work / "view", bool(needs), progress)
         holes = plan["holes"]
         types = {name: kind for name, (kind, _) in holes.items()}
         modules = {native.quantized_experts_module(index) for index in native.layers} - {None}
@@ -280,6 +302,15 @@ def _export_native(
         if missing:
             raise RuntimeError(f"the converter did not write {missing[0]}")
         errors = _fill_blocks(native, partial, holes, done.get("hole_offsets", {}), progress)
+        if lora is not None:
+            import gguf
+
+            path, tensors = lora
+            outside = sorted({entry.base for entry in tensors} - set(holes))
+            if outside:
+                raise RuntimeError(f"{outside[0]} has adapters but is not one of the GGUF's expert block tensors")
+            arch = gguf.GGUFReader(partial).fields["general.architecture"].contents()
+            report["lora"] = gguf_lora.write_lora(native, tensors, arch, path, progress)
     report["experts"] = {
         "written_as": sorted(set(types.values())),
         "file_type": file_type,
@@ -312,10 +343,12 @@ def export_gguf(
     *,
     llama_cpp: str | os.PathLike[str] | None = None,
     fold: bool = False,
+    lora_out: Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Write ``out`` (a .gguf file) and ``out.report.json``; returns the report."""
+    """Write ``out`` (a .gguf file) and ``out.report.json``, and for a checkpoint with low-rank adapters (without
+    ``fold``) the LoRA adapter file ``lora_out`` (default ``<out stem>.lora.gguf``); returns the report."""
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise UserInputError(f"{out}: exists (pass --overwrite to replace it)")
@@ -328,19 +361,25 @@ def export_gguf(
         check_scope(adapter, source)
         native = quant_config(config) is not None
         needs = check_foldable(config, source, fold) if native else []
+        lora = lora_path(config, source, out, fold, lora_out, overwrite)
         if native:
             check_exportable(adapter)
             check_ggml_form(NativeSource(reader, adapter), source)
+            lora_tensors = gguf_lora.plan(NativeSource(reader, adapter), source) if lora is not None else []
     converter = find_converter(llama_cpp)
     work = out.with_name(f".{out.name}.work")
     shutil.rmtree(work, ignore_errors=True)
     partial = out.with_name(f".{out.name}.partial")
+    lora_partial = None if lora is None else lora.with_name(f".{lora.name}.partial")
     try:
         work.mkdir(parents=True)
         report: dict[str, Any] = {"format": "gguf", "source": str(source), "converter": str(converter)}
         if native:
             try:
-                done, details = _export_native(source, converter, partial, work, config, outtype, needs, progress)
+                planned = None if lora_partial is None else (lora_partial, lora_tensors)
+                done, details = _export_native(
+                    source, converter, partial, work, config, outtype, needs, planned, progress
+                )
             except OSError as error:
                 if is_full(error):  # the view and the blocks are written here, not by the converter
                     raise DiskFullError(str(out), error.errno) from error
@@ -354,6 +393,9 @@ def export_gguf(
                 + (f"; the input's {method} quantisation is the converter's to handle" if method else "")
             }
         report["pre_tokenizer_fallback"] = done["pre_tokenizer_fallback"]
+        if lora is not None and lora_partial is not None:
+            os.replace(lora_partial, lora)
+            report["lora"] = {"path": str(lora), "bytes": lora.stat().st_size, **report["lora"]}
         os.replace(partial, out)
         report["bytes"] = out.stat().st_size
         write_json(report_path(out), report)
@@ -361,3 +403,5 @@ def export_gguf(
     finally:
         shutil.rmtree(work, ignore_errors=True)
         partial.unlink(missing_ok=True)
+        if lora_partial is not None:
+            lora_partial.unlink(missing_ok=True)
