@@ -4,9 +4,15 @@ Captures every MoE layer's inputs of a checkpoint (default ``builtin:tiny-moe``)
 held-out prose, removes the experts with the lowest REAP score (25% and 50% per layer), refits the surviving router
 rows on the calibration tokens (:func:`moecompress.passes.router_refit.recalibrate_router`) for each learning rate
 given, and prints per layer the relative error ‖Δ‖²/‖ref‖² on the calibration and held-out tokens before and after,
-the error after every ``--eval-every`` steps, and the refit's seconds.
+the error after every ``--eval-every`` steps, and the refit's seconds beside those of one forward of the layer over
+the calibration tokens (measured in the same run).
+
+``--scale`` instead measures the peak memory of one refit of a seeded random Qwen3-MoE-shaped layer (128 experts,
+top-8, hidden 2048, narrow experts so that it runs on a CPU in minutes) on 16,384 random tokens: the process's peak
+resident memory above what it held before, against the size of the tokens themselves.
 
 Run: OMP_NUM_THREADS=1 python scripts/bench_router_refit.py [--model builtin:tiny-moe] [--lr 1e-3 3e-3 1e-2]
+     OMP_NUM_THREADS=1 python scripts/bench_router_refit.py --scale [--steps 10]
 """
 
 from __future__ import annotations
@@ -41,6 +47,45 @@ def relative_error(adapter, reference, compressed, hidden, router_input) -> floa
     return float((out - ref).double().pow(2).sum() / ref.double().pow(2).sum())
 
 
+def scale(steps: int, batch_tokens: int) -> None:
+    import resource
+
+    from moecompress.families import MoEWeights, adapter_for
+
+    experts, hidden_size, inter, tokens = 128, 2048, 64, 16384
+    adapter = adapter_for(
+        {
+            "model_type": "qwen3_moe",
+            "num_experts": experts,
+            "num_experts_per_tok": 8,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": 1,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+        }
+    )
+    generator = torch.Generator().manual_seed(0)
+    moe = MoEWeights(
+        router_weight=torch.randn(experts, hidden_size, generator=generator) * 0.02,
+        gate_up=torch.randn(experts, 2 * inter, hidden_size, generator=generator) * 0.02,
+        down=torch.randn(experts, hidden_size, inter, generator=generator) * 0.02,
+        expert_ids=list(range(experts)),
+    )
+    hidden = torch.randn(tokens, hidden_size, generator=generator)
+    pruned = moe.select(list(range(0, experts, 2)))
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    start, cpu = time.perf_counter(), time.process_time()
+    _, report = recalibrate_router(adapter, moe, pruned, hidden, steps=steps, batch_tokens=batch_tokens)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    size = hidden.numel() * 4 / 2**30
+    print(
+        f"{experts} experts (64 removed), hidden {hidden_size}, {tokens} tokens, {steps} steps: peak RSS "
+        f"{held:.2f} GiB before, {peak:.2f} GiB during (+{peak - held:.2f} GiB; the tokens are {size:.3f} GiB), "
+        f"{seconds:.1f} s wall, {cpu:.1f} s CPU; error {report['error_before']:.4f} -> {report['error_after']:.4f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:tiny-moe")
@@ -52,7 +97,11 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--scale", action="store_true", help="measure the peak memory at Qwen3-30B-A3B's router shape")
     args = parser.parse_args()
+    if args.scale:
+        scale(args.steps, args.batch_tokens)
+        return
     model_dir = resolve_model(args.model)
     adapter = load_adapter(model_dir)
     calib = captures(model_dir, "builtin:prose", args.tokens, args.seq_len)
@@ -60,6 +109,10 @@ def main() -> None:
     rows = []
     for layer, (moe, hidden, router_input) in calib.items():
         reap = layer_expert_stats(adapter, moe, hidden, router_input=router_input).reap
+        start = time.perf_counter()
+        with torch.no_grad():
+            adapter.moe_forward(moe, hidden.float(), router_input=router_input)
+        forward = time.perf_counter() - start
         _, held_hidden, held_router = heldout[layer]
         for ratio in args.ratios:
             removed = round(moe.num_experts * ratio)
@@ -89,13 +142,15 @@ def main() -> None:
                     "heldout_after": relative_error(adapter, moe, refit, held_hidden, held_router),
                     "best_step": report["best_step"],
                     "seconds": seconds,
+                    "forward_seconds": forward,
                     "history": [[s, round(e, 5)] for s, e in report["history"]],
                 }
                 rows.append(row)
                 print(
                     f"layer {layer} removed {removed}/{moe.num_experts} lr {lr:g}: calib {row['calib_before']:.4f} -> "
                     f"{row['calib_after']:.4f}, held-out {row['heldout_before']:.4f} -> {row['heldout_after']:.4f}, "
-                    f"best step {row['best_step']}, {seconds:.2f} s; history {row['history']}",
+                    f"best step {row['best_step']}, {seconds:.2f} s ({seconds / forward:.0f}x one forward of the "
+                    f"layer, {forward:.3f} s); history {row['history']}",
                     flush=True,
                 )
     if args.json:

@@ -12,6 +12,16 @@ FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4")
 FAST = dict(steps=60, batch_tokens=256, eval_every=20, lr=3e-3)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The fits here are thousands of tiny ops: with 2 threads on a loaded 2-core machine their barriers cost 20x the
+    arithmetic (the bytes are the same with 1 and 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def layers(tiny_checkpoints):
     """The first MoE layer's view of each family's tiny random checkpoint, with its adapter."""

@@ -65,7 +65,8 @@ def recalibrate_router(
     routed_by = None if router_input is None else router_input.to(device).float()
     moe = moe_on(compressed, device)
     target = _routed_output(adapter, moe_on(reference, device), x, routed_by, chunk_tokens)
-    energy = target.double().pow(2).sum().clamp_min(torch.finfo(torch.float64).tiny)
+    energy = sum(target[s : s + chunk_tokens].double().pow(2).sum() for s in range(0, tokens, chunk_tokens))
+    energy = energy.clamp_min(torch.finfo(torch.float64).tiny)
 
     def error(candidate: MoEWeights) -> float:
         return float(_squared_error(adapter, candidate, x, routed_by, target, chunk_tokens) / energy)
@@ -170,13 +171,13 @@ def _routed_output(
     """The block's routed output for ``x``; the router's tensors carry their grad, the experts' computation only
     with ``expert_grad``. With ``chunk_tokens`` it is computed without grad, that many tokens at a time."""
     if chunk_tokens is not None:
+        out = torch.empty_like(x)
         with torch.no_grad():
-            return torch.cat(
-                [
-                    _routed_output(adapter, moe, x[s : s + chunk_tokens], _rows(routed_by, s, chunk_tokens), None)
-                    for s in range(0, x.shape[0], chunk_tokens)
-                ]
-            )
+            for s in range(0, x.shape[0], chunk_tokens):
+                out[s : s + chunk_tokens] = _routed_output(
+                    adapter, moe, x[s : s + chunk_tokens], _rows(routed_by, s, chunk_tokens), None
+                )
+        return out
     logits = adapter.router_logits(moe, x if routed_by is None else routed_by)
     ids, weights = adapter.route(moe, logits)
 
