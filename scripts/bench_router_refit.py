@@ -1,8 +1,9 @@
 """Router recalibration on real MoE inputs: relative error of each layer's routed output before and after the refit.
 
 Captures every MoE layer's inputs of a checkpoint (default ``builtin:tiny-moe``) on the calibration prose and on
-held-out prose, removes the experts with the lowest REAP score (25% and 50% per layer), refits the surviving router
-rows on the calibration tokens (:func:`moecompress.passes.router_refit.recalibrate_router`) for each learning rate
+held-out prose, removes the experts with the lowest REAP score (``reap``) or merges them into as many groups
+(``merge``, :mod:`moecompress.passes.expert_merge`) (25% and 50% per layer), refits the surviving router rows on the
+calibration tokens (:func:`moecompress.passes.router_refit.recalibrate_router`) for each learning rate
 given, and prints per layer the relative error ‖Δ‖²/‖ref‖² on the calibration and held-out tokens before and after,
 the error after every ``--eval-every`` steps, and the refit's seconds beside those of one forward of the layer over
 the calibration tokens (measured in the same run).
@@ -28,7 +29,13 @@ from moecompress.checkpoint.resolve import resolve_model
 from moecompress.loading import load_adapter
 from moecompress.passes.expert_scores import layer_expert_stats
 from moecompress.passes.prune_experts import calibration_batches
-from moecompress.passes.router_refit import DEFAULT_BATCH_TOKENS, DEFAULT_STEPS, recalibrate_router
+from moecompress.passes.router_refit import (
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_EVAL_EVERY,
+    DEFAULT_LR,
+    DEFAULT_STEPS,
+    recalibrate_router,
+)
 from moecompress.sweep import CalibrationSweep
 
 
@@ -86,16 +93,30 @@ def scale(steps: int, batch_tokens: int) -> None:
     )
 
 
+def compress(adapter, moe, hidden, router_input, method: str, removed: int):
+    """The layer with ``removed`` experts fewer: the lowest-REAP ones removed, or all merged into fewer groups."""
+    if method == "reap":
+        reap = layer_expert_stats(adapter, moe, hidden, router_input=router_input).reap
+        order = sorted(range(moe.num_experts), key=lambda e: (float(reap[e]), e))
+        return moe.select(sorted(order[removed:]))
+    from moecompress.passes.expert_merge import cut_tree, expert_signatures, merge_experts, merge_tree
+
+    signatures = expert_signatures(adapter, moe, hidden, router_input)
+    groups = cut_tree(merge_tree(signatures), moe.num_experts, moe.num_experts - removed)
+    return merge_experts(adapter, moe, groups, hidden, router_input)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:tiny-moe")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5])
-    parser.add_argument("--lr", type=float, nargs="+", default=[3e-3])
+    parser.add_argument("--methods", nargs="+", choices=["reap", "merge"], default=["reap", "merge"])
+    parser.add_argument("--lr", type=float, nargs="+", default=[DEFAULT_LR])
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS)
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--scale", action="store_true", help="measure the peak memory at Qwen3-30B-A3B's router shape")
     args = parser.parse_args()
@@ -108,16 +129,14 @@ def main() -> None:
     heldout = captures(model_dir, "builtin:prose:heldout", args.tokens, args.seq_len)
     rows = []
     for layer, (moe, hidden, router_input) in calib.items():
-        reap = layer_expert_stats(adapter, moe, hidden, router_input=router_input).reap
         start = time.perf_counter()
         with torch.no_grad():
             adapter.moe_forward(moe, hidden.float(), router_input=router_input)
         forward = time.perf_counter() - start
         _, held_hidden, held_router = heldout[layer]
-        for ratio in args.ratios:
+        for method, ratio in [(method, ratio) for ratio in args.ratios for method in args.methods]:
             removed = round(moe.num_experts * ratio)
-            order = sorted(range(moe.num_experts), key=lambda e: (float(reap[e]), e))
-            compressed = moe.select(sorted(order[removed:]))
+            compressed = compress(adapter, moe, hidden, router_input, method, removed)
             for lr in args.lr:
                 start = time.perf_counter()
                 refit, report = recalibrate_router(
@@ -134,6 +153,7 @@ def main() -> None:
                 seconds = time.perf_counter() - start
                 row = {
                     "layer": layer,
+                    "method": method,
                     "removed": removed,
                     "lr": lr,
                     "calib_before": report["error_before"],
@@ -147,7 +167,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(
-                    f"layer {layer} removed {removed}/{moe.num_experts} lr {lr:g}: calib {row['calib_before']:.4f} -> "
+                    f"layer {layer} {method} {removed}/{moe.num_experts} lr {lr:g}: calib {row['calib_before']:.4f} -> "
                     f"{row['calib_after']:.4f}, held-out {row['heldout_before']:.4f} -> {row['heldout_after']:.4f}, "
                     f"best step {row['best_step']}, {seconds:.2f} s ({seconds / forward:.0f}x one forward of the "
                     f"layer, {forward:.3f} s); history {row['history']}",
