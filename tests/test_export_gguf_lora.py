@@ -48,11 +48,10 @@ needs_converter = pytest.mark.skipif(_converter() is None, reason="MOECOMPRESS_L
 
 @pytest.fixture(scope="module")
 def lowrank(tmp_path_factory):
-    """builtin:tiny-moe in MXFP4 with load-aware adapters (ranks differ per expert, some experts have none); no
-    Fisher pass, to keep the test short."""
+    """``moecompress quantize builtin:tiny-moe --scheme mxfp4 --lowrank-budget 0.375``: MXFP4 experts with
+    load-aware adapters (ranks differ per expert, some experts have none)."""
     out = tmp_path_factory.mktemp("lowrank") / "mxfp4-lowrank"
-    config = QuantizeConfig(scheme="mxfp4", lowrank_budget=0.375, sensitivity="none")
-    quantize_checkpoint(BUILTIN, out, config, calib_tokens=2048, seq_len=64, progress=False)
+    quantize_checkpoint(BUILTIN, out, QuantizeConfig(scheme="mxfp4", lowrank_budget=0.375), progress=False)
     return out
 
 
@@ -219,7 +218,7 @@ def _llama_perplexity(binary: Path, data: Path, *models: str) -> tuple[float, in
 def test_llama_cpp_with_the_lora_file_scores_what_the_plugin_scores(lowrank, tmp_path):
     """On the same windows of the same tokens (builtin:prose held-out, 129 windows of 256): llama.cpp running the
     base GGUF with ``--lora`` against ``moecompress eval``'s evaluation of the native checkpoint (transformers with
-    the plugin, float32), within 0.1%; without the adapters llama.cpp is further away than that."""
+    the plugin, float32), within 0.1%; the adapters move llama.cpp's perplexity by more than that."""
     from transformers import AutoTokenizer
 
     from moecompress.calibration.batches import TokenWindows
@@ -242,5 +241,6 @@ def test_llama_cpp_with_the_lora_file_scores_what_the_plugin_scores(lowrank, tmp
     model = load_model(lowrank, adapter)
     ours = evaluate_windows(model, adapter, TokenWindows(batch, torch.zeros_like(batch), ["text"]), progress=False)
     ours = float(ours.perplexity)
+    print(f"llama.cpp --lora {llama:.4f}, without {llama_base:.4f}; plugin {ours:.4f} ({windows} windows)")
     assert abs(llama - ours) / ours < 1e-3, (llama, ours)
-    assert abs(llama_base - ours) / ours > 2e-3, (llama_base, ours)
+    assert abs(llama - llama_base) / llama_base > 3e-3, (llama, llama_base)
