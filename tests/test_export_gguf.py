@@ -456,6 +456,22 @@ def test_a_relative_path_to_an_unquantised_checkpoint_converts(tmp_path, monkeyp
 
 
 @needs_converter
+def test_a_relative_path_converts_in_the_converters_own_process_too(tmp_path, monkeypatch):
+    """The subprocess route (taken where the converter cannot run in our process) runs in a directory of its own:
+    the input and output given relative to ours still name the same places."""
+    from moecompress.export import converter_scope
+
+    shutil.copytree(BUILTIN, tmp_path / "big1")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    monkeypatch.setattr(converter_scope, "usable", lambda: False)
+    report = export_gguf(Path("../big1"), Path("big1.gguf"), progress=False)
+    assert (tmp_path / "sub" / "big1.gguf").stat().st_size == report["bytes"]
+    reader = gguf.GGUFReader(tmp_path / "sub" / "big1.gguf")
+    assert any(t.name == "blk.0.ffn_up_exps.weight" for t in reader.tensors)
+
+
+@needs_converter
 def test_builtin_model_converts_with_the_gpt2_pre_tokenizer(tmp_path):
     report = export_gguf(BUILTIN, tmp_path / "tiny.gguf", progress=False)
     assert report["pre_tokenizer_fallback"] == "gpt-2"

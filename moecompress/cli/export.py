@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -94,7 +95,7 @@ def export_command(
                 f"wrote {lora['path']} ({_human_bytes(lora['bytes'])}): the low-rank adapters of "
                 f"{len(lora['tensors'])} expert tensors as a llama.cpp LoRA; run with -m {out} --lora {lora['path']}"
             )
-        click.echo(f"report: {report_path(out.absolute())}")
+        click.echo(f"report: {report_path(Path(os.path.abspath(out)))}")
         return
     if llama_cpp is not None or fold or lora_out is not None:
         raise UserInputError(
