@@ -6,7 +6,8 @@ held-out prose, removes the experts with the lowest REAP score (``reap``) or mer
 calibration tokens (:func:`moecompress.passes.router_refit.recalibrate_router`) for each learning rate
 given, and prints per layer the relative error ‖Δ‖²/‖ref‖² on the calibration and held-out tokens before and after,
 the error after every ``--eval-every`` steps, and the refit's seconds beside those of one forward of the layer over
-the calibration tokens (measured in the same run).
+the calibration tokens (measured in the same run). ``--constant-outputs`` also prints the error where the removed
+experts stay in the routing and output a constant instead (MoNe-style; no family's stored layout holds that).
 
 ``--scale`` instead measures the peak memory of one refit of a seeded random Qwen3-MoE-shaped layer (128 experts,
 top-8, hidden 2048, narrow experts so that it runs on a CPU in minutes) on 16,384 random tokens: the process's peak
@@ -52,6 +53,40 @@ def relative_error(adapter, reference, compressed, hidden, router_input) -> floa
         ref = adapter.moe_forward(reference, hidden.float(), router_input=router_input)
         out = adapter.moe_forward(compressed, hidden.float(), router_input=router_input)
     return float((out - ref).double().pow(2).sum() / ref.double().pow(2).sum())
+
+
+def constant_outputs_error(adapter, moe, keep, hidden, router_input, held_hidden, held_router) -> tuple[float, float]:
+    """MoNe-style: the removed experts stay in the routing but output a constant, their mean output over the
+    calibration tokens routed to them (unscaled tokens, also where the rule scales expert inputs). The relative error
+    on the calibration and held-out tokens."""
+    removed = [e for e in range(moe.num_experts) if e not in keep]
+    with torch.no_grad():
+        ids, _ = adapter.route(
+            moe, adapter.router_logits(moe, hidden.float() if router_input is None else router_input)
+        )
+        constant = {}
+        for e in removed:
+            tokens = (ids == e).any(dim=1)
+            routed = hidden.float()[tokens]
+            constant[e] = adapter.expert_output(moe, e, routed).mean(dim=0) if routed.shape[0] else None
+
+    def error(x, routed_by):
+        with torch.no_grad():
+            ref = adapter.moe_forward(moe, x.float(), router_input=routed_by)
+            r_ids, r_weights = adapter.route(
+                moe, adapter.router_logits(moe, x.float() if routed_by is None else routed_by)
+            )
+
+            def output_of(expert, expert_input):
+                if expert not in constant:
+                    return adapter.expert_output(moe, expert, expert_input)
+                value = constant[expert]
+                return None if value is None else value.expand(expert_input.shape[0], -1)
+
+            out = adapter.combine_experts(x.float(), r_ids, r_weights, output_of)
+        return float((out - ref).double().pow(2).sum() / ref.double().pow(2).sum())
+
+    return error(hidden, router_input), error(held_hidden, held_router)
 
 
 def scale(steps: int, batch_tokens: int) -> None:
@@ -118,6 +153,9 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS)
     parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--constant-outputs", action="store_true", help="also: removed experts routed as before, output a constant"
+    )
     parser.add_argument("--scale", action="store_true", help="measure the peak memory at Qwen3-30B-A3B's router shape")
     args = parser.parse_args()
     if args.scale:
@@ -137,6 +175,16 @@ def main() -> None:
         for method, ratio in [(method, ratio) for ratio in args.ratios for method in args.methods]:
             removed = round(moe.num_experts * ratio)
             compressed = compress(adapter, moe, hidden, router_input, method, removed)
+            if method == "reap" and args.constant_outputs:
+                keep = [moe.expert_ids.index(i) for i in compressed.expert_ids]
+                calib_error, held_error = constant_outputs_error(
+                    adapter, moe, keep, hidden, router_input, held_hidden, held_router
+                )
+                print(
+                    f"layer {layer} reap {removed}/{moe.num_experts} constant outputs (MoNe-style): calib "
+                    f"{calib_error:.4f}, held-out {held_error:.4f}",
+                    flush=True,
+                )
             for lr in args.lr:
                 start = time.perf_counter()
                 refit, report = recalibrate_router(
