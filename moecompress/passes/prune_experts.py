@@ -5,7 +5,8 @@ Methods:
   re-routed), made modality- or domain-aware with token tags: tokens whose tag is in ``preserve_tags`` give a
   preservation signal; the ``low_attention_fraction`` of ``prune_tags`` tokens that receive the least attention
   give a pruning signal. score = mean ΔH over preservation tokens − ``prune_weight`` × mean ΔH over pruning
-  tokens. Without tags every token preserves.
+  tokens. Without tags every token preserves. Each token's ΔH is weighted by what an error at the block's output
+  costs the loss there (``token_weight``, :mod:`.maep_weights`).
 - ``reap``: mean over routed tokens of gate weight × ‖expert output‖ (REAP).
 - ``frequency``: fraction of tokens whose top-k holds the expert.
 - ``random``: seeded uniform scores.
@@ -49,6 +50,7 @@ from ..sweep import CalibrationSweep, LayerCapture
 from ..sweep_state import LayerResult, SweepState
 from ..vocabulary import named
 from .expert_scores import layer_expert_stats
+from .maep_weights import TOKEN_WEIGHTS, token_weights_for
 from .options import When, check_declared, option, recipe_only
 
 METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random", "merge")
@@ -133,6 +135,15 @@ class PruneExpertsConfig:
         metadata=option(
             "MAEP: average ‖ΔH‖² (the expected squared output error) or ‖ΔH‖ over tokens.",
             choices=AGGREGATES,
+            applies=MAEP,
+        ),
+    )
+    token_weight: str = field(
+        default="fisher",
+        metadata=option(
+            "MAEP: weight each token's ‖ΔH‖² by how much an error at the block's output there costs the loss "
+            "(fisher: ‖∂loss/∂output‖², one extra forward and backward sweep) or not at all (none).",
+            choices=TOKEN_WEIGHTS,
             applies=MAEP,
         ),
     )
@@ -231,8 +242,14 @@ def _tag_mask(capture: LayerCapture, tags: tuple[str, ...]) -> torch.Tensor:
     return torch.isin(capture.tags, torch.tensor(wanted, dtype=torch.long, device=capture.tags.device))
 
 
-def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpertsConfig) -> LayerScores:
-    """The chosen method's score of every expert in one layer (higher = more important).
+def score_layer(
+    adapter: FamilyAdapter,
+    capture: LayerCapture,
+    config: PruneExpertsConfig,
+    token_weight: torch.Tensor | None = None,
+) -> LayerScores:
+    """The chosen method's score of every expert in one layer (higher = more important); MAEP weighs each token's
+    ‖ΔH‖² by ``token_weight`` ``[T]`` where given (:mod:`.maep_weights`).
 
     Under ``torch.distributed`` the capture holds this rank's tokens only; every statistic is then a sum and
     a count added over ranks, so all ranks get the scores of the whole calibration set."""
@@ -254,7 +271,7 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         generator = torch.Generator(device="cpu").manual_seed(config.seed * 100_003 + capture.layer)
         score = torch.rand(capture.moe.num_experts, generator=generator, device="cpu")
     else:
-        score, extra = _maep_score(stats.delta_h, capture, config)
+        score, extra = _maep_score(stats.delta_h, capture, config, token_weight)
     merges = None
     if config.method == "merge":
         from .expert_merge import expert_signatures, merge_tree
@@ -277,12 +294,18 @@ def score_layer(adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpe
         (identity_counts,) = distributed.sum_over_ranks(stats.identity_counts)
         scores.identity_frequency = (identity_counts / tokens).tolist()
     if config.method == "maep" and config.greedy:
-        scores.removal_order, scores.removal_scores = _greedy_removal_order(adapter, capture, config, score)
+        scores.removal_order, scores.removal_scores = _greedy_removal_order(
+            adapter, capture, config, score, token_weight
+        )
     return scores
 
 
 def _greedy_removal_order(
-    adapter: FamilyAdapter, capture: LayerCapture, config: PruneExpertsConfig, first_scores: torch.Tensor
+    adapter: FamilyAdapter,
+    capture: LayerCapture,
+    config: PruneExpertsConfig,
+    first_scores: torch.Tensor,
+    token_weight: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
     """Remove experts one step at a time, re-scoring the survivors against the reduced block each time.
 
@@ -308,16 +331,22 @@ def _greedy_removal_order(
             stats = layer_expert_stats(
                 adapter, capture.moe, capture.moe_input, removed=removed, router_input=capture.router_input
             )
-            score, _ = _maep_score(stats.delta_h, capture, config)
+            score, _ = _maep_score(stats.delta_h, capture, config, token_weight)
     return order, marginal
 
 
 def _aggregate(
-    delta_h: torch.Tensor, masks: list[torch.Tensor], config: PruneExpertsConfig
+    delta_h: torch.Tensor,
+    masks: list[torch.Tensor],
+    config: PruneExpertsConfig,
+    token_weight: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Per mask and expert, the mean over the masked tokens of all ranks of ‖ΔH‖² (the expected squared output
-    error; default) or of ‖ΔH‖, and the masks' global token counts. A mask without any token gives zeros."""
+    error; default) or of ‖ΔH‖, each token's value multiplied by its ``token_weight`` where given, and the masks'
+    global token counts. A mask without any token gives zeros."""
     values = (delta_h.double() ** 2) if config.aggregate == "mean_sq" else delta_h.double()
+    if token_weight is not None:
+        values = values * token_weight.to(values.device).double()[:, None]
     sums = [values[mask.to(values.device)].sum(dim=0) for mask in masks]
     counts = [torch.tensor(float(mask.sum()), device="cpu") for mask in masks]
     totals = distributed.sum_over_ranks(*sums, *counts)
@@ -346,25 +375,34 @@ def _lowest_attention(capture: LayerCapture, candidates: torch.Tensor, fraction:
     return prune
 
 
-def _maep_score(delta_h: torch.Tensor, capture: LayerCapture, config: PruneExpertsConfig):
+def _maep_score(
+    delta_h: torch.Tensor,
+    capture: LayerCapture,
+    config: PruneExpertsConfig,
+    token_weight: torch.Tensor | None = None,
+):
+    weighting = {"token_weight": "fisher" if token_weight is not None else "none"}
     if not config.prune_tags:
         preserve = (
             _tag_mask(capture, config.preserve_tags)
             if config.preserve_tags
             else torch.ones_like(capture.tags, dtype=torch.bool)
         )
-        (signal,), (tokens,) = _aggregate(delta_h, [preserve], config)
-        return signal, {"preserve_tokens": tokens}
+        (signal,), (tokens,) = _aggregate(delta_h, [preserve], config, token_weight)
+        return signal, {"preserve_tokens": tokens, **weighting}
     candidates = _tag_mask(capture, config.prune_tags)
     preserve = _tag_mask(capture, config.preserve_tags) if config.preserve_tags else ~candidates
     prune = _lowest_attention(capture, candidates, config.low_attention_fraction)
-    (preserve_signal, prune_signal), (preserve_tokens, prune_tokens) = _aggregate(delta_h, [preserve, prune], config)
+    (preserve_signal, prune_signal), (preserve_tokens, prune_tokens) = _aggregate(
+        delta_h, [preserve, prune], config, token_weight
+    )
     score = preserve_signal - config.prune_weight * prune_signal
     extra = {
         "preserve_tokens": preserve_tokens,
         "prune_tokens": prune_tokens,
         "preserve_signal": preserve_signal.tolist(),
         "prune_signal": prune_signal.tolist(),
+        **weighting,
     }
     return score, extra
 
@@ -539,6 +577,9 @@ def measure_experts(
     if state is not None and distributed.world_size() > 1:
         raise RuntimeError("a sweep state is kept by a single process only")
     shard = distributed.shard_calibration(batches, tags)
+    weights = token_weights_for(
+        config, model_dir, shard.batches, None if state is None else state.directory.parent, progress
+    )
     sweep = CalibrationSweep(
         model_dir,
         shard.batches,
@@ -550,13 +591,16 @@ def measure_experts(
     )
     layer_scores = [] if state is None else [LayerScores.from_result(r) for _, r in sorted(state.results().items())]
     for capture in sweep.run(state, label="scoring experts"):
-        scores = score_layer(adapter, capture, config)
+        scores = score_layer(adapter, capture, config, weights.get(capture.layer))
         capture.result = scores.to_result()
         layer_scores.append(scores)
     if config.mtp == "keep":
         from ..mtp_sweep import mtp_captures
 
-        layer_scores += [score_layer(adapter, capture, config) for capture in mtp_captures(sweep, shard.batches)]
+        layer_scores += [
+            score_layer(adapter, capture, config, weights.get(capture.layer))
+            for capture in mtp_captures(sweep, shard.batches)
+        ]
     return layer_scores
 
 

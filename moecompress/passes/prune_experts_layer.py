@@ -16,6 +16,7 @@ from ..families import FamilyAdapter, MoEWeights
 from ..sweep import LayerCapture
 from ..sweep_state import LayerResult
 from .base import LayerPass, Needs, PassContext
+from .maep_weights import pipeline_token_weights
 from .prune_experts import LayerScores, PruneExpertsConfig, PrunePlan, group_limit, plan_pruning, score_layer
 
 
@@ -32,6 +33,7 @@ class PruneExpertsPass(LayerPass):
         self.layer_scores: list[LayerScores] = []
         self.plan: PrunePlan | None = None
         self._adapter: FamilyAdapter | None = None
+        self._token_weights: dict[int, torch.Tensor] = {}
         self.rewrites: dict[str, dict[str, Any]] = {}
         """Per written unit, what merging and the router refit did there (the journal keeps it for a resume)."""
 
@@ -45,6 +47,7 @@ class PruneExpertsPass(LayerPass):
             measuring=f"{config.method} expert scores" + (" and merge trees" if merge else ""),
             calibration=config.rewrites_from_calibration,
             attention=config.method == "maep" and bool(config.prune_tags),
+            sensitivity="fisher-token" if config.method == "maep" and config.token_weight == "fisher" else None,
             sequential=True,
             weights_only=True,
             rewrites=f"{', then '.join(steps)} ({config.scope} scope)",
@@ -53,9 +56,10 @@ class PruneExpertsPass(LayerPass):
     def prepare(self, context: PassContext) -> None:
         self.config.validate()
         self._adapter = context.adapter
+        self._token_weights = pipeline_token_weights(self.config, context)
 
     def measure(self, capture: LayerCapture) -> LayerResult:
-        return score_layer(self._adapter, capture, self.config).to_result()
+        return score_layer(self._adapter, capture, self.config, self._token_weights.get(capture.layer)).to_result()
 
     def absorb(self, layer: int, result: LayerResult) -> None:
         self.layer_scores.append(LayerScores.from_result(result))
