@@ -72,22 +72,25 @@ def plan(native: NativeSource, source: Path) -> list[LoraTensor]:
         ranks = native.lowrank.get(experts or "", {})
         if experts is None or not ranks:
             continue
-        _, hidden, inter = native.logical_shape(experts, "down_proj")
+        count, hidden, inter = native.logical_shape(experts, "down_proj")
         for matrix in ("gate", "up", "down"):
             per_expert = tuple(int(rank) for rank in ranks.get(matrix, ()))
             if not any(per_expert):
                 continue
+            if len(per_expert) != count:
+                raise UserInputError(f"{source}: {experts} has {count} experts but {len(per_expert)} {matrix} ranks")
             rows, cols = (hidden, inter) if matrix == "down" else (inter, hidden)
             dtypes = set()
             for expert, rank in enumerate(per_expert):
+                if not rank:
+                    continue
                 for side, shape in (("L", (rows, rank)), ("R", (rank, cols))):
                     key = f"{experts}.lowrank.{expert}.{matrix}_{side}"
-                    info = native.reader.tensors.get(key) if rank else None
-                    if rank and (info is None or tuple(info.shape) != shape):
+                    info = native.reader.tensors.get(key)
+                    if info is None or tuple(info.shape) != shape:
                         found = "missing" if info is None else f"of shape {tuple(info.shape)}"
                         raise UserInputError(f"{source}: {key} is {found}, not {shape} as the config's ranks say")
-                    if rank:
-                        dtypes.add(native.reader.dtype_of(key))
+                    dtypes.add(native.reader.dtype_of(key))
             dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= set(_TYPES) else torch.float32
             out.append(
                 LoraTensor(f"blk.{index}.ffn_{matrix}_exps.weight", index, matrix, per_expert, rows, cols, dtype)
