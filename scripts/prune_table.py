@@ -24,7 +24,12 @@ from typing import Any
 import torch
 from table_io import run_facts, write_results
 
+# expert_merge, router_refit and the pipeline are imported now, not when the first row needs them: a long run then
+# uses one state of the code while others edit the working tree.
+import moecompress.passes.expert_merge
 import moecompress.passes.prune_experts as prune_module
+import moecompress.passes.router_refit
+import moecompress.pipeline  # noqa: F401
 from moecompress.calibration.batches import TokenWindows, consecutive_windows, sampled_windows, tokenize_documents
 from moecompress.calibration.sources import load_documents
 from moecompress.checkpoint import CheckpointReader, resolve_model
@@ -322,8 +327,8 @@ def render_markdown(results: dict) -> str:
 SUMMARY_FIGURES = (
     ("prose_perplexity", "prose ppl", min),
     ("code_perplexity", "code ppl", min),
-    ("prose_choice_accuracy", "choice acc. prose", max),
-    ("code_choice_accuracy", "choice acc. code", max),
+    ("prose_choice_accuracy", "choice accuracy prose", max),
+    ("code_choice_accuracy", "choice accuracy code", max),
 )
 
 
@@ -332,9 +337,11 @@ def label(row: dict) -> str:
 
 
 def write_summary(paths: list[Path], markdown: Path) -> None:
-    """Per model, ratio and scope: REAP (no refit) against the best other row, for each figure."""
-    header = "| model | removed | scope | " + " | ".join(f"{title}: REAP → best" for _, title, _ in SUMMARY_FIGURES)
-    lines = [header + " |", "|---|---|---|" + "---|" * len(SUMMARY_FIGURES)]
+    """Per model, ratio and scope, for each figure: REAP (no refit) against the best other row; then the best
+    removal (frequency, REAP, MAEP) against the best merge, which shows where they trade places by task."""
+    titles = " | ".join(title for _, title, _ in SUMMARY_FIGURES)
+    against_reap = [f"| model | removed | scope | {titles} |", "|---|---|---|" + "---|" * len(SUMMARY_FIGURES)]
+    removal_merge = list(against_reap)
     for path in paths:
         results = json.loads(path.read_text())
         rows = [row for row in results["rows"] if "refused" not in row]
@@ -342,19 +349,36 @@ def write_summary(paths: list[Path], markdown: Path) -> None:
             for scope in ("layer", "global"):
                 group = [row for row in rows if row["ratio"] == ratio and row["scope"] == scope]
                 reap = next((row for row in group if row["method"] == "reap" and not row["recalibrate_router"]), None)
-                others = [row for row in group if row is not reap]
-                if reap is None or not others:
+                removals = [row for row in group if row["method"] != "merge"]
+                merges = [row for row in group if row["method"] == "merge"]
+                if reap is None or not merges:
                     continue
-                cells = []
+                head = f"| {results['name']} | {ratio:.0%} | {scope} | "
+                reap_cells, versus_cells = [], []
                 for key, _, pick in SUMMARY_FIGURES:
-                    best = pick(others, key=lambda row, key=key: row[key])
-                    cells.append(
-                        f"{reap[key]:.3f} → {best[key]:.3f} ({label(best)})"
-                        if "choice" in key
-                        else f"{reap[key]:.2f} → {best[key]:.2f} ({label(best)})"
-                    )
-                lines.append(f"| {results['name']} | {ratio:.0%} | {scope} | " + " | ".join(cells) + " |")
-    markdown.write_text("\n".join(lines) + "\n")
+                    best = pick([row for row in group if row is not reap], key=lambda row, key=key: row[key])
+                    reap_cells.append(f"{_figure(reap, key)} → {_figure(best, key)} ({label(best)})")
+                    removal = pick(removals, key=lambda row, key=key: row[key])
+                    merge = pick(merges, key=lambda row, key=key: row[key])
+                    cells = [f"{_figure(row, key)} ({label(row)})" for row in (removal, merge)]
+                    if removal[key] != merge[key]:
+                        won = (removal, merge).index(pick((removal, merge), key=lambda row, key=key: row[key]))
+                        cells[won] = f"**{cells[won]}**"
+                    versus_cells.append(" vs ".join(cells))
+                against_reap.append(head + " | ".join(reap_cells) + " |")
+                removal_merge.append(head + " | ".join(versus_cells) + " |")
+    markdown.write_text(
+        "REAP (no router refit) → the best other row:\n\n"
+        + "\n".join(against_reap)
+        + "\n\nBest removal (frequency, REAP, MAEP; with or without refit) vs best merge "
+        + "(the better in bold, neither where equal):\n\n"
+        + "\n".join(removal_merge)
+        + "\n"
+    )
+
+
+def _figure(row: dict, key: str) -> str:
+    return f"{row[key]:.3f}" if "choice" in key else f"{row[key]:.2f}"
 
 
 if __name__ == "__main__":
