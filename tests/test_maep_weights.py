@@ -34,7 +34,9 @@ def test_token_weights_are_the_squared_loss_gradient_at_each_block_output(tmp_pa
     for batch in batches:
         ids = batch["input_ids"]
         logits = model(input_ids=ids).logits.float()
-        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").backward()
+        F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+        ).backward()
     assert sorted(weights) == sorted(gradients)
     for layer, pieces in gradients.items():
         expected = torch.cat(pieces).pow(2).mean(dim=-1)
