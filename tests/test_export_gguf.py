@@ -709,7 +709,7 @@ def test_an_export_through_the_converters_own_process_writes_the_same_file(nativ
     assert (tmp_path / "here.gguf").read_bytes() == (tmp_path / "apart.gguf").read_bytes()
 
 
-KQUANTS = {"q2_k": "IQ4_NL", "q3_k": "IQ4_NL", "q4_k": "Q5_0", "q5_k": "Q5_1", "q6_k": "Q8_0"}
+KQUANTS = {"q2_k": "Q4_0", "q3_k": "Q4_0", "q4_k": "Q5_0", "q5_k": "Q5_1", "q6_k": "Q8_0"}
 """Each k-quant's 32-weight fallback at widths not a multiple of 256."""
 KQUANT_FILE_TYPES = {"q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_S", "q4_k": "MOSTLY_Q4_K_S"}
 KQUANT_FILE_TYPES |= {"q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K"}

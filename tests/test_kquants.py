@@ -15,7 +15,7 @@ import moecompress
 from moecompress.quantization.scheme import QuantScheme
 from moecompress.quantization.schemes.ggml_blocks import FORMATS, fields_of
 
-KQUANTS = {"q2_k": "IQ4_NL", "q3_k": "IQ4_NL", "q4_k": "Q5_0", "q5_k": "Q5_1", "q6_k": "Q8_0"}
+KQUANTS = {"q2_k": "Q4_0", "q3_k": "Q4_0", "q4_k": "Q5_0", "q5_k": "Q5_1", "q6_k": "Q8_0"}
 """Each k-quant's fallback for widths not a multiple of 256: llama.cpp's llama_tensor_get_type."""
 
 

@@ -19,7 +19,7 @@ from .numbers import human_bytes as _human_bytes
     type=click.Choice(["gguf", "bf16"]),
     required=True,
     help="gguf: one .gguf file for llama.cpp, MXFP4 experts as GGML MXFP4 and q2_k..q6_k experts as GGML's own "
-    "k-quant blocks (IQ4_NL/Q5_0/Q5_1/Q8_0 at widths not a multiple of 256) (exact), integer experts as Q4_0/Q4_1 "
+    "k-quant blocks (Q4_0/Q5_0/Q5_1/Q8_0 at widths not a multiple of 256) (exact), integer experts as Q4_0/Q4_1 "
     "(error measured), the rest written by llama.cpp's own converter. bf16: a plain dequantised Hugging Face "
     "checkpoint (adapters folded in).",
 )

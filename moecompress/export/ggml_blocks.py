@@ -10,7 +10,7 @@ GGML blocks hold 32 consecutive weights of a row; a 4-bit block stores weight ``
   blocks with the same scale. The codes map exactly (``q = code - z + 8`` for Q4_0); the differences are the fp16
   rounding of a bf16 scale outside fp16's range (or subnormal), of Q4_1's ``m = -z·s``, and our rounding of the
   product to bf16, which GGML does not do. :func:`measure` reports them.
-- GGML's k-quants (``Q2_K`` .. ``Q6_K``) and the 32-weight types they fall back to at other widths (``IQ4_NL``,
+- GGML's k-quants (``Q2_K`` .. ``Q6_K``) and the 32-weight types they fall back to at other widths (``Q4_0``,
   ``Q5_0``, ``Q5_1``, ``Q8_0``): we store GGML's own block fields, so the blocks are those fields joined in GGML's
   order (the scheme's ``ggml_blocks``): exact.
 """

@@ -56,8 +56,9 @@ _STORED_EXACT = "exact: GGML's own block fields as stored, joined in GGML's bloc
 BOUNDS = {
     **{kind: _STORED_EXACT for kind in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0")},
     "MXFP4": "exact: same E2M1 codes and E8M0 scale byte",
-    "Q4_0": "|ggml - ours| <= 2^-8 |ours| (our bf16 rounding of (q-8)*s; the scale converts to fp16 exactly "
-    "when it lies in fp16's normal range)",
+    "Q4_0": "integer experts: |ggml - ours| <= 2^-8 |ours| (our bf16 rounding of (q-8)*s; the scale converts to "
+    "fp16 exactly when it lies in fp16's normal range); q2_k/q3_k's fallback at widths not a multiple of 256: "
+    + _STORED_EXACT,
     "Q4_1": "|ggml - ours| <= 2^-8 |ours| + 2^-11 |z*s| (our bf16 rounding, and fp16 rounding of m = -z*s)",
 }
 

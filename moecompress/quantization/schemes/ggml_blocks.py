@@ -1,6 +1,6 @@
 """GGML's block formats, bit for bit: the k-quants' 256-weight super-blocks (``Q2_K`` .. ``Q6_K``) and the 32-weight
-blocks llama.cpp falls back to for rows whose width is not a multiple of 256 (``Q5_0``, ``Q5_1``, ``Q8_0``,
-``IQ4_NL``).
+blocks llama.cpp falls back to for rows whose width is not a multiple of 256 (``Q4_0``, ``Q5_0``, ``Q5_1``,
+``Q8_0``), and ``IQ4_NL``.
 
 Each format is a list of fields in GGML's order. Fitting (:func:`encode`) works on float32 blocks ``[n, block]``
 with per-weight importance ``[n, block]``; the sub-block scales and mins are fitted by weighted least squares over
@@ -329,6 +329,17 @@ def _from_qh_32(raw: torch.Tensor) -> torch.Tensor:
     return _planes(raw, 8).transpose(1, 2).reshape(raw.shape[0], 32)
 
 
+def encode_q4_0(x, w):
+    d = _fp16_bytes(_fit_symmetric(x, w, 8))
+    q = (_signed_codes(x, _fp16(d), -8, 7) + 8).to(torch.uint8)
+    return {"d": d, "qs": _halves_32(q)}
+
+
+def decode_q4_0(fields):
+    q = _from_halves_32(fields["qs"]).to(torch.int8) - 8
+    return _fp16(fields["d"]) * q.float()
+
+
 def encode_q5_0(x, w):
     d = _fp16_bytes(_fit_symmetric(x, w, 16))
     q = (_signed_codes(x, _fp16(d), -16, 15) + 16).to(torch.uint8)
@@ -433,6 +444,7 @@ FORMATS = {
             encode_q6_k,
             decode_q6_k,
         ),
+        BlockFormat("Q4_0", 32, (("d", 2, "s"), ("qs", 16, "q")), encode_q4_0, decode_q4_0),
         BlockFormat("Q5_0", 32, (("d", 2, "s"), ("qh", 4, "q"), ("qs", 16, "q")), encode_q5_0, decode_q5_0),
         BlockFormat(
             "Q5_1", 32, (("d", 2, "s"), ("m", 2, "s"), ("qh", 4, "q"), ("qs", 16, "q")), encode_q5_1, decode_q5_1

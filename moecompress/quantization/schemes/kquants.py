@@ -3,8 +3,9 @@ held in our checkpoints as GGML's own bytes (the quant fields in ``packed``, the
 in GGML's field order; :func:`~.ggml_blocks.ggml_bytes` joins them into the blocks GGUF stores).
 
 Rows whose width is not a multiple of 256 take the type llama.cpp's quantiser itself falls back to
-(``llama_tensor_get_type``): Q2_K and Q3_K → IQ4_NL, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, all 32-weight
-blocks. llama.cpp writes F16 where the width is not even a multiple of 32; that width is refused here.
+(``tensor_type_fallback`` in src/llama-quant.cpp of the llama.cpp that llama-cpp-python 0.3.36 vendors): Q2_K and
+Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, all 32-weight blocks (earlier llama.cpp took IQ4_NL for Q2_K and
+Q3_K). llama.cpp writes F16 where the width is not even a multiple of 32; that width is refused here.
 
 Rounding is RTN; with calibration (``importance``: the routed tokens' input second moments per column, GPTQ's
 Hessian diagonal) each sub-block's scale and min minimise the importance-weighted error. GPTQ does not fit these
@@ -100,12 +101,12 @@ class KQuant(SchemeKind):
 
 @register
 class Q2K(KQuant):
-    name, bits, main, fallback = "q2_k", 2, "Q2_K", "IQ4_NL"
+    name, bits, main, fallback = "q2_k", 2, "Q2_K", "Q4_0"
 
 
 @register
 class Q3K(KQuant):
-    name, bits, main, fallback = "q3_k", 3, "Q3_K", "IQ4_NL"
+    name, bits, main, fallback = "q3_k", 3, "Q3_K", "Q4_0"
 
 
 @register
