@@ -392,24 +392,17 @@ class CalibrationSweep:
             return
         if isinstance(moe, ExpertSource):
             moe = moe.padded(original)
-        state = {
-            key: value.to(self.dtype) if value.is_floating_point() else value
-            for key, value in self.adapter.runtime_moe_state(moe).items()
-        }
-        _, unexpected = module.load_state_dict(state, strict=False, assign=True)
-        if unexpected:
-            raise RuntimeError(f"layer {layer}: replacement tensors the layer lacks: {unexpected[:5]}")
-        self.placed(module)
+        self._load_state(module, layer, self.adapter.runtime_moe_state(moe), "replacement")
 
     def _load_router(self, module: torch.nn.Module, layer: int, router: MoEWeights) -> None:
         """Route layer ``layer`` with ``router``'s router tensors from now on."""
-        state = {
-            key: value.to(self.dtype) if value.is_floating_point() else value
-            for key, value in self.adapter.runtime_router_state(router).items()
-        }
+        self._load_state(module, layer, self.adapter.runtime_router_state(router), "router")
+
+    def _load_state(self, module: torch.nn.Module, layer: int, state: dict[str, torch.Tensor], what: str) -> None:
+        state = {key: value.to(self.dtype) if value.is_floating_point() else value for key, value in state.items()}
         _, unexpected = module.load_state_dict(state, strict=False, assign=True)
         if unexpected:
-            raise RuntimeError(f"layer {layer}: router tensors the layer lacks: {unexpected[:5]}")
+            raise RuntimeError(f"layer {layer}: {what} tensors the layer lacks: {unexpected[:5]}")
         self.placed(module)
 
     @staticmethod

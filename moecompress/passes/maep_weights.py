@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
 from ..calibration import distributed
-from ..files import write_safetensors
-from ..quantization.sensitivity import _batches_digest, block_output_fisher, stored_layer_sensitivity
-from ..sweep_state import load_with_metadata
+from ..quantization.sensitivity import (
+    _batches_digest,
+    block_output_fisher,
+    stored_layer_sensitivity,
+    stored_per_layer,
+)
 
 TOKEN_WEIGHTS: tuple[str, ...] = ("fisher", "none")
 _STORED = "maep-token-weights.safetensors"
@@ -33,20 +35,14 @@ def maep_token_weights(
     A window's values depend on that window alone, so a rank that computes its own batches gets exactly the single
     process's values for them. With ``state_dir`` they are kept there and a resumed run on the same model and tokens
     takes them from there instead of running the backward sweep again."""
+
+    def compute() -> dict[int, torch.Tensor]:
+        return block_output_fisher(model_dir, batches, spill_dir=state_dir, progress=progress)
+
+    if state_dir is None:
+        return compute()
     key = f"fisher-token-raw:{Path(model_dir).absolute()}:{_batches_digest(batches)}"
-    path = None if state_dir is None else Path(state_dir) / _STORED
-    if path is not None:
-        try:
-            stored, metadata = load_with_metadata(path)
-            if metadata.get("key") == key:
-                return {int(name): value for name, value in stored.items()}
-        except (OSError, SafetensorError):
-            pass
-    weights = block_output_fisher(model_dir, batches, spill_dir=state_dir, progress=progress)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_safetensors(path, {str(layer): value for layer, value in weights.items()}, {"key": key})
-    return weights
+    return stored_per_layer(Path(state_dir) / _STORED, key, compute)
 
 
 def token_weights_for(

@@ -216,6 +216,14 @@ def stored_layer_sensitivity(
     if mode == "none":
         return {}
     key = f"{mode}:{Path(model_dir).absolute()}:{_batches_digest(batches)}"
+    return stored_per_layer(
+        path, key, lambda: layer_sensitivity(model_dir, batches, mode, spill_dir=path.parent, progress=progress)
+    )
+
+
+def stored_per_layer(path: Path, key: str, compute) -> dict[int, torch.Tensor]:
+    """Per-layer tensors kept in ``path`` under ``key``: read back when the file holds that key, else ``compute()``d
+    and written there."""
     try:
         stored, metadata = load_with_metadata(path)
         if metadata.get("key") == key:
@@ -223,6 +231,6 @@ def stored_layer_sensitivity(
     except (OSError, SafetensorError):
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    sensitivity = layer_sensitivity(model_dir, batches, mode, spill_dir=path.parent, progress=progress)
-    write_safetensors(path, {str(layer): value for layer, value in sensitivity.items()}, {"key": key})
-    return sensitivity
+    values = compute()
+    write_safetensors(path, {str(layer): value for layer, value in values.items()}, {"key": key})
+    return values
