@@ -1,5 +1,7 @@
-"""Thread counts: prune, RTN and GPTQ write the same bytes with 1 and 2 threads (the report records the count); the
-default recipe does not, so a run records its count and a resume with another count is refused before any work,
+"""Thread counts: prune with unweighted MAEP, RTN and GPTQ write the same bytes with 1 and 2 threads (the report
+records the count). MAEP's default Fisher token weights come from a backward pass whose float sums depend on the
+thread count, so its scores differ in their last bits: the experts kept (here) and the tensors do not. The default
+recipe's bytes do differ, so a run records its count and a resume with another count is refused before any work,
 the partial work kept, and the resume with the recorded count finishes it."""
 
 import hashlib
@@ -18,7 +20,7 @@ from helpers import tree_hashes
 TINY = ["builtin:tiny-moe", "--no-eval", "--quiet"]
 CALIBRATED = [*TINY, "--calib-tokens", "256", "--seq-len", "64"]
 COMMANDS = {
-    "prune": ["prune", *CALIBRATED, "--method", "maep", "--ratio", "0.25"],
+    "prune": ["prune", *CALIBRATED, "--method", "maep", "--ratio", "0.25", "--token-weight", "none"],
     "quantize-rtn": ["quantize", *TINY, "--scheme", "int4"],
     "quantize-gptq": ["quantize", *CALIBRATED, "--scheme", "int4", "--method", "gptq"],
 }
@@ -61,6 +63,24 @@ def test_one_and_two_threads_write_the_same_bytes(command, tmp_path):
     assert [reports[threads].pop("threads") for threads in (1, 2)] == [1, 2]
     assert reports[1] == reports[2]
     assert hashes[1].pop("moecompress_report.json") != hashes[2].pop("moecompress_report.json")
+    assert hashes[1] == hashes[2]
+
+
+def test_fisher_weighted_prune_keeps_the_same_experts_and_tensors_with_one_and_two_threads(tmp_path):
+    command = ["prune", *CALIBRATED, "--method", "maep", "--ratio", "0.25"]
+    outs = {threads: tmp_path / f"threads-{threads}" for threads in (1, 2)}
+    processes = {threads: _start([*command, "--out", str(out)], threads) for threads, out in outs.items()}
+    for process in processes.values():
+        result = _finish(process)
+        assert result.returncode == 0, result.stderr
+    reports = {threads: json.loads((out / "moecompress_report.json").read_text()) for threads, out in outs.items()}
+    kept = {threads: {k: v["kept"] for k, v in report["layers"].items()} for threads, report in reports.items()}
+    assert kept[1] == kept[2]
+    for layer, entry in reports[1]["layers"].items():
+        assert entry["score"] == pytest.approx(reports[2]["layers"][layer]["score"], rel=1e-4, abs=1e-12)
+    hashes = {threads: tree_hashes(out) for threads, out in outs.items()}
+    for files in hashes.values():
+        files.pop("moecompress_report.json")
     assert hashes[1] == hashes[2]
 
 
