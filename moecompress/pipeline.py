@@ -192,9 +192,6 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
                 p.absorb(capture.layer, p.measure(capture))
 
 
-_ROUTER_FIELDS = ("router_weight", "router_bias", "correction_bias", "expert_scale")
-
-
 def _router_replacement(original: MoEWeights, weights: MoEWeights) -> MoEWeights | None:
     """A block of ``original``'s size routing with ``weights``'s router where that changed (merged or refitted
     rows, at their experts' original indices; removed experts' rows stay, never chosen), else None."""
@@ -202,7 +199,7 @@ def _router_replacement(original: MoEWeights, weights: MoEWeights) -> MoEWeights
     rows += list(range(original.num_experts, original.router_columns))
     index = torch.tensor(rows, dtype=torch.long, device="cpu")
     changes = {}
-    for name in _ROUTER_FIELDS:
+    for name in MoEWeights.ROUTER_TENSORS:
         new, old = getattr(weights, name), getattr(original, name)
         if new is None or old is None:
             continue

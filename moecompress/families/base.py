@@ -45,6 +45,11 @@ class MoEWeights:
     ``per_expert_scale``): it is part of the routing, removed with its expert and never quantised.
     """
 
+    EXPERT_TENSORS: ClassVar[tuple[str, ...]] = ("gate_up", "down", "gate_up_bias", "down_bias")
+    """The per-expert weight tensors (first dimension ``E``)."""
+    ROUTER_TENSORS: ClassVar[tuple[str, ...]] = ("router_weight", "router_bias", "correction_bias", "expert_scale")
+    """The routing tensors (first dimension ``E``, or ``E + identity_experts`` for the router's)."""
+
     router_weight: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor

@@ -234,8 +234,8 @@ def _route_all(
     return torch.cat(ids), torch.cat(weights)
 
 
-_EXPERT_TENSORS = ("gate_up", "down", "gate_up_bias", "down_bias")
-_ROUTER_TENSORS = ("router_weight", "router_bias", "correction_bias", "expert_scale")
+_EXPERT_TENSORS = MoEWeights.EXPERT_TENSORS
+_ROUTER_TENSORS = MoEWeights.ROUTER_TENSORS
 
 
 def _original(moe: MoEWeights, position: int) -> dict[str, torch.Tensor | None]:

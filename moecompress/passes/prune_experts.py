@@ -277,8 +277,7 @@ def score_layer(
         from .expert_merge import expert_signatures, merge_tree
 
         signatures = expert_signatures(adapter, capture.moe, capture.moe_input, router_input=capture.router_input)
-        limit = group_limit(adapter)
-        group_size = None if limit is None else capture.moe.num_experts // limit.n_group
+        group_size = router_group_size(adapter, capture.moe.num_experts)
         merges = [list(pair) for pair in merge_tree(signatures, group_size=group_size)]
     scores = LayerScores(
         layer=capture.layer,
@@ -430,6 +429,12 @@ def group_limit(adapter: FamilyAdapter) -> GroupLimit | None:
     if rule.n_group <= 1:
         return None
     return GroupLimit(rule.n_group, rule.topk_group, 2 if rule.kind == "sigmoid_group_topk" else 1)
+
+
+def router_group_size(adapter: FamilyAdapter, num_experts: int) -> int | None:
+    """Experts per router group of a group-limited router (None: no groups), the unit merging stays within."""
+    limit = group_limit(adapter)
+    return None if limit is None else num_experts // limit.n_group
 
 
 def choose_removals(
@@ -872,11 +877,9 @@ def merge_groups(scores: LayerScores, remove: int, adapter: FamilyAdapter) -> li
     ordered by anchor position, the order the merged block holds them in."""
     from .expert_merge import cut_tree
 
-    limit = group_limit(adapter)
     size = len(scores.expert_ids)
-    group_size = None if limit is None else size // limit.n_group
     merges = [tuple(pair) for pair in scores.merge_tree]
-    groups = cut_tree(merges, size, size - remove, group_size=group_size)
+    groups = cut_tree(merges, size, size - remove, group_size=router_group_size(adapter, size))
     led = []
     for group in groups:
         anchor = min(group, key=lambda e: (-float(scores.frequency[e]), e))

@@ -157,16 +157,7 @@ class PruneExpertsPass(LayerPass):
 def _in_dtypes_of(block: MoEWeights, original: MoEWeights) -> MoEWeights:
     """``block``'s tensors in the dtypes the original layer stores, so the output keeps the input's layout."""
     changes = {}
-    for name in (
-        "router_weight",
-        "gate_up",
-        "down",
-        "router_bias",
-        "correction_bias",
-        "gate_up_bias",
-        "down_bias",
-        "expert_scale",
-    ):
+    for name in MoEWeights.EXPERT_TENSORS + MoEWeights.ROUTER_TENSORS:
         tensor, stored = getattr(block, name), getattr(original, name)
         if tensor is not None and stored is not None and tensor.dtype != stored.dtype:
             changes[name] = tensor.to(stored.dtype)

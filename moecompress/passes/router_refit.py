@@ -169,14 +169,14 @@ def _routed_output(
     expert_grad: bool = False,
 ) -> torch.Tensor:
     """The block's routed output for ``x``; the router's tensors carry their grad, the experts' computation only
-    with ``expert_grad``. With ``chunk_tokens`` it is computed without grad, that many tokens at a time."""
+    with ``expert_grad``. With ``chunk_tokens`` it is the family's own forward without grad, that many tokens at a
+    time."""
     if chunk_tokens is not None:
         out = torch.empty_like(x)
         with torch.no_grad():
             for s in range(0, x.shape[0], chunk_tokens):
-                out[s : s + chunk_tokens] = _routed_output(
-                    adapter, moe, x[s : s + chunk_tokens], _rows(routed_by, s, chunk_tokens), None
-                )
+                rows = slice(s, s + chunk_tokens)
+                out[rows] = adapter.moe_forward(moe, x[rows], router_input=_rows(routed_by, s, chunk_tokens))
         return out
     logits = adapter.router_logits(moe, x if routed_by is None else routed_by)
     ids, weights = adapter.route(moe, logits)
@@ -199,7 +199,7 @@ def _squared_error(
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     with torch.no_grad():
         for s in range(0, x.shape[0], chunk_tokens):
-            out = _routed_output(adapter, moe, x[s : s + chunk_tokens], _rows(routed_by, s, chunk_tokens), None)
+            out = adapter.moe_forward(moe, x[s : s + chunk_tokens], router_input=_rows(routed_by, s, chunk_tokens))
             total += (out - target[s : s + chunk_tokens]).double().pow(2).sum()
     return total
 
