@@ -16,6 +16,8 @@ budget; ``--steps`` uses a step-based schedule instead, which repeats bit for bi
     python scripts/train_tiny_moe.py --minutes 0.5 --out /tmp/tiny-smoke
     python scripts/train_tiny_moe.py --steps 1800 --num-experts 64 --top-k 8 --moe-intermediate-size 32 \
         --out DIR                                         # docs/qat.md's fine-grained model, ~15 minutes
+    python scripts/train_tiny_moe.py --minutes 45 --hidden-size 256 --num-heads 4 --num-kv-heads 2 --head-dim 64 \
+        --num-experts 16 --top-k 4 --no-tie-embeddings --out DIR   # docs/llama_cpp.md's model: every width 256
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=40)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--moe-intermediate-size", type=int, default=256)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=8, help="attention heads (query)")
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument(
+        "--tie-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the input embeddings with the output head (--no-tie-embeddings: a head of its own)",
+    )
     parser.add_argument("--num-layers", type=int, default=4, help="decoder layers, every one an MoE layer")
     parser.add_argument("--num-experts", type=int, default=8, help="routed experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
@@ -111,15 +123,15 @@ def encode_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch
 def build_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
+        hidden_size=args.hidden_size,
         intermediate_size=256,
         num_hidden_layers=args.num_layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
         max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True,
+        tie_word_embeddings=args.tie_embeddings,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         num_experts=args.num_experts,
@@ -306,6 +318,11 @@ def main() -> None:
                     "num-layers",
                     "num-experts",
                     "top-k",
+                    "hidden-size",
+                    "num-heads",
+                    "num-kv-heads",
+                    "head-dim",
+                    "tie-embeddings",
                 )
             },
             "torch_version": torch.__version__,
