@@ -45,13 +45,13 @@ def run(command: list[str]) -> str:
     return text
 
 
-def calibration_text(path: Path, tokens: int) -> int:
-    """The windows ``quantize --calib-tokens tokens --seq-len CTX`` draws (seed 0), decoded and joined."""
+def calibration_text(path: Path, tokens: int, model_name: str = MODEL) -> int:
+    """The windows ``quantize model_name --calib-tokens tokens --seq-len CTX`` draws (seed 0), decoded and joined."""
     from moecompress.checkpoint import resolve_model
     from moecompress.loading import load_adapter, load_tokenizer
     from moecompress.passes.prune_experts import calibration_batches
 
-    model = resolve_model(MODEL)
+    model = resolve_model(model_name)
     batches, _, _ = calibration_batches(load_adapter(model), model, "builtin:prose", tokens, CTX, 8, 0, 224)
     tokenizer = load_tokenizer(model)
     windows = [row.tolist() for batch in batches for row in batch["input_ids"]]
