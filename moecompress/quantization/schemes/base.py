@@ -90,6 +90,33 @@ class SchemeKind:
         """Per-group grids ``[..., 1, 1]`` in column order → one grid ``[..., groups, 1]`` (GPTQ)."""
         return torch.cat(grids, dim=-2)
 
+    # ---- GPTQ's sweep (:func:`~moecompress.quantization.gptq.gptq_quantize`) -----------------------------------
+    def gptq_width(self, scheme: QuantScheme, cols: int) -> int:
+        """The columns that share one grid, fitted when GPTQ's sweep reaches the first of them."""
+        return scheme.group_size
+
+    def gptq_fit(
+        self, scheme: QuantScheme, block: torch.Tensor, exclude: torch.Tensor | None, importance: torch.Tensor
+    ) -> Grid:
+        """The grid of ``block`` ``[..., rows, width]`` (the weights as corrected so far) without the weights
+        ``exclude`` marks; ``importance`` ``[..., 1, width]`` (the Hessian diagonal) is for grids fitted by a
+        weighted error."""
+        return scheme.fit(block.unsqueeze(-2), None if exclude is None else exclude.unsqueeze(-2))
+
+    def gptq_round(
+        self, scheme: QuantScheme, column: torch.Tensor, grid: Grid, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 codes and float32 values of ``column`` ``[..., rows]``, column ``index`` of ``grid``'s block."""
+        codes = scheme.codes(column[..., None, None], grid)
+        return codes.reshape(column.shape), scheme.values(codes, grid).reshape(column.shape)
+
+    def gptq_pack(
+        self, scheme: QuantScheme, codes: torch.Tensor, grids: list[Grid]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(packed, scales, zeros) of GPTQ's ``codes`` ``[..., cols]`` and its grids in column order; None: codes
+        on a grid, packed by :meth:`QuantScheme.pack`."""
+        return None
+
     # ---- whole tensors ---------------------------------------------------------------------------------------
     def quantize_fast(self, scheme: QuantScheme, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed, scales) by a fused kernel, bit-identical to the three steps; None where there is none."""

@@ -2,11 +2,11 @@
 blocks llama.cpp falls back to for rows whose width is not a multiple of 256 (``Q4_0``, ``Q5_0``, ``Q5_1``,
 ``Q8_0``), and ``IQ4_NL``.
 
-Each format is a list of fields in GGML's order. Fitting (:func:`encode`) works on float32 blocks ``[n, block]``
-with per-weight importance ``[n, block]``; the sub-block scales and mins are fitted by weighted least squares over
-a few candidate steps, quantised to the format's scale bits against the fp16 super-block scales, and the codes
-are then rounded against exactly the values the decoder computes. :func:`decode` is the float32 arithmetic of
-``gguf.quants`` in the same order, so both give the same bits.
+Each format is a list of fields in GGML's order. Fitting works on float32 blocks ``[n, block]`` with per-weight
+importance ``[n, block]``; the sub-block scales and mins are fitted by weighted least squares over a few candidate
+steps, quantised to the format's scale bits against the fp16 super-block scales, and the codes are then rounded
+against exactly the values the decoder computes (all at once in :meth:`BlockFormat.encode`, or column by column
+in GPTQ). Decoding is the float32 arithmetic of ``gguf.quants`` in the same order, so both give the same bits.
 """
 
 from __future__ import annotations
@@ -20,16 +20,33 @@ QK_K = 256
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
+Fit = Callable[[torch.Tensor, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]]
+Rounding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """``fields``: (name, bytes, part) in GGML's order; ``part`` ``q`` (quants: our packed tensor) or ``s``
-    (scales: our scales tensor)."""
+    (scales: our scales tensor). A block is sub-blocks of ``sub`` weights, each with a decoded step (and offset):
+
+    - ``fit(x, w)``: blocks ``[n, block]`` and their importance → the scale fields and the steps and offsets
+      ``[n, block // sub]`` (offsets None where the format has none) they decode to;
+    - ``grid(fields)``: the steps and offsets stored scale fields decode to;
+    - ``codes(x, step, offset)`` / ``values(codes, step, offset)``: rounding to unsigned codes and the decoder's
+      float32 values, elementwise (broadcast), so GPTQ can round one column at a time;
+    - ``pack(codes)`` / ``unpack(fields)``: codes ``[n, block]`` ↔ the quant fields.
+    """
 
     name: str
     block: int
+    sub: int
     fields: tuple[tuple[str, int, str], ...]
-    encode: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
-    decode: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    fit: Fit
+    grid: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor | None]]
+    codes: Rounding
+    values: Rounding
+    pack: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    unpack: Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
     def part_bytes(self, part: str) -> int:
         return sum(size for _, size, kind in self.fields if kind == part)
@@ -37,6 +54,24 @@ class BlockFormat:
     @property
     def block_bytes(self) -> int:
         return sum(size for _, size, _ in self.fields)
+
+    def encode(self, x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every field of the blocks ``x`` ``[n, block]`` fitted with importance ``w``."""
+        scale_fields, step, offset = self.fit(x, w)
+        q = self.codes(self._subblocks(x), *_per_subblock(step, offset))
+        return {**scale_fields, **self.pack(q.reshape(x.shape[0], self.block))}
+
+    def decode(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        q = self.unpack(fields)
+        values = self.values(self._subblocks(q), *_per_subblock(*self.grid(fields)))
+        return values.reshape(q.shape[0], self.block)
+
+    def _subblocks(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], self.block // self.sub, self.sub)
+
+
+def _per_subblock(step: torch.Tensor, offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return step.unsqueeze(-1), None if offset is None else offset.unsqueeze(-1)
 
 
 # ---- bytes ----------------------------------------------------------------------------------------------------
@@ -145,14 +180,49 @@ def _signed_super_scale(scales: torch.Tensor, low: int, high: int) -> tuple[torc
     return d, torch.where(stored != 0, steps, torch.zeros_like(steps))
 
 
-def _affine_codes(x: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor, levels: int) -> torch.Tensor:
-    safe = torch.where(dl > 0, dl, torch.ones_like(dl))
-    return torch.where(dl > 0, torch.round((x + ml) / safe).clamp(0, levels), torch.zeros_like(x)).to(torch.uint8)
+# ---- the formats' pieces ----------------------------------------------------------------------------------------
+def _affine(levels: int) -> tuple[Callable, Callable]:
+    """Rounding to codes ``0..levels`` and the values ``step·q - offset`` (code 0 where the step is 0)."""
+
+    def codes(x: torch.Tensor, step: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        rounded = torch.round((x + offset) / safe).clamp(0, levels)
+        return torch.where(step > 0, rounded, torch.zeros_like(rounded)).to(torch.uint8)
+
+    def values(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        return step * q.float() - offset
+
+    return codes, values
 
 
-def _signed_codes(x: torch.Tensor, dl: torch.Tensor, low: int, high: int) -> torch.Tensor:
-    safe = torch.where(dl != 0, dl, torch.ones_like(dl))
-    return torch.where(dl != 0, torch.round(x / safe).clamp(low, high), torch.zeros_like(x))
+def _signed(low: int, high: int, zero: int | None = None) -> tuple[Callable, Callable]:
+    """Rounding of ``x ≈ step·k``, ``k`` in ``low..high`` (0 where the step is 0), to codes ``k + zero`` (default
+    ``-low``), and the values ``step·(code - zero)``."""
+    zero = -low if zero is None else zero
+
+    def codes(x: torch.Tensor, step: torch.Tensor, offset: None = None) -> torch.Tensor:
+        safe = torch.where(step != 0, step, torch.ones_like(step))
+        rounded = torch.round(x / safe).clamp(low, high)
+        return (torch.where(step != 0, rounded, torch.zeros_like(rounded)) + zero).to(torch.uint8)
+
+    def values(q: torch.Tensor, step: torch.Tensor, offset: None = None) -> torch.Tensor:
+        return step * (q.float() - zero)
+
+    return codes, values
+
+
+def _d_only(fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, None]:
+    return _fp16(fields["d"]), None
+
+
+def _fit_symmetric_block(nmax: int) -> Callable:
+    """A 32-weight block's fp16 ``d`` (Q4_0, Q5_0)."""
+
+    def fit(x: torch.Tensor, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, None]:
+        d = _fp16_bytes(_fit_symmetric(x, w, nmax))
+        return {"d": d}, _fp16(d), None
+
+    return fit
 
 
 # ---- Q4_K / Q5_K: 8 sub-blocks of 32, 6-bit scales and mins ---------------------------------------------------
@@ -171,24 +241,20 @@ def _unpack_scale_min(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def _fit_k_affine(x: torch.Tensor, w: torch.Tensor, bits: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    n = x.shape[0]
-    xs, ws = x.reshape(n, 8, 32), w.reshape(n, 8, 32)
-    scale, minimum = _fit_affine(xs, ws, (1 << bits) - 1)
-    d, sc = _super_scale(scale, 63)
-    dmin, m = _super_scale(minimum, 63)
-    dl = (_fp16(d) * sc).unsqueeze(-1)
-    ml = (_fp16(dmin) * m).unsqueeze(-1)
-    q = _affine_codes(xs, dl, ml, (1 << bits) - 1).reshape(n, 256)
-    return {"d": d, "dmin": dmin, "scales": _pack_scale_min(sc, m)}, q
+def _fit_k_affine(bits: int) -> Callable:
+    def fit(x: torch.Tensor, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        scale, minimum = _fit_affine(x.reshape(n, 8, 32), w.reshape(n, 8, 32), (1 << bits) - 1)
+        d, sc = _super_scale(scale, 63)
+        dmin, m = _super_scale(minimum, 63)
+        return {"d": d, "dmin": dmin, "scales": _pack_scale_min(sc, m)}, _fp16(d) * sc, _fp16(dmin) * m
+
+    return fit
 
 
-def _k_affine_values(fields: dict[str, torch.Tensor], q: torch.Tensor) -> torch.Tensor:
-    n = q.shape[0]
+def _k_affine_grid(fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     sc, m = _unpack_scale_min(fields["scales"])
-    dl = (_fp16(fields["d"]) * sc).reshape(n, 8, 1)
-    ml = (_fp16(fields["dmin"]) * m).reshape(n, 8, 1)
-    return (dl * q.reshape(n, 8, 32).float() - ml).reshape(n, 256)
+    return _fp16(fields["d"]) * sc, _fp16(fields["dmin"]) * m
 
 
 def _low_nibbles_64(q: torch.Tensor) -> torch.Tensor:
@@ -202,24 +268,20 @@ def _from_low_nibbles_64(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([grouped & 15, grouped >> 4], dim=2).reshape(raw.shape[0], 256)
 
 
-def encode_q4_k(x, w):
-    fields, q = _fit_k_affine(x, w, 4)
-    return {**fields, "qs": _low_nibbles_64(q)}
+def _pack_q4_k(q):
+    return {"qs": _low_nibbles_64(q)}
 
 
-def decode_q4_k(fields):
-    return _k_affine_values(fields, _from_low_nibbles_64(fields["qs"]))
+def _unpack_q4_k(fields):
+    return _from_low_nibbles_64(fields["qs"])
 
 
-def encode_q5_k(x, w):
-    fields, q = _fit_k_affine(x, w, 5)
-    qh = _bit_planes((q >> 4).reshape(q.shape[0], 8, 32), 8)
-    return {**fields, "qh": qh, "qs": _low_nibbles_64(q & 15)}
+def _pack_q5_k(q):
+    return {"qh": _bit_planes((q >> 4).reshape(q.shape[0], 8, 32), 8), "qs": _low_nibbles_64(q & 15)}
 
 
-def decode_q5_k(fields):
-    high = _planes(fields["qh"], 8).reshape(-1, 256)
-    return _k_affine_values(fields, _from_low_nibbles_64(fields["qs"]) | (high << 4))
+def _unpack_q5_k(fields):
+    return _from_low_nibbles_64(fields["qs"]) | (_planes(fields["qh"], 8).reshape(-1, 256) << 4)
 
 
 # ---- Q2_K: 16 sub-blocks of 16, 4-bit scales and mins -----------------------------------------------------------
@@ -234,25 +296,25 @@ def _from_quarters_128(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([_planes(raw[:, 32 * h : 32 * (h + 1)], 4).reshape(n, 128) for h in range(2)], dim=1)
 
 
-def encode_q2_k(x, w):
+def _fit_q2_k(x, w):
     n = x.shape[0]
-    xs, ws = x.reshape(n, 16, 16), w.reshape(n, 16, 16)
-    scale, minimum = _fit_affine(xs, ws, 3)
+    scale, minimum = _fit_affine(x.reshape(n, 16, 16), w.reshape(n, 16, 16), 3)
     d, sc = _super_scale(scale, 15)
     dmin, m = _super_scale(minimum, 15)
-    dl = (_fp16(d) * sc).unsqueeze(-1)
-    ml = (_fp16(dmin) * m).unsqueeze(-1)
-    q = _affine_codes(xs, dl, ml, 3).reshape(n, 256)
-    return {"scales": _nibbles(sc, m), "qs": _quarters_128(q), "d": d, "dmin": dmin}
+    return {"scales": _nibbles(sc, m), "d": d, "dmin": dmin}, _fp16(d) * sc, _fp16(dmin) * m
 
 
-def decode_q2_k(fields):
+def _q2_k_grid(fields):
     raw = fields["scales"]
-    n = raw.shape[0]
-    dl = (_fp16(fields["d"]) * (raw & 15).float()).reshape(n, 16, 1)
-    ml = (_fp16(fields["dmin"]) * (raw >> 4).float()).reshape(n, 16, 1)
-    q = _from_quarters_128(fields["qs"]).reshape(n, 16, 16).float()
-    return (dl * q - ml).reshape(n, 256)
+    return _fp16(fields["d"]) * (raw & 15).float(), _fp16(fields["dmin"]) * (raw >> 4).float()
+
+
+def _pack_q2_k(q):
+    return {"qs": _quarters_128(q)}
+
+
+def _unpack_q2_k(fields):
+    return _from_quarters_128(fields["qs"])
 
 
 # ---- Q3_K: 16 sub-blocks of 16, signed 6-bit scales, codes -4..3 -----------------------------------------------
@@ -271,44 +333,50 @@ def _unpack_q3_scales(raw: torch.Tensor) -> torch.Tensor:
     return ((low | (high << 4)).to(torch.int8) - 32).float()
 
 
-def encode_q3_k(x, w):
+def _fit_q3_k(x, w):
     n = x.shape[0]
-    xs, ws = x.reshape(n, 16, 16), w.reshape(n, 16, 16)
-    d, steps = _signed_super_scale(_fit_symmetric(xs, ws, 4), -32, 31)
-    dl = (_fp16(d) * steps).unsqueeze(-1)
-    q = (_signed_codes(xs, dl, -4, 3) + 4).to(torch.uint8).reshape(n, 256)
-    hmask = _bit_planes((q >> 2).reshape(n, 8, 32), 8)
-    return {"hmask": hmask, "qs": _quarters_128(q & 3), "scales": _pack_q3_scales(steps), "d": d}
+    d, steps = _signed_super_scale(_fit_symmetric(x.reshape(n, 16, 16), w.reshape(n, 16, 16), 4), -32, 31)
+    return {"scales": _pack_q3_scales(steps), "d": d}, _fp16(d) * steps, None
 
 
-def decode_q3_k(fields):
-    n = fields["d"].shape[0]
-    dl = (_fp16(fields["d"]) * _unpack_q3_scales(fields["scales"])).reshape(n, 16, 1)
-    high = _planes(fields["hmask"], 8).reshape(n, 256)
-    q = (_from_quarters_128(fields["qs"]).to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)).float()
-    return (dl * q.reshape(n, 16, 16)).reshape(n, 256)
+def _q3_k_grid(fields):
+    return _fp16(fields["d"]) * _unpack_q3_scales(fields["scales"]), None
+
+
+def _pack_q3_k(q):
+    """Codes ``0..7`` (``k + 4``): the low two bits in ``qs``, the third in ``hmask``."""
+    return {"hmask": _bit_planes((q >> 2).reshape(q.shape[0], 8, 32), 8), "qs": _quarters_128(q & 3)}
+
+
+def _unpack_q3_k(fields):
+    return _from_quarters_128(fields["qs"]) | (_planes(fields["hmask"], 8).reshape(-1, 256) << 2)
 
 
 # ---- Q6_K: 16 sub-blocks of 16, int8 scales, codes -32..31 ------------------------------------------------------
-def encode_q6_k(x, w):
+def _fit_q6_k(x, w):
     n = x.shape[0]
-    xs, ws = x.reshape(n, 16, 16), w.reshape(n, 16, 16)
-    d, steps = _signed_super_scale(_fit_symmetric(xs, ws, 32), -128, 127)
-    dl = (_fp16(d) * steps).unsqueeze(-1)
-    q = (_signed_codes(xs, dl, -32, 31) + 32).to(torch.uint8).reshape(n, 2, 2, 64)
+    d, steps = _signed_super_scale(_fit_symmetric(x.reshape(n, 16, 16), w.reshape(n, 16, 16), 32), -128, 127)
+    return {"scales": steps.to(torch.int8).view(torch.uint8), "d": d}, _fp16(d) * steps, None
+
+
+def _q6_k_grid(fields):
+    return _fp16(fields["d"]) * fields["scales"].view(torch.int8).float(), None
+
+
+def _pack_q6_k(q):
+    n = q.shape[0]
+    q = q.reshape(n, 2, 2, 64)
     ql = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(n, 128)
     qh = torch.cat([_bit_planes((q[:, h].reshape(n, 4, 32) >> 4), 4) for h in range(2)], dim=1)
-    return {"ql": ql, "qh": qh, "scales": steps.to(torch.int8).view(torch.uint8), "d": d}
+    return {"ql": ql, "qh": qh}
 
 
-def decode_q6_k(fields):
-    n = fields["d"].shape[0]
+def _unpack_q6_k(fields):
+    n = fields["ql"].shape[0]
     ql = fields["ql"].reshape(n, 2, 1, 64)
     low = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 2, 128)
     high = torch.stack([_planes(fields["qh"][:, 32 * h : 32 * (h + 1)], 4).reshape(n, 128) for h in range(2)], 1)
-    q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)
-    dl = (_fp16(fields["d"]) * fields["scales"].view(torch.int8).float()).reshape(n, 16, 1)
-    return (dl * q).reshape(n, 256)
+    return (low | (high << 4)).reshape(n, 256)
 
 
 # ---- 32-weight fallbacks ----------------------------------------------------------------------------------------
@@ -329,54 +397,50 @@ def _from_qh_32(raw: torch.Tensor) -> torch.Tensor:
     return _planes(raw, 8).transpose(1, 2).reshape(raw.shape[0], 32)
 
 
-def encode_q4_0(x, w):
-    d = _fp16_bytes(_fit_symmetric(x, w, 8))
-    q = (_signed_codes(x, _fp16(d), -8, 7) + 8).to(torch.uint8)
-    return {"d": d, "qs": _halves_32(q)}
+def _pack_nibbles_32(q):
+    return {"qs": _halves_32(q)}
 
 
-def decode_q4_0(fields):
-    q = _from_halves_32(fields["qs"]).to(torch.int8) - 8
-    return _fp16(fields["d"]) * q.float()
+def _unpack_nibbles_32(fields):
+    return _from_halves_32(fields["qs"])
 
 
-def encode_q5_0(x, w):
-    d = _fp16_bytes(_fit_symmetric(x, w, 16))
-    q = (_signed_codes(x, _fp16(d), -16, 15) + 16).to(torch.uint8)
-    return {"d": d, "qh": _qh_32(q >> 4), "qs": _halves_32(q)}
+def _pack_five_bits_32(q):
+    return {"qh": _qh_32(q >> 4), "qs": _halves_32(q)}
 
 
-def decode_q5_0(fields):
-    q = (_from_halves_32(fields["qs"]) | (_from_qh_32(fields["qh"]) << 4)).to(torch.int8) - 16
-    return _fp16(fields["d"]) * q.float()
+def _unpack_five_bits_32(fields):
+    return _from_halves_32(fields["qs"]) | (_from_qh_32(fields["qh"]) << 4)
 
 
-def encode_q5_1(x, w):
+def _fit_q5_1(x, w):
     scale, minimum = _fit_affine(x, w, 31)
     d, m = _fp16_bytes(scale), _fp16_bytes(-minimum)
-    q = _affine_codes(x, _fp16(d), -_fp16(m), 31)
-    return {"d": d, "m": m, "qh": _qh_32(q >> 4), "qs": _halves_32(q)}
+    return {"d": d, "m": m}, _fp16(d), -_fp16(m)
 
 
-def decode_q5_1(fields):
-    q = (_from_halves_32(fields["qs"]) | (_from_qh_32(fields["qh"]) << 4)).float()
-    return _fp16(fields["d"]) * q + _fp16(fields["m"])
+def _q5_1_grid(fields):
+    return _fp16(fields["d"]), -_fp16(fields["m"])
 
 
-def encode_q8_0(x, w):
+def _fit_q8_0(x, w):
     d = _fp16_bytes(x.abs().amax(dim=-1) / 127)
-    q = _signed_codes(x, _fp16(d), -127, 127).to(torch.int8)
-    return {"d": d, "qs": q.view(torch.uint8)}
+    return {"d": d}, _fp16(d), None
 
 
-def decode_q8_0(fields):
-    return fields["qs"].view(torch.int8).float() * _fp16(fields["d"])
+def _pack_q8_0(q):
+    """Codes ``k + 128`` → GGML's int8 ``k`` (flipping the top bit is the two's complement)."""
+    return {"qs": q ^ 128}
+
+
+def _unpack_q8_0(fields):
+    return fields["qs"] ^ 128
 
 
 _IQ4 = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
 
 
-def encode_iq4_nl(x, w):
+def _fit_iq4_nl(x, w):
     """Per block, ``d`` from the weighted least squares of the nearest table entries over candidate ``d``s."""
     index = x.abs().argmax(dim=-1, keepdim=True)
     peak = x.gather(-1, index)
@@ -384,16 +448,14 @@ def encode_iq4_nl(x, w):
     best_score = torch.full_like(best_d, -1.0)
     for step in range(-7, 8):
         d = peak / (_IQ4[0] + 0.5 * step)
-        q = _nearest_iq4(x, d)
-        values = _IQ4[q]
+        values = _IQ4[_nearest_iq4(x, d)]
         sxl, sl2 = (w * x * values).sum(-1, keepdim=True), (w * values * values).sum(-1, keepdim=True)
         score = sxl * sxl / sl2.clamp_min(1e-30)
         better = score > best_score
         best_d = torch.where(better, sxl / sl2.clamp_min(1e-30), best_d)
         best_score = torch.where(better, score, best_score)
     d = _fp16_bytes(best_d.squeeze(-1))
-    q = _nearest_iq4(x, _fp16(d))
-    return {"d": d, "qs": _halves_32(q.to(torch.uint8))}
+    return {"d": d}, _fp16(d), None
 
 
 def _nearest_iq4(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -401,58 +463,136 @@ def _nearest_iq4(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return ((x / safe).unsqueeze(-1) - _IQ4).abs().argmin(dim=-1)
 
 
-def decode_iq4_nl(fields):
-    q = _from_halves_32(fields["qs"]).long()
-    return _fp16(fields["d"]) * _IQ4[q]
+def _iq4_codes(x: torch.Tensor, step: torch.Tensor, offset: None = None) -> torch.Tensor:
+    return _nearest_iq4(x, step).to(torch.uint8)
 
 
+def _iq4_values(q: torch.Tensor, step: torch.Tensor, offset: None = None) -> torch.Tensor:
+    return step * _IQ4[q.long()]
+
+
+_K_AFFINE_SCALES = (("d", 2, "s"), ("dmin", 2, "s"), ("scales", 12, "s"))
 FORMATS = {
     f.name: f
     for f in (
         BlockFormat(
             "Q2_K",
             QK_K,
+            16,
             (("scales", 16, "s"), ("qs", 64, "q"), ("d", 2, "s"), ("dmin", 2, "s")),
-            encode_q2_k,
-            decode_q2_k,
+            _fit_q2_k,
+            _q2_k_grid,
+            *_affine(3),
+            _pack_q2_k,
+            _unpack_q2_k,
         ),
         BlockFormat(
             "Q3_K",
             QK_K,
+            16,
             (("hmask", 32, "q"), ("qs", 64, "q"), ("scales", 12, "s"), ("d", 2, "s")),
-            encode_q3_k,
-            decode_q3_k,
+            _fit_q3_k,
+            _q3_k_grid,
+            *_signed(-4, 3),
+            _pack_q3_k,
+            _unpack_q3_k,
         ),
         BlockFormat(
             "Q4_K",
             QK_K,
-            (("d", 2, "s"), ("dmin", 2, "s"), ("scales", 12, "s"), ("qs", 128, "q")),
-            encode_q4_k,
-            decode_q4_k,
+            32,
+            (*_K_AFFINE_SCALES, ("qs", 128, "q")),
+            _fit_k_affine(4),
+            _k_affine_grid,
+            *_affine(15),
+            _pack_q4_k,
+            _unpack_q4_k,
         ),
         BlockFormat(
             "Q5_K",
             QK_K,
-            (("d", 2, "s"), ("dmin", 2, "s"), ("scales", 12, "s"), ("qh", 32, "q"), ("qs", 128, "q")),
-            encode_q5_k,
-            decode_q5_k,
+            32,
+            (*_K_AFFINE_SCALES, ("qh", 32, "q"), ("qs", 128, "q")),
+            _fit_k_affine(5),
+            _k_affine_grid,
+            *_affine(31),
+            _pack_q5_k,
+            _unpack_q5_k,
         ),
         BlockFormat(
             "Q6_K",
             QK_K,
+            16,
             (("ql", 128, "q"), ("qh", 64, "q"), ("scales", 16, "s"), ("d", 2, "s")),
-            encode_q6_k,
-            decode_q6_k,
+            _fit_q6_k,
+            _q6_k_grid,
+            *_signed(-32, 31),
+            _pack_q6_k,
+            _unpack_q6_k,
         ),
-        BlockFormat("Q4_0", 32, (("d", 2, "s"), ("qs", 16, "q")), encode_q4_0, decode_q4_0),
-        BlockFormat("Q5_0", 32, (("d", 2, "s"), ("qh", 4, "q"), ("qs", 16, "q")), encode_q5_0, decode_q5_0),
         BlockFormat(
-            "Q5_1", 32, (("d", 2, "s"), ("m", 2, "s"), ("qh", 4, "q"), ("qs", 16, "q")), encode_q5_1, decode_q5_1
+            "Q4_0",
+            32,
+            32,
+            (("d", 2, "s"), ("qs", 16, "q")),
+            _fit_symmetric_block(8),
+            _d_only,
+            *_signed(-8, 7),
+            _pack_nibbles_32,
+            _unpack_nibbles_32,
         ),
-        BlockFormat("Q8_0", 32, (("d", 2, "s"), ("qs", 32, "q")), encode_q8_0, decode_q8_0),
-        BlockFormat("IQ4_NL", 32, (("d", 2, "s"), ("qs", 16, "q")), encode_iq4_nl, decode_iq4_nl),
+        BlockFormat(
+            "Q5_0",
+            32,
+            32,
+            (("d", 2, "s"), ("qh", 4, "q"), ("qs", 16, "q")),
+            _fit_symmetric_block(16),
+            _d_only,
+            *_signed(-16, 15),
+            _pack_five_bits_32,
+            _unpack_five_bits_32,
+        ),
+        BlockFormat(
+            "Q5_1",
+            32,
+            32,
+            (("d", 2, "s"), ("m", 2, "s"), ("qh", 4, "q"), ("qs", 16, "q")),
+            _fit_q5_1,
+            _q5_1_grid,
+            *_affine(31),
+            _pack_five_bits_32,
+            _unpack_five_bits_32,
+        ),
+        BlockFormat(
+            "Q8_0",
+            32,
+            32,
+            (("d", 2, "s"), ("qs", 32, "q")),
+            _fit_q8_0,
+            _d_only,
+            *_signed(-127, 127, 128),
+            _pack_q8_0,
+            _unpack_q8_0,
+        ),
+        BlockFormat(
+            "IQ4_NL",
+            32,
+            32,
+            (("d", 2, "s"), ("qs", 16, "q")),
+            _fit_iq4_nl,
+            _d_only,
+            _iq4_codes,
+            _iq4_values,
+            _pack_nibbles_32,
+            _unpack_nibbles_32,
+        ),
     )
 }
+
+
+def join(fmt: BlockFormat, fields: dict[str, torch.Tensor], part: str) -> torch.Tensor:
+    """The fields of one part (``q`` or ``s``) ``[n, bytes]`` side by side in GGML's order."""
+    return torch.cat([fields[name] for name, _, kind in fmt.fields if kind == part], dim=1)
 
 
 def split(fmt: BlockFormat, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

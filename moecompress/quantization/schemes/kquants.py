@@ -7,19 +7,34 @@ Rows whose width is not a multiple of 256 take the type llama.cpp's quantiser it
 Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, all 32-weight blocks (earlier llama.cpp took IQ4_NL for Q2_K and
 Q3_K). llama.cpp writes F16 where the width is not even a multiple of 32; that width is refused here.
 
-Rounding is RTN; with calibration (``importance``: the routed tokens' input second moments per column, GPTQ's
-Hessian diagonal) each sub-block's scale and min minimise the importance-weighted error. GPTQ does not fit these
-grids column by column (``gptq = False``): a calibrated run uses the importance-weighted RTN.
+RTN rounds every weight against the fields fitted to the block; with calibration (``importance``: the routed
+tokens' input second moments per column, GPTQ's Hessian diagonal) each sub-block's scale and min minimise the
+importance-weighted error. GPTQ fits a block's fields the same way (the Hessian diagonal as importance) when its
+sweep reaches the block's first column, on the weights as corrected so far, then rounds each column against the
+sub-block's decoded scale and min, the values GGML reconstructs, and spreads the error.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import SchemeKind, register
-from .ggml_blocks import FORMATS, QK_K, BlockFormat, fields_of, ggml_bytes, split
+from .ggml_blocks import FORMATS, QK_K, BlockFormat, fields_of, ggml_bytes, join, split
 
 FALLBACK_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class BlockGrid:
+    """One block column's fitted fields for GPTQ: the scale fields ``[..., rows, bytes]`` as stored and each
+    sub-block's decoded step and offset ``[..., rows, sub-blocks]``."""
+
+    fmt: BlockFormat
+    scales: torch.Tensor
+    step: torch.Tensor
+    offset: torch.Tensor | None
 
 
 class KQuant(SchemeKind):
@@ -29,7 +44,6 @@ class KQuant(SchemeKind):
     default_group_size = QK_K
     fixed_group_size = QK_K
     scale_dtype = torch.uint8
-    gptq = False
 
     def check(self, scheme) -> None:
         if scheme.group_size != QK_K:
@@ -84,6 +98,39 @@ class KQuant(SchemeKind):
         quants, scales = split(fmt, fmt.encode(x, w))
         rows = [*lead, -1]
         return quants.reshape(rows), scales.reshape(rows), None
+
+    def gptq_width(self, scheme, cols):
+        problem = self.width_problem(scheme, cols)
+        if problem:
+            raise ValueError(problem)
+        return self.block_format(cols).block
+
+    def gptq_fit(self, scheme, block, exclude, importance):
+        *lead, width = block.shape
+        fmt = self.block_format(width)
+        w = importance.float().expand(block.shape)
+        if exclude is not None:
+            w = torch.where(exclude, torch.zeros((), dtype=torch.float32), w)
+        scale_fields, step, offset = fmt.fit(block.reshape(-1, width), w.reshape(-1, width))
+        return BlockGrid(
+            fmt,
+            join(fmt, scale_fields, "s").reshape(*lead, -1),
+            step.reshape(*lead, -1),
+            None if offset is None else offset.reshape(*lead, -1),
+        )
+
+    def gptq_round(self, scheme, column, grid, index):
+        sub = index // grid.fmt.sub
+        step = grid.step[..., sub]
+        offset = None if grid.offset is None else grid.offset[..., sub]
+        codes = grid.fmt.codes(column, step, offset)
+        return codes, grid.fmt.values(codes, step, offset)
+
+    def gptq_pack(self, scheme, codes, grids):
+        *lead, cols = codes.shape
+        fmt = self.block_format(cols)
+        quants = join(fmt, fmt.pack(codes.reshape(-1, fmt.block)), "q").reshape(*lead, -1)
+        return quants, torch.cat([grid.scales for grid in grids], dim=-1), None
 
     def dequantize(self, q, dtype):
         cols = q.shape[-1]
