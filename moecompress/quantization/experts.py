@@ -189,7 +189,8 @@ def quantize_experts_calibrated(
             projected = projected + moe.gate_up_bias[expert].float()
         activations.append(adapter.expert_hidden(projected, moe.intermediate_size))
     down = _quantize_matrix(moe.down, activations, scheme, use, damp, block_size)
-    stats: dict = {"method": method, "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True))}
+    ran = method if method == "rtn" or scheme.kind.gptq else "importance-weighted rtn"
+    stats: dict = {"method": ran, "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True))}
     if use is not None:
         stats["rtn_fallback"] = [eid for eid, used in zip(moe.expert_ids, use, strict=True) if not used]
     if scheme.salient_fraction:
