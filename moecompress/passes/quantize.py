@@ -98,8 +98,8 @@ class QuantizeConfig:
             "mxfp4: OCP MXFP4 (E2M1, 32-wide E8M0 blocks); int4/int2: group-wise integers; w4a8: int4 weights with "
             "int8 per-token activations at inference; binary: sign bits with a bf16 scale per group (use with "
             "--salient-fraction); q2_k..q6_k: GGML k-quants (256-weight super-blocks stored as GGML's bytes; other "
-            "widths take llama.cpp's fallback: Q4_0 for q2_k/q3_k, Q5_0, Q5_1, Q8_0 for q4_k, q5_k, q6_k; gptq "
-            "calibrates them as importance-weighted RTN).",
+            "widths take llama.cpp's fallback: Q4_0 for q2_k/q3_k, Q5_0, Q5_1, Q8_0 for q4_k, q5_k, q6_k; gptq fits "
+            "each block's GGML scales and mins on the weights as corrected so far, then rounds column by column).",
             choices=SCHEMES,
         ),
     )
