@@ -91,7 +91,7 @@ def _bit_planes(bits: torch.Tensor, planes: int) -> torch.Tensor:
     """``bits`` ``[n, planes, k]`` of ``width = 8 / planes`` bits each → bytes ``[n, k]``, plane ``p`` at bit
     ``p·width``."""
     width = 8 // planes
-    out = torch.zeros(bits.shape[0], bits.shape[2], dtype=torch.uint8)
+    out = torch.zeros(bits.shape[0], bits.shape[2], dtype=torch.uint8, device=bits.device)
     for plane in range(planes):
         out |= (bits[:, plane].to(torch.uint8) & ((1 << width) - 1)) << (plane * width)
     return out
@@ -448,7 +448,7 @@ def _fit_iq4_nl(x, w):
     best_score = torch.full_like(best_d, -1.0)
     for step in range(-7, 8):
         d = peak / (_IQ4[0] + 0.5 * step)
-        values = _IQ4[_nearest_iq4(x, d)]
+        values = _IQ4.to(x.device)[_nearest_iq4(x, d)]
         sxl, sl2 = (w * x * values).sum(-1, keepdim=True), (w * values * values).sum(-1, keepdim=True)
         score = sxl * sxl / sl2.clamp_min(1e-30)
         better = score > best_score
@@ -460,7 +460,7 @@ def _fit_iq4_nl(x, w):
 
 def _nearest_iq4(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     safe = torch.where(d != 0, d, torch.ones_like(d))
-    return ((x / safe).unsqueeze(-1) - _IQ4).abs().argmin(dim=-1)
+    return ((x / safe).unsqueeze(-1) - _IQ4.to(x.device)).abs().argmin(dim=-1)
 
 
 def _iq4_codes(x: torch.Tensor, step: torch.Tensor, offset: None = None) -> torch.Tensor:
@@ -468,7 +468,7 @@ def _iq4_codes(x: torch.Tensor, step: torch.Tensor, offset: None = None) -> torc
 
 
 def _iq4_values(q: torch.Tensor, step: torch.Tensor, offset: None = None) -> torch.Tensor:
-    return step * _IQ4[q.long()]
+    return step * _IQ4.to(step.device)[q.long()]
 
 
 _K_AFFINE_SCALES = (("d", 2, "s"), ("dmin", 2, "s"), ("scales", 12, "s"))
