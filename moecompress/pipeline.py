@@ -288,6 +288,8 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
                 keep_tensors=True,
                 progress=context.progress,
             )
+            for layer_pass in passes:
+                layer_pass.attach_sweep(sweep)
             for capture in sweep.run(state, label="rewriting"):
                 block = write.layer(capture.layer, capture.moe, capture.rest, capture.layout, capture)
                 capture.replacement = capture.allowed = capture.router = None

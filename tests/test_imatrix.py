@@ -25,7 +25,7 @@ from moecompress.export.llama_cpp import find_converter
 from moecompress.loading import load_adapter
 from moecompress.passes.prune_experts import calibration_batches
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+from moecompress.synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
 
 BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
 TOKENS, SEQ_LEN = 512, 128
@@ -42,25 +42,46 @@ def _read(path: Path) -> tuple[dict, dict]:
 def _expected(model_dir: Path, shared: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per tensor name, (sums, counts) from the stock model's forward of the calibration windows: each MoE block's
     input captured by a hook, routed by its own router (softmax, top-k), the experts' intermediate activation
-    computed from its own weights."""
+    computed from its own weights; every other matrix's input (attention, shared expert, dense MLP) captured by a
+    forward pre-hook on its module, and the output head's input by a hook on the final norm (untied heads only)."""
     adapter = load_adapter(model_dir)
     batches, _, _ = calibration_batches(adapter, model_dir, "builtin:prose", TOKENS, SEQ_LEN, 8, 0, 224)
     model = load_stock(model_dir, torch.float32)
     inputs: dict[int, list[torch.Tensor]] = {}
-    handles = [
-        layer.mlp.register_forward_hook(lambda m, a, o, i=i: inputs.setdefault(i, []).append(a[0].flatten(0, 1)))
-        for i, layer in enumerate(model.model.layers)
-    ]
+    matrices: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name: str, rows: torch.Tensor) -> None:
+        matrices.setdefault(name, []).append(rows.reshape(-1, rows.shape[-1]))
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles.append(
+            layer.mlp.register_forward_hook(lambda m, a, o, i=i: inputs.setdefault(i, []).append(a[0].flatten(0, 1)))
+        )
+        modules = {f"attn_{n}": f"self_attn.{n}_proj" for n in ("q", "k", "v")} | {"attn_output": "self_attn.o_proj"}
+        if not hasattr(layer.mlp, "experts"):
+            modules |= {f"ffn_{n}": f"mlp.{n}_proj" for n in ("gate", "up", "down")}
+        elif shared:
+            modules |= {f"ffn_{n}_shexp": f"mlp.shared_expert.{n}_proj" for n in ("gate", "up", "down")}
+            modules["ffn_gate_inp_shexp"] = "mlp.shared_expert_gate"
+        for name, path in modules.items():
+            hook = lambda m, a, name=f"blk.{i}.{name}.weight": keep(name, a[0])  # noqa: E731
+            handles.append(layer.get_submodule(path).register_forward_pre_hook(hook))
+    if not model.config.tie_word_embeddings:
+        handles.append(model.model.norm.register_forward_hook(lambda m, a, o: keep("output.weight", o)))
     for batch in batches:
         model(**batch)
     for handle in handles:
         handle.remove()
-    top_k = model.config.num_experts_per_tok
     expected = {}
+    for name, rows in matrices.items():
+        x = torch.cat(rows).double()
+        expected[name] = (x.pow(2).sum(0).numpy(), np.array([float(x.shape[0])]))
+    top_k = model.config.num_experts_per_tok
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
         if not hasattr(mlp, "experts"):
-            continue  # a dense layer: not covered
+            continue
         x = torch.cat(inputs[i]).double()
         ids = torch.topk(F.linear(x, mlp.gate.weight.double()), top_k, dim=-1).indices
         gate_up, down = mlp.experts.gate_up_proj.double(), mlp.experts.down_proj.double()
@@ -76,8 +97,6 @@ def _expected(model_dir: Path, shared: bool) -> dict[str, tuple[np.ndarray, np.n
         every, tokens = x.pow(2).sum(0).numpy(), np.array([float(x.shape[0])])
         names = {"ffn_gate_exps": (routed, counts), "ffn_up_exps": (routed, counts), "ffn_down_exps": (hidden, counts)}
         names["ffn_gate_inp"] = (every, tokens)
-        if shared:
-            names["ffn_gate_shexp"] = names["ffn_up_shexp"] = (every, tokens)
         expected.update({f"blk.{i}.{name}.weight": value for name, value in names.items()})
     return expected
 
@@ -95,7 +114,7 @@ def _check_values(path: Path, expected: dict) -> None:
         shape, values, kind = tensors[f"{name}.in_sum2"]
         assert kind == gguf.GGMLQuantizationType.F32
         assert shape == list(sums.shape[::-1])  # GGUF's ne order: [width, experts], or [width]
-        np.testing.assert_allclose(values, sums, rtol=2e-4, err_msg=name)
+        np.testing.assert_allclose(values, sums, rtol=1e-4, err_msg=name)
         shape, values, _ = tensors[f"{name}.counts"]
         assert shape == list(counts.shape[::-1])
         np.testing.assert_array_equal(values, counts, err_msg=name)
@@ -106,7 +125,7 @@ def test_routed_sums_and_counts_equal_those_of_the_stock_forward(tmp_path):
     config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
     report = quantize_checkpoint(BUILTIN, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
     expected = _expected(BUILTIN, shared=False)
-    assert len(expected) == 4 * 4
+    assert len(expected) == 4 * 8  # attention q, k, v, output; router; gate, up, down experts (a tied head)
     _check_values(target, expected)
     _, tensors = _read(target)
     assert tensors["blk.0.ffn_gate_exps.weight.in_sum2"][0] == [128, 8]
@@ -136,14 +155,65 @@ def test_gptq_calibration_writes_the_same_first_layer(tmp_path):
     assert not np.array_equal(first[later][1], second[later][1])
 
 
-def test_shared_expert_inputs_are_covered(tmp_path):
-    source = save_tiny_model("qwen2_moe", tmp_path / "qwen2")
+def _qwen2(directory: Path, monkeypatch, dense: list[int]) -> Path:
+    """Tiny Qwen2-MoE (3 layers, a shared expert, an untied head) whose layers ``dense`` are dense MLPs."""
+    monkeypatch.setitem(TINY_CONFIGS["qwen2_moe"], "mlp_only_layers", dense)
+    source = save_tiny_model("qwen2_moe", directory)
     tiny_tokenizer().save_pretrained(source)
+    return source
+
+
+@pytest.mark.parametrize("dense", [[1], [2]])
+def test_shared_expert_dense_layer_and_head_inputs_are_covered(tmp_path, monkeypatch, dense):
+    """The last layer dense: its entries and the head's are collected after the writer's last MoE layer."""
+    source = _qwen2(tmp_path / "qwen2", monkeypatch, dense)
     target = tmp_path / "qwen2.imatrix"
     config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
-    quantize_checkpoint(source, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    report = quantize_checkpoint(source, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
     expected = _expected(source, shared=True)
+    moe = next(layer for layer in range(3) if layer not in dense)
+    for name in (f"blk.{dense[0]}.ffn_down", f"blk.{moe}.ffn_down_shexp", f"blk.{moe}.attn_output", "output"):
+        assert f"{name}.weight" in expected
+    assert len(expected) == 2 * 12 + 7 + 1
     _check_values(target, expected)
+    assert report["imatrix"]["layers"] == [0, 1, 2] and report["imatrix"]["output"]
+
+
+def _converter() -> bool:
+    try:
+        find_converter(None)
+    except UserInputError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _converter(), reason="MOECOMPRESS_LLAMA_CPP names no llama.cpp converter")
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral"])
+def test_entries_are_the_converters_matrices(tmp_path, monkeypatch, family):
+    """Each entry names a matrix of the GGUF llama.cpp's converter writes for the same checkpoint, with its input
+    width (and expert count); every matrix but the token embedding has an entry."""
+    if family == "qwen2_moe":
+        source = _qwen2(tmp_path / family, monkeypatch, [])  # the converter maps no dense layer of qwen2moe
+    else:
+        source = save_tiny_model(family, tmp_path / family)
+        tiny_tokenizer().save_pretrained(source)
+    target = tmp_path / "x.imatrix"
+    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
+    quantize_checkpoint(source, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    model = tmp_path / "bf16.gguf"
+    exported = run_cli("export", str(source), "--format", "gguf", "--out", str(model))
+    assert exported.returncode == 0, exported.stderr
+    _, weights = _read(model)
+    _, entries = _read(target)
+    names = {key.removesuffix(".in_sum2") for key in entries if key.endswith(".in_sum2")}
+    matrices = {name for name, (shape, _, _) in weights.items() if len(shape) >= 2 and name != "token_embd.weight"}
+    assert names == matrices
+    for name in names:
+        shape = weights[name][0]
+        assert entries[f"{name}.in_sum2"][0] == [shape[0], *shape[2:]], name
+    if family == "qwen2_moe":
+        assert "blk.0.ffn_down_shexp.weight" in names
+    assert ("output.weight" in names) == ("output.weight" in weights)
 
 
 def test_pipeline_writes_the_pruned_blocks_statistics(tmp_path):
@@ -175,7 +245,7 @@ def test_a_killed_run_resumed_writes_the_same_file(tmp_path):
 
     reference = start("reference")
     assert reference.wait(timeout=600) == 0, reference.stderr.read()
-    summary = f"importance matrix for llama-quantize: {tmp_path / 'reference.imatrix'} (4 MoE layers: "
+    summary = f"importance matrix for llama-quantize: {tmp_path / 'reference.imatrix'} (4 layers: "
     assert summary in reference.stdout.read()
     saved = tmp_path / ".killed.run" / ".step-0.incomplete" / "state" / "imatrix" / "layer-1.safetensors"
     killed = start("killed")
@@ -225,11 +295,7 @@ def test_a_family_without_a_known_llama_cpp_naming_is_refused(tmp_path):
 
 def _binaries() -> Path | None:
     directory = os.environ.get("MOECOMPRESS_LLAMA_CPP_BIN")
-    if not directory or not (Path(directory) / "llama-quantize").is_file():
-        return None
-    try:
-        find_converter(None)
-    except UserInputError:
+    if not directory or not (Path(directory) / "llama-quantize").is_file() or not _converter():
         return None
     return Path(directory)
 
@@ -250,11 +316,8 @@ def test_llama_quantize_uses_the_importance_matrix(tmp_path):
     )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
-    assert f"loaded 16 importance matrix entries from {target} computed on {TOKENS // SEQ_LEN} chunks" in log
+    assert f"loaded 32 importance matrix entries from {target} computed on {TOKENS // SEQ_LEN} chunks" in log
     assert "imatrix datasets=['builtin:prose']" in log
-    for layer in range(4):
-        for matrix in ("gate", "up", "down"):
-            assert f"did not find weights for blk.{layer}.ffn_{matrix}_exps.weight" not in log
-    assert "did not find weights for blk.0.attn_q.weight" in log  # attention is not covered
+    assert "did not find weights for blk." not in log
     fields, _ = _read(tmp_path / "q4km.gguf")
-    assert fields["quantize.imatrix.entries_count"] == 16
+    assert fields["quantize.imatrix.entries_count"] == 32

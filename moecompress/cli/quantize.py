@@ -101,8 +101,9 @@ def quantize_command(
     if "imatrix" in report:
         imatrix = report["imatrix"]
         click.echo(
-            f"importance matrix for llama-quantize: {imatrix['path']} ({len(imatrix['layers'])} MoE layers: "
-            f"{', '.join(imatrix['tensors_per_layer'])}; {imatrix['chunk_count']} chunks of {imatrix['chunk_size']})"
+            f"importance matrix for llama-quantize: {imatrix['path']} ({len(imatrix['layers'])} layers: "
+            f"{', '.join(imatrix['tensors_per_layer'])}{'; output' if imatrix['output'] else ''}; "
+            f"{imatrix['chunk_count']} chunks of {imatrix['chunk_size']})"
         )
     fallback = sum(len(v) for v in report["rtn_fallback_experts"].values())
     if fallback:

@@ -8,15 +8,26 @@ the sum over tokens of each input channel's square, one row per expert; ``[width
 a token counts once for each expert it is routed to, as ``llama-imatrix`` counts it, and ``ffn_down_exps`` sees
 the expert's intermediate activation ``act(gate x) * up x``. Sums are accumulated in float64 and stored in float32.
 
-Each layer's statistics are saved in the run's state directory as the layer is rewritten (a resumed run keeps
-those of the layers it does not redo) and the file is assembled from them, one tensor at a time, once every layer
-is written.
+It covers every matrix ``llama-quantize`` quantises with an importance matrix, under the names llama.cpp's
+converter gives them: attention (``attn_q/k/v`` read the normed hidden state, ``attn_output`` the attention's output
+before ``o_proj``), the router and routed experts, the shared expert (``ffn_{gate,up,down}_shexp`` and its gate
+``ffn_gate_inp_shexp``), a dense layer's
+MLP (``ffn_{gate,up,down}``) and an untied output head (``output``: the final norm of the last layer's output;
+a tied head is the token embedding, which ``llama-imatrix`` does not collect either). The routed experts' sums come
+from the block's calibration inputs; the others from forward pre-hooks on the stock modules of the calibration
+sweep's model (:meth:`ImatrixCollector.attach`), in the same forward, counting each layer's first forward only.
+
+Each layer's statistics are saved in the run's state directory as the layer is calibrated or rewritten (a resumed
+run keeps those of the layers it does not redo) and the file is assembled from them, one tensor at a time, once
+every layer is written.
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -35,13 +46,37 @@ SHARED_EXPERT = {"qwen3_moe": False, "qwen2_moe": True, "olmoe": False, "mixtral
 the checkpoint's expert order, decoder layer N as ``blk.N``) and whose router and experts read the same input;
 True where the layer also has a shared expert (``ffn_{gate,up}_shexp``, reading that input too)."""
 
-COVERED = "ffn_gate_inp, ffn_gate_exps, ffn_up_exps, ffn_down_exps"
+ROUTED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+ATTENTION = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
+"""llama.cpp's names of the attention matrices, and their modules under the family's attention module."""
+SHARED = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+DENSE = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+"""A dense decoder layer's MLP (Qwen2-MoE's and Qwen3-MoE's ``mlp_only_layers``)."""
+HEAD = "output.weight"
 
 
 def covered_tensors(family: str) -> list[str]:
     """The tensors of each MoE layer the file covers (``blk.N.`` and ``.weight`` left out)."""
-    shared = ["ffn_gate_shexp", "ffn_up_shexp"] if SHARED_EXPERT.get(family) else []
-    return [*COVERED.split(", "), *shared]
+    shared = list(SHARED) if SHARED_EXPERT.get(family) else []
+    return [*ATTENTION, *ROUTED, *shared]
+
+
+def dense_tensors() -> list[str]:
+    """The tensors of each dense layer the file covers."""
+    return [*ATTENTION, *DENSE]
+
+
+def hooked_modules(adapter: FamilyAdapter, moe_layer: bool) -> dict[str, str]:
+    """llama.cpp's name of each matrix of a decoder layer whose input a forward pre-hook sums, and its module."""
+    modules = {name: f"{adapter.attention_module}.{module}" for name, module in ATTENTION.items()}
+    if not moe_layer:
+        return {**modules, **DENSE}
+    return {**modules, **SHARED} if SHARED_EXPERT.get(adapter.family) else modules
 
 
 def check_outside_output(path: Path, out_dir: Path, owner: type) -> None:
@@ -117,8 +152,6 @@ def layer_statistics(
     tokens = torch.tensor([float(hidden.shape[0])], dtype=torch.float64)
     entries = {"ffn_gate_inp": (every, tokens), "ffn_gate_exps": (routed, counts), "ffn_up_exps": (routed, counts)}
     entries["ffn_down_exps"] = (down, counts)
-    if SHARED_EXPERT.get(adapter.family):
-        entries["ffn_gate_shexp"] = entries["ffn_up_shexp"] = (every, tokens)
     out = {}
     for tensor, (sums, count) in entries.items():
         name = f"blk.{layer}.{tensor}.weight"
@@ -127,31 +160,121 @@ def layer_statistics(
 
 
 class ImatrixCollector:
-    """Saves each MoE layer's entries in ``directory`` as the layer is rewritten, and writes the file at the end."""
+    """Saves each layer's entries in ``directory`` as the layer is calibrated (a dense layer) or rewritten (a MoE
+    layer), and writes the file at the end."""
 
     def __init__(self, directory: Path, adapter: FamilyAdapter):
         self.directory, self.adapter = Path(directory), adapter
-        self.layers: set[int] = set()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._handles: list[Any] = []
+        self._sums: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
+        self._calls: dict[int, int] = {}
+        self._hooked: dict[int, dict[str, torch.Tensor]] = {}
+        self._finished: set[int] = set()
+        self._attached = False
+        self._drain = None
 
     def _file(self, layer: int) -> Path:
         return self.directory / f"layer-{layer}.safetensors"
 
-    def add(self, layer: int, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None) -> None:
-        entries = layer_statistics(self.adapter, layer, moe, hidden, router_input)
+    @property
+    def layers(self) -> list[int]:
+        """The layers whose entries are saved."""
+        return sorted(int(path.stem.removeprefix("layer-")) for path in self.directory.glob("layer-*.safetensors"))
+
+    def attach(self, sweep: Any, drain=None) -> None:
+        """Hook the stock modules of ``sweep``'s decoder layers (a :class:`~moecompress.sweep.CalibrationSweep`
+        about to run): the inputs of attention, shared-expert and dense-MLP matrices, and, on the last layer, the
+        output head's input. A layer's sums are complete after its forward of every batch; later forwards (the
+        sweep runs a layer again with its quantised experts) are not counted. ``drain``, if given, is called
+        before the file is written, to let the sweep run the layers after the last MoE layer."""
+        from ..mtp_sweep import _final_norm_path, _norm
+
+        adapter = sweep.adapter
+        batches, last = len(sweep.plans), adapter.num_layers - 1
+        moe_layers = set(adapter.moe_layers())
+        keys = set(sweep.reader.keys())
+        head = None
+        if "lm_head.weight" in keys and not adapter.text_config.get("tie_word_embeddings", False):
+            head = _norm(sweep, sweep.reader.tensor(f"{_final_norm_path(adapter)}.weight"))
+        modules = adapter.decoder_layers(sweep._meta_model)
+        for layer in range(adapter.num_layers):
+            module = modules[layer]
+            for name, path in hooked_modules(adapter, layer in moe_layers).items():
+                hook = partial(self._input, layer, f"blk.{layer}.{name}.weight")
+                self._handles.append(module.get_submodule(path).register_forward_pre_hook(hook))
+            done = partial(self._layer_done, layer, batches, layer in moe_layers, head if layer == last else None)
+            self._handles.append(module.register_forward_hook(done))
+        self._attached, self._drain = True, drain
+
+    def _add_sums(self, layer: int, name: str, rows: torch.Tensor) -> None:
+        rows = rows.reshape(-1, rows.shape[-1])
+        sums, count = self._sums.setdefault(layer, {}).get(name, (0, 0))
+        self._sums[layer][name] = (sums + rows.float().pow(2).sum(dim=0, dtype=torch.float64), count + rows.shape[0])
+
+    def _input(self, layer: int, name: str, module: torch.nn.Module, args: tuple) -> None:
+        if layer not in self._finished:
+            self._add_sums(layer, name, args[0])
+
+    def _layer_done(
+        self, layer: int, batches: int, moe: bool, head: torch.nn.Module | None, module, args, output
+    ) -> None:
+        if layer in self._finished:
+            return
+        if head is not None:
+            states = output[0] if isinstance(output, tuple) else output
+            self._add_sums(layer, HEAD, head.to(states.device)(states))
+        self._calls[layer] = self._calls.get(layer, 0) + 1
+        if self._calls[layer] < batches:
+            return
+        self._finished.add(layer)
+        entries = {}
+        for name, (sums, count) in self._sums.pop(layer, {}).items():
+            entries[f"{name}.in_sum2"] = sums.cpu()
+            entries[f"{name}.counts"] = torch.tensor([float(count)], dtype=torch.float64)
+        if moe:
+            self._hooked[layer] = entries
+        else:
+            self._save(layer, entries)
+
+    def _save(self, layer: int, entries: dict[str, torch.Tensor]) -> None:
         write_safetensors(self._file(layer), {k: v.contiguous() for k, v in entries.items()}, {})
-        self.layers.add(layer)
+
+    def add(self, layer: int, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None) -> None:
+        """A MoE layer's routed entries, saved with what the hooks summed of it."""
+        entries = layer_statistics(self.adapter, layer, moe, hidden, router_input)
+        self._save(layer, {**entries, **self._hooked.pop(layer, {})})
 
     def restore(self, layer: int) -> None:
         """A layer a killed run wrote: its entries were saved with it."""
         if not self._file(layer).is_file():
             raise RuntimeError(f"importance matrix of layer {layer} missing from {self.directory}")
-        self.layers.add(layer)
+
+    def has(self, name: str) -> bool:
+        """Whether a saved layer holds the entries of tensor ``name`` (``output.weight``: the last layer's)."""
+        layers = self.layers
+        if not layers:
+            return False
+        with safe_open(self._file(layers[-1]), "pt") as handle:
+            return f"{name}.in_sum2" in handle.keys()
+
+    def finish(self) -> None:
+        """Every layer calibrated (the sweep drained, once every MoE layer is written) and the hooks removed."""
+        drain, self._drain = self._drain, None
+        if drain is not None:
+            drain()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def write(self, path: Path, datasets: list[str], chunk_count: int, chunk_size: int) -> int:
         """The importance matrix at ``path`` (replaced in one step); returns the number of tensors it covers."""
+        self.finish()
+        missing = sorted(set(range(self.adapter.num_layers)) - set(self.layers))
+        if self._attached and missing:
+            raise RuntimeError(f"importance matrix of layers {missing} missing from {self.directory}")
         located: dict[str, Path] = {}
-        for layer in sorted(self.layers):
+        for layer in self.layers:
             with safe_open(self._file(layer), "pt") as handle:
                 located.update({key: self._file(layer) for key in handle.keys()})
         bases = sorted({key.rsplit(".", 1)[0] for key in located})

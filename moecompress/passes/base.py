@@ -106,6 +106,10 @@ class LayerPass:
     def decide(self, context: PassContext) -> None:
         """Global decisions from every layer's measurements."""
 
+    def attach_sweep(self, sweep: Any) -> None:
+        """The rewriting sweep (a :class:`~moecompress.sweep.CalibrationSweep`) before it runs, for a pass that
+        hooks the stock modules of its model."""
+
     def rewrite(self, layer: int, block: Any, capture: LayerCapture | None) -> Any:
         """Layer ``layer``'s MoE block after this pass (``capture`` is None when the sweep does not calibrate)."""
         return block

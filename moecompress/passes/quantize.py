@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, 
 from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluation_report
-from ..export.imatrix import ImatrixCollector, check_imatrix_target, covered_tensors
+from ..export.imatrix import HEAD, ImatrixCollector, check_imatrix_target, covered_tensors, dense_tensors
 from ..families import FamilyAdapter, MoEWeights
 from ..kernels.mxfp4 import ScaleRule
 from ..loading import load_adapter
@@ -246,9 +247,9 @@ class QuantizeConfig:
         default=None,
         metadata=option(
             "Also write what the calibration measured as a llama.cpp importance matrix (GGUF, llama-imatrix's "
-            "format) to this file, for llama-quantize to read: per MoE layer the routed experts' input sums of "
-            "squares and token counts, per expert, and the router's (docs/llama_cpp.md). Runs the calibration "
-            "sweep even with --method rtn.",
+            "format) to this file, for llama-quantize to read: the input sums of squares and token counts of every "
+            "matrix it quantises (attention, router, routed experts per expert, shared expert, dense MLP, an untied "
+            "output head; docs/llama_cpp.md). Runs the calibration sweep even with --method rtn.",
         ),
     )
 
@@ -518,6 +519,7 @@ def quantize_checkpoint(
                 str(layer): float(s.double().mean()) for layer, s in quantizer.sensitivity.items()
             } or None
         captures = None
+        imatrix = None if config.imatrix_out is None else ImatrixCollector(writer.state_dir / "imatrix", adapter)
         if needs_calibration:
             rewrite_state = SweepState(writer.state_dir / "quantize-rewrite")
             align_resumed_sweep(rewrite_state, writer)
@@ -527,6 +529,8 @@ def quantize_checkpoint(
             captures = with_mtp_captures(
                 sweep, sweep.run(rewrite_state, label="calibrating"), calibration_inputs[0], config.mtp
             )
+            if imatrix is not None:
+                imatrix.attach(sweep, drain=partial(_finish_sweep, captures))
         report = {
             "pass": "quantize",
             "config": asdict(config),
@@ -537,7 +541,6 @@ def quantize_checkpoint(
             "family": adapter.family,
             "calibration": calibration,
         }
-        imatrix = None if config.imatrix_out is None else ImatrixCollector(writer.state_dir / "imatrix", adapter)
         _write_quantized(
             model_dir,
             out_dir,
@@ -568,6 +571,13 @@ def quantize_checkpoint(
         )
     update_report(Path(out_dir), report)
     return report
+
+
+def _finish_sweep(captures) -> None:
+    """Run the calibration sweep's layers after the last MoE layer (dense layers, which it yields no capture for),
+    whose importance-matrix entries its hooks collect."""
+    if next(captures, None) is not None:
+        raise RuntimeError("the calibration sweep yielded a layer after the writer's last")
 
 
 def _allocate_ranks(config: QuantizeConfig, gains: dict, loads: dict, shapes: list) -> tuple[dict, dict[str, Any]]:
@@ -706,10 +716,13 @@ class QuantizedLayers:
     def final_report(self) -> dict[str, Any]:
         report = self.report
         if self.imatrix is not None:
+            self.imatrix.finish()
             report["imatrix"] = {
                 "path": str(Path(self.quantizer.config.imatrix_out).absolute()),
-                "layers": sorted(self.imatrix.layers),
+                "layers": self.imatrix.layers,
                 "tensors_per_layer": covered_tensors(self.quantizer.adapter.family),
+                "tensors_per_dense_layer": dense_tensors(),
+                "output": self.imatrix.has(HEAD),
                 **self._imatrix_metadata(),
             }
         report["rtn_fallback_experts"] = {

@@ -59,7 +59,7 @@ class QuantizePass(LayerPass):
         if self.lowrank:
             rewrites += ", then add the low-rank adapters"
         if imatrix:
-            rewrites += "; sum the experts' squared inputs for the importance matrix"
+            rewrites += "; sum every matrix's squared inputs for the importance matrix"
         return Needs(
             measuring="quantisation error spectra of every expert matrix" if self.lowrank else None,
             calibration=calibrated or self.lowrank or imatrix,
@@ -159,6 +159,10 @@ class QuantizePass(LayerPass):
         if config.imatrix_out is not None:
             imatrix = ImatrixCollector(context.state_dir / "imatrix", adapter)
         self.layers = QuantizedLayers(report, lowrank_report, self.layout, self.tensors, self.quantizer, ranks, imatrix)
+
+    def attach_sweep(self, sweep) -> None:
+        if self.layers.imatrix is not None:
+            self.layers.imatrix.attach(sweep)
 
     def rewrite(self, layer: int, block: Any, capture) -> Any:
         return None if block is None else self.layers.quantize_moe(layer, block, capture)
