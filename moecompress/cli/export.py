@@ -45,6 +45,50 @@ from .numbers import human_bytes as _human_bytes
     help="gguf, an output with low-rank adapters: the llama.cpp LoRA adapter file for them, used as "
     "`llama-cli -m OUT --lora FILE` (default: OUT with .gguf replaced by .lora.gguf).",
 )
+@click.option(
+    "--target-size",
+    "target_size",
+    default=None,
+    help="gguf: the largest file size, in bytes or as 5.2MB / 17GiB: every tensor llama-quantize would quantise "
+    "(and that no --tensor-type pins) gets the GGML type among Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and Q8_0 that makes "
+    "the summed importance-weighted error smallest within it (the routed experts too when MODEL is unquantised; "
+    "a moecompress output's expert blocks are kept and counted). The report and the GGUF key "
+    "moecompress.tensor_types hold the allocation.",
+)
+@click.option(
+    "--target-bpw",
+    "target_bpw",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="gguf: like --target-size, as bits per weight over all the file's tensors (header not counted).",
+)
+@click.option(
+    "--imatrix",
+    "imatrix",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="gguf: a llama.cpp importance matrix (GGUF: `quantize --imatrix-out` or llama-imatrix) weighting each "
+    "column's error by its inputs' mean square, per expert, in the encoding and in --target-size's choice; "
+    "without it every column weighs 1.",
+)
+@click.option(
+    "--tensor-type",
+    "tensor_types",
+    multiple=True,
+    metavar="PATTERN=TYPE",
+    help="gguf, repeatable: GGUF tensors whose name matches the regular expression PATTERN take TYPE (Q2_K, Q3_K, "
+    "Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, or keep: as the converter wrote it), e.g. "
+    "'output\\.weight=Q6_K'; the first match wins. Widths llama.cpp's fallback rule covers take its fallback.",
+)
+@click.option(
+    "--base-type",
+    "base_type",
+    type=click.Choice(["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "IQ4_NL"]),
+    default="Q8_0",
+    show_default=True,
+    help="gguf, without --target-size/--target-bpw: the type of a moecompress output's other quantisable tensors "
+    "(attention, shared experts, dense MLPs, embeddings, head) that no --tensor-type pins.",
+)
 @overwrite_option("Replace an existing output.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export_command(
@@ -54,6 +98,11 @@ def export_command(
     llama_cpp: str | None,
     fold: bool,
     lora_out: Path | None,
+    target_size: str | None,
+    target_bpw: float | None,
+    imatrix: Path | None,
+    tensor_types: tuple[str, ...],
+    base_type: str,
     overwrite: bool,
     quiet: bool,
 ) -> None:
@@ -77,10 +126,28 @@ def export_command(
     run_lock.acquire(out, label=f"--out {out}")
     click.get_current_context().call_on_close(lambda: run_lock.release(out))
     if fmt == "gguf":
+        from ..export.gguf_retype import Request
+        from ..export.gguf_types import parse_pins, parse_size
         from ..export.to_gguf import export_gguf, report_path
 
+        if target_size is not None and target_bpw is not None:
+            raise UserInputError("--target-size and --target-bpw: give one budget, not both")
+        types = Request(
+            pins=parse_pins(tensor_types),
+            default_type=base_type,
+            target_bytes=None if target_size is None else parse_size(target_size),
+            target_bpw=target_bpw,
+            imatrix=None if imatrix is None else Path(os.path.abspath(imatrix)),
+        )
         report = export_gguf(
-            source, out, llama_cpp=llama_cpp, fold=fold, lora_out=lora_out, overwrite=overwrite, progress=not quiet
+            source,
+            out,
+            llama_cpp=llama_cpp,
+            fold=fold,
+            lora_out=lora_out,
+            overwrite=overwrite,
+            types=types,
+            progress=not quiet,
         )
         experts = report["experts"]
         kinds = experts["written_as"]
@@ -89,6 +156,13 @@ def export_command(
             exact = "exact" if experts["all_exact"] else "within the stated bounds, see the report"
             line += f"; experts as {', '.join(kinds) or 'bf16 (folded)'} ({exact})"
         click.echo(line)
+        retyped = report.get("tensor_types")
+        if retyped:
+            counts: dict[str, int] = {}
+            for entry in retyped["tensors"].values():
+                counts[entry["type"]] = counts.get(entry["type"], 0) + 1
+            kinds_line = ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items()))
+            click.echo(f"other tensors: {kinds_line}" + (" (allocated to the budget)" if "spent" in retyped else ""))
         lora = report.get("lora")
         if lora:
             click.echo(
@@ -97,9 +171,11 @@ def export_command(
             )
         click.echo(f"report: {report_path(Path(os.path.abspath(out)))}")
         return
-    if llama_cpp is not None or fold or lora_out is not None:
+    gguf_only = [target_size, target_bpw, imatrix, tensor_types or None, None if base_type == "Q8_0" else base_type]
+    if llama_cpp is not None or fold or lora_out is not None or any(value is not None for value in gguf_only):
         raise UserInputError(
-            "--llama-cpp, --fold and --lora-out apply to --format gguf only (bf16 always folds adapters)"
+            "--llama-cpp, --fold, --lora-out, --target-size, --target-bpw, --imatrix, --tensor-type and --base-type "
+            "apply to --format gguf only (bf16 always folds adapters)"
         )
     from ..export.to_bf16 import export_bf16
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,7 @@ class NativeSource:
         self.salient: dict[str, dict[str, list[int]]] = qc.get("salient", {})
         self.layers, self.outside = group_keys_by_layer(reader, adapter)
         self._maps: dict[str, mmap.mmap] = {}
+        self.on_dense_quantized: Callable[[str, QuantizedTensor, torch.Tensor], None] | None = None
 
     def _read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """The reader's tensors, refused if a float one holds NaN or Inf (:func:`holds_non_finite`)."""
@@ -137,10 +138,13 @@ class NativeSource:
         return QuantizedTensor(scheme, shape, packed, scales, zeros, salient)
 
     def _dense_rest(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Quantised dense modules (attention, shared experts, lm_head) dequantised to bf16; the rest as stored."""
+        """Quantised dense modules (attention, shared experts, lm_head) dequantised to bf16, each first shown to
+        :attr:`on_dense_quantized` where set; the rest as stored."""
         for key in [k for k in tensors if k.endswith(".weight") and k.removesuffix(".weight") in self.modules]:
             q = self._quantized(key.removesuffix(".weight"), "weight", tensors)
             tensors[key] = q.dequantize(torch.bfloat16)
+            if self.on_dense_quantized is not None:
+                self.on_dense_quantized(key, q, tensors[key])
         return tensors
 
     def outside_tensors(self) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from ..memory import release_freed_memory
 from ..progress import bar as progress_bar
 from ..quantization.scheme import QuantizedTensor, QuantScheme
 from . import ggml_blocks, gguf_lora
+from .gguf_retype import KeptBlocks, Request, Retyper
 from .llama_cpp import find_converter, run_converter
 from .source import NativeSource, check_exportable, fold, quant_config
 from .to_bf16 import dense_layer, fold_error, open_native, plain_config
@@ -125,11 +126,15 @@ def _hole_shapes(moe, folded: dict[str, torch.Tensor]) -> list[tuple[str, tuple[
     return out
 
 
-def _write_view(native: NativeSource, source: Path, view: Path, folding: bool, progress: bool) -> dict[str, Any]:
+def _write_view(
+    native: NativeSource, source: Path, view: Path, folding: bool, kept: KeptBlocks, progress: bool
+) -> dict[str, Any]:
     """The converter's view of the checkpoint (:mod:`.view`): our expert blocks' places are holes, and only layers
-    that need folding (when ``folding``) have their experts read and decoded. Returns the holes (GGUF name -> GGML
-    type and the blocks' byte shape), the folded matrices per layer and their largest bf16 rounding error."""
+    that need folding (when ``folding``) have their experts read and decoded; the blocks of quantised dense tensors
+    go to ``kept``. Returns the holes (GGUF name -> GGML type and the blocks' byte shape), the folded matrices per
+    layer and their largest bf16 rounding error."""
     writer = ConverterView(view)
+    native.on_dense_quantized = kept.add
     holes: dict[str, tuple[str, tuple[int, ...]]] = {}
     folded_layers: dict[str, list[str]] = {}
     worst = 0.0
@@ -285,6 +290,7 @@ def _export_native(
     outtype: str,
     needs: list[str],
     lora: tuple[Path, list[gguf_lora.LoraTensor]] | None,
+    kept: KeptBlocks,
     progress: bool,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A native-format checkpoint: the converter writes everything but our expert blocks, from a view of the
@@ -293,7 +299,7 @@ def _export_native(
     report: dict[str, Any] = {}
     reader, native = open_native(source)
     with reader:
-        plan = _write_view(native, source, work / "view", bool(needs), progress)
+        plan = _write_view(native, source, work / "view", bool(needs), kept, progress)
         holes = plan["holes"]
         types = {name: kind for name, (kind, _) in holes.items()}
         modules = {native.quantized_experts_module(index) for index in native.layers} - {None}
@@ -332,10 +338,37 @@ def _export_native(
         "max_abs_rounding_error": plan["worst"],
     }
     report["other_tensors"] = (
-        f"written by the converter (--outtype {outtype}) from the dequantised view: quantised non-expert "
-        "weights dequantised to bf16, the rest as stored"
+        f"written by the converter (--outtype {outtype}) from the dequantised view, then each tensor llama-quantize "
+        "would quantise encoded in the GGML type tensor_types gives it"
     )
     return done, report
+
+
+def _retype(partial: Path, request: Request, kept: KeptBlocks, progress: bool) -> dict[str, Any]:
+    """The converter's file re-written with every tensor in its GGML type (:mod:`.gguf_retype`), in its place."""
+    retyped = partial.with_name(partial.name + ".retyped")
+    try:
+        retyper = Retyper(partial, request, kept)
+        allocation = retyper.plan(progress)
+        details = retyper.write(retyped, progress)
+        del retyper
+        os.replace(retyped, partial)
+    finally:
+        retyped.unlink(missing_ok=True)
+    size = partial.stat().st_size
+    if request.target_bytes is not None and size > request.target_bytes:
+        raise RuntimeError(f"the GGUF is {size} bytes, over --target-size {request.target_bytes}")
+    return {
+        "request": {
+            "target_bytes": request.target_bytes,
+            "target_bpw": request.target_bpw,
+            "imatrix": None if request.imatrix is None else str(request.imatrix),
+            "pins": [f"{pin.pattern.pattern}={pin.type_name}" for pin in request.pins],
+            "default_type": request.default_type,
+        },
+        **allocation,
+        **details,
+    }
 
 
 def export_gguf(
@@ -346,15 +379,22 @@ def export_gguf(
     fold: bool = False,
     lora_out: Path | None = None,
     overwrite: bool = False,
+    types: Request | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Write ``out`` (a .gguf file) and ``out.report.json``, and for a checkpoint with low-rank adapters (without
-    ``fold``) the LoRA adapter file ``lora_out`` (default ``<out stem>.lora.gguf``); returns the report."""
+    ``fold``) the LoRA adapter file ``lora_out`` (default ``<out stem>.lora.gguf``); returns the report.
+
+    ``types`` says which GGML type every other tensor takes (:mod:`.gguf_retype`): for a moecompress output the
+    default is :class:`Request`'s; for a plain checkpoint the converter's types are kept unless ``types`` pins some
+    or sets a budget."""
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise UserInputError(f"{out}: exists (pass --overwrite to replace it)")
     if out.is_dir():
         raise UserInputError(f"{out}: is a directory; --format gguf writes one file")
+    if types is not None and types.imatrix is not None and not types.imatrix.is_file():
+        raise UserInputError(f"--imatrix {types.imatrix}: no such file")
     with CheckpointReader(source) as reader:
         config = reader.config
         outtype = source_outtype(reader)
@@ -375,11 +415,12 @@ def export_gguf(
     try:
         work.mkdir(parents=True)
         report: dict[str, Any] = {"format": "gguf", "source": str(source), "converter": str(converter)}
+        kept = KeptBlocks(work / "blocks")
         if native:
             try:
                 planned = None if lora_partial is None else (lora_partial, lora_tensors)
                 done, details = _export_native(
-                    source, converter, partial, work, config, outtype, needs, planned, progress
+                    source, converter, partial, work, config, outtype, needs, planned, kept, progress
                 )
             except OSError as error:
                 if is_full(error):  # the view and the blocks are written here, not by the converter
@@ -394,6 +435,16 @@ def export_gguf(
                 + (f"; the input's {method} quantisation is the converter's to handle" if method else "")
             }
         report["pre_tokenizer_fallback"] = done["pre_tokenizer_fallback"]
+        retype = types if types is not None else (Request() if native else None)
+        if retype is not None and not native and not (retype.budgeted or retype.pins):
+            if retype.imatrix is not None:
+                raise UserInputError(
+                    f"--imatrix {retype.imatrix}: a plain checkpoint keeps the converter's types unless "
+                    "--target-size, --target-bpw or --tensor-type asks for others"
+                )
+            retype = None
+        if retype is not None:
+            report["tensor_types"] = _retype(partial, retype, kept, progress)
         if lora is not None and lora_partial is not None:
             os.replace(lora_partial, lora)
             report["lora"] = {"path": str(lora), "bytes": lora.stat().st_size, **report["lora"]}
