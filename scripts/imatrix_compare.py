@@ -5,14 +5,20 @@ the same calibration text, for docs/llama_cpp.md.
 2. ``moecompress quantize MODEL --imatrix-out ours.imatrix`` with ``--calib-tokens N --seq-len 256`` (RTN MXFP4:
    the importance matrix is the same whatever the scheme), and the calibration windows it drew, decoded, joined
    into ``calib.txt``;
-3. ``llama-imatrix -m bf16.gguf -f calib.txt -c 256`` (its chunks are 256 tokens of the same text);
-4. for each type, ``llama-quantize`` without an importance matrix, with ours, with llama-imatrix's, and with
-   llama-imatrix's restricted to the tensors ours covers (``--exclude-weights attn_``); then ``llama-perplexity
+3. ``llama-imatrix -m bf16.gguf -f calib.txt -c 256 --process-output`` (its chunks are 256 tokens of the same
+   text; ``--process-output`` collects ``output.weight`` too, as ours does for an untied head);
+4. two controls: ours with ``--seed 1`` (other calibration windows of the same source), and ours computed on
+   llama-imatrix's own chunks (``calib.txt`` tokenized whole and cut into consecutive chunks: the joined windows do
+   not tokenize back into the same windows, so from the first window that does not, llama-imatrix's chunks are
+   shifted against ours); the latter through ``quantize_checkpoint`` with its window sampler replaced by those
+   chunks. The per-channel agreement of each file with llama-imatrix's is printed;
+5. for each type, ``llama-quantize`` without an importance matrix, with each file, and with ours and
+   llama-imatrix's restricted to the routed experts and router (``--exclude-weights attn_``); then ``llama-perplexity
    -c 256 --no-repack`` on the held-out text: the running perplexity after its first 64 chunks of 256 tokens (each
    chunk's second half scored); with the CPU backend's weight repacking, this llama-perplexity crashes (signal 11)
    loading the Q2_K file.
 
-The bf16 GGUF and both importance matrices are kept in ``--work`` and reused by a rerun. Prints a markdown table
+The bf16 GGUF and the importance matrices are kept in ``--work`` and reused by a rerun. Prints a markdown table
 and writes JSON. Usage::
 
     python scripts/imatrix_compare.py --bin LLAMA_BUILD/bin --work DIR --json-out imatrix.json
@@ -57,6 +63,55 @@ def calibration_text(path: Path, tokens: int, model_name: str = MODEL) -> int:
     windows = [row.tolist() for batch in batches for row in batch["input_ids"]]
     path.write_text("".join(tokenizer.decode(window) for window in windows))
     return len(windows)
+
+
+def ours_on_chunks(work: Path, target: Path, windows: int) -> None:
+    """Our importance matrix from llama-imatrix's chunks of ``calib.txt`` (the first ``windows`` of CTX tokens)."""
+    import torch
+
+    import moecompress.passes.quantize as quantize
+    from moecompress.checkpoint import resolve_model
+    from moecompress.loading import load_tokenizer
+
+    model = resolve_model(MODEL)
+    ids = load_tokenizer(model)((work / "calib.txt").read_text(), add_special_tokens=False)["input_ids"]
+    chunks = torch.tensor(ids[: windows * CTX]).reshape(windows, CTX)
+
+    def llama_imatrix_chunks(adapter, model_dir, calib, tokens, seq_len, batch_size, seed, image_size):
+        batches = [{"input_ids": chunks[start : start + batch_size]} for start in range(0, windows, batch_size)]
+        return batches, torch.zeros(chunks.numel(), dtype=torch.long), ["calib.txt"]
+
+    sampler, quantize.calibration_batches = quantize.calibration_batches, llama_imatrix_chunks
+    try:
+        config = quantize.QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
+        quantize.quantize_checkpoint(
+            model, work / "q-chunks", config, calib_tokens=chunks.numel(), seq_len=CTX, overwrite=True, progress=False
+        )
+    finally:
+        quantize.calibration_batches = sampler
+
+
+def agreement(ours: Path, theirs: Path) -> dict[str, float]:
+    """Over the tensors both files hold: the median and largest relative difference of a channel's mean square
+    (sum / count; experts with tokens in both), and the largest difference of a token count."""
+    import gguf
+    import numpy as np
+
+    def read(path: Path) -> dict:
+        return {t.name: np.array(t.data, dtype=np.float64) for t in gguf.GGUFReader(path).tensors}
+
+    a, b = read(ours), read(theirs)
+    relative, counts = [], 0.0
+    for key in sorted(k for k in a if k.endswith(".in_sum2") and k in b):
+        name = key.removesuffix(".in_sum2")
+        ca, cb = a[f"{name}.counts"].reshape(-1, 1), b[f"{name}.counts"].reshape(-1, 1)
+        counts = max(counts, float(np.abs(ca - cb).max()))
+        seen = ((ca > 0) & (cb > 0)).ravel()
+        ma = (a[key].reshape(len(ca), -1) / np.maximum(ca, 1))[seen]
+        mb = (b[key].reshape(len(cb), -1) / np.maximum(cb, 1))[seen]
+        relative.append(np.abs(ma / mb - 1).ravel())
+    every = np.concatenate(relative)
+    return {"median_channel": float(np.median(every)), "max_channel": float(every.max()), "max_count": counts}
 
 
 def heldout_text(path: Path) -> None:
@@ -108,12 +163,21 @@ def main() -> None:
     if not ours.exists():
         run(command)
     imatrix_command = [binary / "llama-imatrix", "-m", base, "-f", calib, "-o", theirs, "-c", CTX]
-    imatrix_command += ["-t", args.threads, "--no-ppl"]
+    imatrix_command += ["-t", args.threads, "--no-ppl", "--process-output"]
     if not theirs.exists():
         run(imatrix_command)
+    seed1, chunked = work / "ours-seed1.imatrix", work / "ours-chunks.imatrix"
+    if not seed1.exists():
+        run([*[part if part != ours else seed1 for part in command], "--seed", 1])
+    if not chunked.exists():
+        ours_on_chunks(work, chunked, chunks)
+    agreements = {name: agreement(path, theirs) for name, path in (("ours", ours), ("on its chunks", chunked))}
     sources = {
         "none": ("none", []),
         "moecompress": ("ours", ["--imatrix", ours]),
+        "moecompress, --seed 1": ("ours-seed1", ["--imatrix", seed1]),
+        "moecompress on llama-imatrix's chunks": ("ours-chunks", ["--imatrix", chunked]),
+        "moecompress, experts and router only": ("ours-moe", ["--imatrix", ours, "--exclude-weights", "attn_"]),
         "llama-imatrix": ("theirs", ["--imatrix", theirs]),
         "llama-imatrix, experts and router only": ("theirs-moe", ["--imatrix", theirs, "--exclude-weights", "attn_"]),
     }
@@ -142,10 +206,13 @@ def main() -> None:
     for row in rows[1:]:
         if row["imatrix"] == "none":
             print(f"{row['type']}: fallback types (widths not a multiple of 256): {row['fallbacks']}")
+    for name, values in agreements.items():
+        print(f"moecompress ({name}) against llama-imatrix: {values}")
     if args.json_out:
         meta = {"calibration_windows": chunks, "calib_tokens": args.calib_tokens, "ctx": CTX, "chunks": args.chunks}
         meta["imatrix_command"] = " ".join(map(str, imatrix_command))
         meta["quantize_command"] = " ".join(map(str, command))
+        meta["agreement_with_llama_imatrix"] = agreements
         args.json_out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 
 
