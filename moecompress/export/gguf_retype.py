@@ -373,11 +373,19 @@ class Retyper:
         spent = sum(chosen[e.name].nbytes for e in choosing)
         return {"data_budget": budget, "spent": spent, "smallest_possible": least}
 
+    @property
+    def changes(self) -> bool:
+        return any(entry.type_name for entry in self.entries)
+
     def file_type(self) -> int | None:
+        """``general.file_type``: as the file has it where our expert blocks are in it already (the converter was
+        given theirs); otherwise that of the type holding the most weights."""
         import gguf
 
         from .to_gguf import FILE_TYPES
 
+        if any(entry.source_type not in gguf_types.FLOAT_TYPES for entry in self.entries):
+            return None
         weights: dict[str, int] = {}
         for entry in self.entries:
             kind = entry.type_name or entry.source_type

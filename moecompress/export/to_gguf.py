@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from ..progress import bar as progress_bar
 from ..quantization.scheme import QuantizedTensor, QuantScheme
 from . import ggml_blocks, gguf_lora
 from .gguf_retype import KeptBlocks, Request, Retyper
+from .gguf_types import Pin
 from .llama_cpp import find_converter, run_converter
 from .source import NativeSource, check_exportable, fold, quant_config
 from .to_bf16 import dense_layer, fold_error, open_native, plain_config
@@ -113,6 +115,12 @@ def lora_path(
 
 def _gguf_name(layer: int, matrix: str) -> str:
     return f"blk.{layer}.ffn_{matrix}_exps.weight"
+
+
+def _names(layer: str, matrices: list[str]) -> list[str]:
+    """The GGUF names of a layer's folded expert matrices (``gate_up`` is two)."""
+    parts = [part for matrix in matrices for part in (("gate", "up") if matrix == "gate_up" else (matrix,))]
+    return [_gguf_name(int(layer), part) for part in parts]
 
 
 def _hole_shapes(moe, folded: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
@@ -350,9 +358,12 @@ def _retype(partial: Path, request: Request, kept: KeptBlocks, progress: bool) -
     try:
         retyper = Retyper(partial, request, kept)
         allocation = retyper.plan(progress)
-        details = retyper.write(retyped, progress)
-        del retyper
-        os.replace(retyped, partial)
+        if retyper.changes:
+            details = retyper.write(retyped, progress)
+            del retyper
+            os.replace(retyped, partial)
+        else:
+            details = retyper.report()
     finally:
         retyped.unlink(missing_ok=True)
     size = partial.stat().st_size
@@ -444,7 +455,9 @@ def export_gguf(
                 )
             retype = None
         if retype is not None:
-            report["tensor_types"] = _retype(partial, retype, kept, progress)
+            folded = [name for names in report.get("folded", {}).get("layers", {}).items() for name in _names(*names)]
+            keep = [Pin(re.compile(f"^{re.escape(name)}$"), "keep") for name in folded]
+            report["tensor_types"] = _retype(partial, replace(retype, pins=keep + retype.pins), kept, progress)
         if lora is not None and lora_partial is not None:
             os.replace(lora_partial, lora)
             report["lora"] = {"path": str(lora), "bytes": lora.stat().st_size, **report["lora"]}
