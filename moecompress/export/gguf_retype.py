@@ -4,13 +4,14 @@ byte budget (:mod:`.allocation`); tensors already in a block type (our experts' 
 
 Calibration enters as an importance matrix in llama.cpp's format (``quantize --imatrix-out`` writes ours,
 ``llama-imatrix`` theirs): each column of a tensor is weighted by its input's mean square over the tokens that reach
-it, per expert for ``*_exps``. The error a type gives a tensor is then ``sum_e p_e sum_(row, col) E[x_col^2] dW^2``,
-the expected squared error of the tensor's output per token under a diagonal input covariance, where ``p_e`` is the
-share of tokens the tensor sees: 1 for dense tensors, ``count_e / tokens / k^2`` for routed expert ``e`` (routed to
-``count_e`` of the layer's ``tokens``, its output scaled by a gate weight of about ``1/k`` with ``k`` experts per
-token), and ``1 / rows`` for the token embedding (one row per token). Errors are measured on up to
-:data:`SAMPLE_ROWS` evenly spaced rows (per expert) and scaled to the whole tensor. Without an importance matrix
-every column weighs 1.
+it, per expert for ``*_exps``. The error a type gives a tensor is ``sum_e p_e sum_(row, col) E[x_col^2] dW^2``, the
+expected squared error of the tensor's output per token under a diagonal input covariance, divided by the same sum
+of ``W^2`` (the output's power): a relative error, so that tensors whose outputs live at different scales (the
+embedding, queries, a down projection) compare. ``p_e`` is the share of tokens the tensor sees: 1 for dense
+tensors, ``count_e / tokens / k^2`` for routed expert ``e`` (routed to ``count_e`` of the layer's ``tokens``, its
+output scaled by a gate weight of about ``1/k`` with ``k`` experts per token), and ``1 / rows`` for the token
+embedding (one row per token). Errors are measured on up to :data:`SAMPLE_ROWS` evenly spaced rows (per expert).
+Without an importance matrix every column weighs 1.
 
 The file is read twice (measuring, then writing; memory about one tensor's rows in float32, a chunk at a time) and
 written once, tensor by tensor.
@@ -168,25 +169,27 @@ def _row_chunks(rows: int, cols: int) -> Iterator[slice]:
 
 
 def measure(tensor: Any, shape: tuple[int, ...], types: list[str], importance: Importance) -> dict[str, float]:
-    """Each type's weighted error on evenly spaced sample rows (per expert), scaled to the whole tensor."""
+    """Each type's weighted error on evenly spaced sample rows (per expert), relative to the tensor's weighted
+    output power on the same rows (``sum_e p_e sum E[x^2] W^2``)."""
     experts = shape[0] if len(shape) == 3 else 1
     rows = shape[-2]
     budget = SAMPLE_ROWS if experts > 1 else 4 * SAMPLE_ROWS
     picked = np.unique(np.linspace(0, rows - 1, min(rows, budget)).round().astype(np.int64))
     scale = rows / len(picked)
-    errors = dict.fromkeys(types, 0.0)
+    errors, power = dict.fromkeys(types, 0.0), 0.0
     for expert in range(experts):
         weights = floats(tensor, expert if len(shape) == 3 else None, picked)
         columns = importance.columns[expert]
         share = float(importance.share[expert])
         if share == 0:
             continue
+        power += share * scale * (weights**2 * columns).sum().item()
         for type_name in types:
             fields = _encode(type_name, weights, columns)
             values = FORMATS[type_name].decode(fields).reshape(weights.shape)
             error = ((weights - values) ** 2 * columns).sum().item()
             errors[type_name] += share * scale * error
-    return errors
+    return {type_name: error / power if power > 0 else 0.0 for type_name, error in errors.items()}
 
 
 def encode_tensor(tensor: Any, shape: tuple[int, ...], type_name: str, importance: Importance) -> Iterator[np.ndarray]:
