@@ -167,6 +167,12 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="Where to write (default: the temporary directory).")
     parser.add_argument("--skip-prune", action="store_true")
     parser.add_argument(
+        "--prune-token-weight-none",
+        action="store_true",
+        help="Also prune with --token-weight none (MAEP without the Fisher backward sweep), for the ratio to the "
+        "default.",
+    )
+    parser.add_argument(
         "--with-eval",
         action="store_true",
         help="Run the quantize step with its default evaluation (the output against the input, streamed) instead "
@@ -295,6 +301,19 @@ def main() -> None:
                 pruned,
             )
             result["prune_over_copy"] = round(result["prune_maep"]["seconds"] / copy_seconds, 2)
+            if args.prune_token_weight_none:
+                step(
+                    "prune_maep_token_weight_none",
+                    [
+                        *cli,
+                        *("prune", str(source), "--out", str(pruned), "--ratio", "0.25", "--token-weight", "none"),
+                        *("--calib-tokens", str(args.calib_tokens), "--no-eval"),
+                    ],
+                    pruned,
+                )
+                result["prune_default_over_none"] = round(
+                    result["prune_maep"]["seconds"] / result["prune_maep_token_weight_none"]["seconds"], 2
+                )
         if args.lowrank:
             compensated = root / "lowrank"
             step(
