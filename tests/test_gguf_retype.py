@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 from moecompress.errors import UserInputError
-from moecompress.export import gguf_types
+from moecompress.export import gguf_retype, gguf_types
 from moecompress.export.allocation import Option, allocate, smallest
-from moecompress.export.gguf_retype import TYPES_KEY, Request, Retyper
+from moecompress.export.gguf_retype import TYPES_KEY, Request, Retyper, _encode
 from moecompress.quantization.schemes.ggml_blocks import FORMATS
 
 ARCH = "qwen3moe"
@@ -68,10 +69,30 @@ def read_back(path: Path) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def ours(type_name: str, weight: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-    fmt = FORMATS[type_name]
-    x = torch.from_numpy(weight).reshape(-1, fmt.block)
-    w = torch.ones_like(x) if importance is None else torch.from_numpy(importance).expand(weight.shape).reshape(x.shape)
-    return fmt.decode(fmt.encode(x, w)).reshape(weight.shape).numpy()
+    """Our encoder's values for ``weight``, weighted as the export weights it (importance x llama.cpp's magnitude)."""
+    x = torch.from_numpy(weight)
+    w = torch.ones(weight.shape[-1]) if importance is None else torch.from_numpy(importance)
+    return FORMATS[type_name].decode(_encode(type_name, x, w)).reshape(weight.shape).numpy()
+
+
+def test_the_encoding_weights_each_weight_as_llama_cpp_does(monkeypatch):
+    """importance * sqrt(sigma2 + x^2): sigma2 the mean square over the super-block (times 2 for Q3_K..Q5_K) or
+    over the row for the 32-wide types; Q6_K and Q8_0 the importance alone."""
+    seen = {}
+    fakes = {
+        name: SimpleNamespace(block=FORMATS[name].block, encode=lambda x, w, t=name: seen.__setitem__(t, w.reshape(-1)))
+        for name in ("Q2_K", "Q4_K", "Q5_0", "Q6_K")
+    }
+    monkeypatch.setattr(gguf_retype, "FORMATS", fakes)
+    x = torch.linspace(-1, 1, 512).reshape(1, 512)
+    importance = torch.rand(512) + 0.5
+    for type_name in ("Q2_K", "Q4_K", "Q5_0", "Q6_K"):
+        _encode(type_name, x, importance)
+    first = x[0, :256]
+    assert torch.allclose(seen["Q2_K"][:256], importance[:256] * torch.sqrt((first**2).mean() + first**2))
+    assert torch.allclose(seen["Q4_K"][:256], importance[:256] * torch.sqrt(2 * (first**2).mean() + first**2))
+    assert torch.allclose(seen["Q5_0"], importance * torch.sqrt((x[0] ** 2).mean() + x[0] ** 2))
+    assert torch.equal(seen["Q6_K"], importance)
 
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
@@ -153,7 +174,8 @@ def test_allocation_is_optimal_on_a_small_problem_by_brute_force():
     for index in range(5):
         sizes = sorted(rng.choice(np.arange(10, 100), size=4, replace=False))
         errors = sorted(rng.uniform(0, 10, size=4), reverse=True)
-        options[f"t{index}"] = [Option(f"T{k}", int(s), float(e)) for k, (s, e) in enumerate(zip(sizes, errors, strict=True))]
+        pairs = enumerate(zip(sizes, errors, strict=True))
+        options[f"t{index}"] = [Option(f"T{k}", int(size), float(error)) for k, (size, error) in pairs]
     import itertools
 
     names = list(options)

@@ -157,9 +157,23 @@ def logical_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
+MAGNITUDE_WEIGHT = {"Q2_K": (1.0, 256), "Q3_K": (2.0, 256), "Q4_K": (2.0, 256), "Q5_K": (2.0, 256)}
+"""llama.cpp's quantisers with an importance matrix weight each weight by ``importance * sqrt(sigma2 + x^2)``,
+``sigma2`` that factor times the mean square over the super-block (``quantize_row_q*_K_impl``) or over the row
+(the 32-wide types; ``None`` here); Q6_K and Q8_0 take the importance alone. On the 256-wide model with llama.cpp's
+own Q2_K types this took llama-perplexity from 49.17 to 49.06 (llama-quantize: 49.03)."""
+_ROW_MAGNITUDE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+
+
 def _encode(type_name: str, weights: torch.Tensor, importance: torch.Tensor) -> dict[str, torch.Tensor]:
     fmt = FORMATS[type_name]
-    return fmt.encode(weights.reshape(-1, fmt.block), importance.expand(weights.shape).reshape(-1, fmt.block))
+    w = importance.expand(weights.shape)
+    if type_name in MAGNITUDE_WEIGHT or type_name in _ROW_MAGNITUDE:
+        factor, span = MAGNITUDE_WEIGHT.get(type_name, (1.0, weights.shape[-1]))
+        squares = (weights * weights).reshape(-1, span)
+        sigma2 = factor * squares.mean(dim=-1, keepdim=True)
+        w = w * torch.sqrt(sigma2 + squares).reshape(weights.shape)
+    return fmt.encode(weights.reshape(-1, fmt.block), w.reshape(-1, fmt.block))
 
 
 def _row_chunks(rows: int, cols: int) -> Iterator[slice]:
