@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 
 from moecompress.errors import UserInputError
 from moecompress.export import gguf_retype, gguf_types
@@ -289,3 +290,29 @@ def test_a_file_that_is_not_an_imatrix_is_refused(tmp_path):
     write_gguf(tmp_path / "in.gguf", model_tensors())
     with pytest.raises(UserInputError, match="--imatrix"):
         Retyper(tmp_path / "in.gguf", Request(imatrix=tmp_path / "in.gguf"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--target-size", "lots"], "--target-size lots"),
+        (["--target-size", "5MB", "--target-bpw", "4"], "give one budget"),
+        (["--tensor-type", "attn=Q9"], "--tensor-type attn=Q9"),
+        (["--imatrix", "IMATRIX"], "a plain checkpoint keeps the converter's types"),
+        (["--imatrix", "MISSING", "--target-size", "5MB"], "no such file"),
+    ],
+    ids=["size", "two budgets", "pin", "imatrix alone", "missing imatrix"],
+)
+def test_bad_type_options_are_one_line_before_any_work(tmp_path, extra, message):
+    write_imatrix(tmp_path / "im.gguf", {"blk.0.attn_q.weight": (np.ones(256), np.array([1.0]))})
+    extra = [{"IMATRIX": str(tmp_path / "im.gguf"), "MISSING": str(tmp_path / "no.gguf")}.get(e, e) for e in extra]
+    out = tmp_path / "x.gguf"
+    done = run_cli("export", "builtin:tiny-moe", "--format", "gguf", "--out", str(out), *extra)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert not out.exists() and not any(p.name.startswith(".x.gguf") for p in tmp_path.iterdir())
+
+
+def test_gguf_options_are_refused_for_bf16(tmp_path):
+    out = str(tmp_path / "d")
+    done = run_cli("export", "builtin:tiny-moe", "--format", "bf16", "--out", out, "--base-type", "Q4_K")
+    assert done.returncode == 2 and "apply to --format gguf only" in done.stderr

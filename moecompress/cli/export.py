@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from ..export.gguf_types import CHOICES, ENCODED
 from .common_options import overwrite_option
 from .numbers import human_bytes as _human_bytes
 
@@ -50,8 +51,8 @@ from .numbers import human_bytes as _human_bytes
     "target_size",
     default=None,
     help="gguf: the largest file size, in bytes or as 5.2MB / 17GiB: every tensor llama-quantize would quantise "
-    "(and that no --tensor-type pins) gets the GGML type among Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and Q8_0 that makes "
-    "the summed importance-weighted error smallest within it (the routed experts too when MODEL is unquantised; "
+    f"(and that no --tensor-type pins) gets the GGML type among {', '.join(CHOICES)} that makes the summed "
+    "importance-weighted relative error smallest within it (the routed experts too when MODEL is unquantised; "
     "a moecompress output's expert blocks are kept and counted). The report and the GGUF key "
     "moecompress.tensor_types hold the allocation.",
 )
@@ -76,14 +77,14 @@ from .numbers import human_bytes as _human_bytes
     "tensor_types",
     multiple=True,
     metavar="PATTERN=TYPE",
-    help="gguf, repeatable: GGUF tensors whose name matches the regular expression PATTERN take TYPE (Q2_K, Q3_K, "
-    "Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, or keep: as the converter wrote it), e.g. "
+    help=f"gguf, repeatable: GGUF tensors whose name matches the regular expression PATTERN take TYPE "
+    f"({', '.join(ENCODED)}, or keep: as the converter wrote it), e.g. "
     "'output\\.weight=Q6_K'; the first match wins. Widths llama.cpp's fallback rule covers take its fallback.",
 )
 @click.option(
     "--base-type",
     "base_type",
-    type=click.Choice(["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "IQ4_NL"]),
+    type=click.Choice(ENCODED),
     default="Q8_0",
     show_default=True,
     help="gguf, without --target-size/--target-bpw: the type of a moecompress output's other quantisable tensors "

@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UserInputError
-from .ggml_blocks import BLOCKS
 
 KEPT_SUBSTRINGS = (
     "_norm.weight",
@@ -42,7 +41,9 @@ FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_
 CHOICES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 """The types ``--target-size`` chooses among, smallest first."""
 
-PINNABLE = (*CHOICES, "Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "keep")
+ENCODED = (*CHOICES, "Q4_0", "Q5_0", "Q5_1", "IQ4_NL")
+"""Every type our encoders write (``--base-type``)."""
+PINNABLE = (*ENCODED, "keep")
 """What ``--tensor-type`` may name: a GGML type we encode, or ``keep`` (as the converter wrote it)."""
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -57,6 +58,8 @@ def quantisable(name: str, n_dims: int) -> bool:
 
 def stored_type(type_name: str, cols: int) -> str | None:
     """The type a ``cols``-wide row of ``type_name`` is written in, or None where no block type fits."""
+    from .ggml_blocks import BLOCKS
+
     block = BLOCKS[type_name][0]
     if cols % block == 0:
         return type_name
@@ -67,6 +70,8 @@ def stored_type(type_name: str, cols: int) -> str | None:
 
 
 def nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    from .ggml_blocks import BLOCKS
+
     block, block_bytes = BLOCKS[type_name]
     return math.prod(shape[:-1]) * (shape[-1] // block) * block_bytes
 

@@ -418,6 +418,14 @@ def export_gguf(
             check_exportable(adapter)
             check_ggml_form(NativeSource(reader, adapter), source)
             lora_tensors = gguf_lora.plan(NativeSource(reader, adapter), source) if lora is not None else []
+    retype = types if types is not None else (Request() if native else None)
+    if retype is not None and not native and not (retype.budgeted or retype.pins):
+        if retype.imatrix is not None:
+            raise UserInputError(
+                f"--imatrix {retype.imatrix}: a plain checkpoint keeps the converter's types unless "
+                "--target-size, --target-bpw or --tensor-type asks for others"
+            )
+        retype = None
     converter = find_converter(llama_cpp)
     work = out.with_name(f".{out.name}.work")
     shutil.rmtree(work, ignore_errors=True)
@@ -446,14 +454,6 @@ def export_gguf(
                 + (f"; the input's {method} quantisation is the converter's to handle" if method else "")
             }
         report["pre_tokenizer_fallback"] = done["pre_tokenizer_fallback"]
-        retype = types if types is not None else (Request() if native else None)
-        if retype is not None and not native and not (retype.budgeted or retype.pins):
-            if retype.imatrix is not None:
-                raise UserInputError(
-                    f"--imatrix {retype.imatrix}: a plain checkpoint keeps the converter's types unless "
-                    "--target-size, --target-bpw or --tensor-type asks for others"
-                )
-            retype = None
         if retype is not None:
             folded = [name for names in report.get("folded", {}).get("layers", {}).items() for name in _names(*names)]
             keep = [Pin(re.compile(f"^{re.escape(name)}$"), "keep") for name in folded]
