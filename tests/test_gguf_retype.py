@@ -25,6 +25,7 @@ ARCH = "qwen3moe"
 def write_gguf(path: Path, tensors: dict[str, np.ndarray], experts_used: int = 2, bf16: tuple[str, ...] = ()) -> None:
     writer = gguf.GGUFWriter(path, ARCH)
     writer.add_uint32(f"{ARCH}.expert_used_count", experts_used)
+    writer.add_uint32(f"{ARCH}.block_count", 3)
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_BF16))
     for name, array in tensors.items():
         if name in bf16:
@@ -316,3 +317,20 @@ def test_gguf_options_are_refused_for_bf16(tmp_path):
     out = str(tmp_path / "d")
     done = run_cli("export", "builtin:tiny-moe", "--format", "bf16", "--out", out, "--base-type", "Q4_K")
     assert done.returncode == 2 and "apply to --format gguf only" in done.stderr
+
+
+def test_a_layers_tensor_counts_as_one_of_the_residual_streams_2L_contributions(tmp_path):
+    """A decoder layer's tensor perturbs one of 2 x block_count additions to the residual stream; the embedding and
+    the head the whole stream: their relative errors weigh 2 x block_count times as much."""
+    tensors = model_tensors()
+    write_gguf(tmp_path / "in.gguf", tensors)
+    retyper = Retyper(tmp_path / "in.gguf", Request(target_bytes=10**9))
+    retyper.plan(progress=False)
+    entries = {entry.name: entry for entry in retyper.entries}
+    for name in ("blk.0.attn_q.weight", "output.weight"):
+        entry = entries[name]
+        tensor = retyper.reader.tensors[entry.index]
+        measured = gguf_retype.measure(tensor, entry.shape, [o.type_name for o in entry.options], entry.importance)
+        share = 1 / 6 if name.startswith("blk.") else 1.0
+        for option in entry.options:
+            assert option.error == pytest.approx(share * measured[option.type_name])

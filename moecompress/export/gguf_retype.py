@@ -10,7 +10,10 @@ of ``W^2`` (the output's power): a relative error, so that tensors whose outputs
 embedding, queries, a down projection) compare. ``p_e`` is the share of tokens the tensor sees: 1 for dense
 tensors, ``count_e / tokens / k^2`` for routed expert ``e`` (routed to ``count_e`` of the layer's ``tokens``, its
 output scaled by a gate weight of about ``1/k`` with ``k`` experts per token), and ``1 / rows`` for the token
-embedding (one row per token). Errors are measured on up to :data:`SAMPLE_ROWS` evenly spaced rows (per expert).
+embedding (one row per token). A decoder layer's tensor then counts ``1 / (2 * block_count)`` of its relative
+error: its block adds one of the residual stream's ``2 * block_count`` contributions (attention and FFN per layer),
+while the embedding is the whole stream and the head the whole output. Errors are measured on up to
+:data:`SAMPLE_ROWS` evenly spaced rows (per expert).
 Without an importance matrix every column weighs 1.
 
 The file is read twice (measuring, then writing; memory about one tensor's rows in float32, a chunk at a time) and
@@ -298,6 +301,8 @@ class Retyper:
         self.imatrix = read_imatrix(request.imatrix) if request.imatrix else {}
         self.layer_tokens = _layer_tokens(self.imatrix)
         self.tied = all(tensor.name != "output.weight" for tensor in self.reader.tensors)
+        blocks = self.reader.fields.get(f"{arch}.block_count")
+        self.contributions = 2 * int(blocks.contents()) if blocks is not None else 1
         self.kept = kept
         self.entries = [self._entry(index, tensor) for index, tensor in enumerate(self.reader.tensors)]
 
@@ -383,7 +388,8 @@ class Retyper:
         for entry in progress_bar(choosing, desc="measuring types", unit="tensor", disable=not progress):
             tensor = self.reader.tensors[entry.index]
             errors = measure(tensor, entry.shape, [o.type_name for o in entry.options], entry.importance)
-            entry.options = [Option(o.type_name, o.nbytes, errors[o.type_name]) for o in entry.options]
+            share = 1.0 / self.contributions if _layer_of(entry.name) is not None else 1.0
+            entry.options = [Option(o.type_name, o.nbytes, share * errors[o.type_name]) for o in entry.options]
         chosen = allocate({e.name: e.options for e in choosing}, budget)
         for entry in choosing:
             entry.type_name, entry.why = chosen[entry.name].type_name, "allocated"
