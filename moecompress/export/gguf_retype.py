@@ -292,7 +292,6 @@ class Retyper:
     def __init__(self, path: Path, request: Request, kept: KeptBlocks | None = None):
         import gguf
 
-        self.path = path
         self.request = request
         self.reader = gguf.GGUFReader(path)
         arch = self.reader.fields["general.architecture"].contents()
