@@ -211,7 +211,14 @@ class CalibrationSweep:
             ),
         )
         ignored = [re.compile(p) for p in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
-        keys = [key for key in self._outside_keys if not any(p.search(key) for p in ignored)]
+        # As transformers, ignore only keys the model lacks (Unlimited-OCR's base model ignores "lm_head", which its
+        # conditional-generation class has).
+        own = set(skeleton.state_dict())
+        keys = [
+            key
+            for key in self._outside_keys
+            if self.adapter.runtime_module_name(key) in own or not any(p.search(key) for p in ignored)
+        ]
         head_key = _untied_head_key(skeleton)
         stored = self.adapter.runtime_outside_state(self.reader.read(keys))
         state = {}

@@ -933,6 +933,13 @@ TINY_CONFIGS["deepseek_ocr2"] = dict(
     image_token_id=380,
     tie_word_embeddings=False,
 )
+TINY_CONFIGS["unlimited_ocr"] = dict(
+    model_type="unlimited_ocr",
+    text_config=dict(_OCR_TEXT, sliding_window=8),
+    vision_config=dict(_OCR_VISION, encoder_config=dict(_OCR_VISION["encoder_config"], image_size=64, patch_size=16)),
+    image_token_id=380,
+    tie_word_embeddings=False,
+)
 TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
     model_type="qwen3_omni_moe_thinker",
     text_config=dict(

@@ -67,6 +67,7 @@ from .routing import RoutingRule
 from .sarvam import Param2MoeAdapter, SarvamMoeAdapter
 from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
 from .sub_configs import sub_config_reason
+from .unlimited_ocr import UnlimitedOcrAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MixtralAdapter,
@@ -142,6 +143,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Dots3NoteTextAdapter,
     Dots3NoteAdapter,
     DeepseekOcr2Adapter,
+    UnlimitedOcrAdapter,
     Qwen3OmniMoeThinkerAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
