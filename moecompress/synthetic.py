@@ -970,6 +970,12 @@ TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
+TINY_VARIANTS: dict[str, dict[str, Any]] = {
+    "nemotron_h_latent": dict(TINY_CONFIGS["nemotron_h"], moe_latent_size=32, moe_intermediate_size=96),
+}
+"""Tiny models of a family's variant that the family-parametrised tests do not repeat, built by name as
+``TINY_CONFIGS`` entries are (Nemotron 3 Super's experts in a latent space, 32 wide beside ``hidden_size`` 64)."""
+
 _RELEASE_CONFIG: dict[str, dict[str, Any]] = {
     "mimo_v2_flash": {"routed_scaling_factor": None},
     "kimi_k2": {
@@ -994,7 +1000,7 @@ def tiny_config(family: str):
     """The transformers config object of ``family``'s tiny model."""
     from transformers import AutoConfig
 
-    kwargs = dict(TINY_CONFIGS[family])
+    kwargs = dict(TINY_CONFIGS[family] if family in TINY_CONFIGS else TINY_VARIANTS[family])
     model_type = kwargs.pop("model_type")
     return AutoConfig.for_model(model_type, **kwargs)
 

@@ -104,10 +104,6 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
         ({"model_type": "diffusion_gemma", "text_config": {"num_experts": 8}}, "diffusion_gemma .* block-diffusion"),
         ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}, "dbrx is not supported: DBRX's router"),
         (
-            {"model_type": "nemotron_h", "n_routed_experts": 8, "layers_block_type": ["moe"], "moe_latent_size": 16},
-            "nemotron_h with moe_latent_size .* not supported",
-        ),
-        (
             {"model_type": "qwen2_moe", "num_experts": 0, "num_hidden_layers": 2, "num_experts_per_tok": 2},
             "no MoE layers",
         ),

@@ -162,15 +162,16 @@ class FamilyAdapter:
     """Whether the model reads the token ids besides their embeddings (Qwen4-Exp's per-layer n-gram embeddings), so
     that the head's skeleton cannot be fed zero embeddings in their place."""
     gated_experts: ClassVar[bool] = True
+    """Whether an expert gates its up projection (gate, up, down); otherwise it is up, activation, down (the view's
+    ``gate_up`` then holds the up rows alone, ``[E, I, H]``, and :meth:`activation` gets ``gate=None``)."""
     expert_scale_name: ClassVar[str | None] = None
     """The router tensor (beside its weight) that holds :attr:`MoEWeights.expert_scale` (Gemma 4:
     ``per_expert_scale``), or None."""
-    router_input_module: ClassVar[str | None] = None
-    """The module in a decoder layer whose input the router's weight multiplies, where that is not the experts'
-    input (Gemma 4's ``router.proj``: its router normalises and scales the residual stream itself); the sweep
-    captures it there, so the stock modules compute it."""
-    """Whether an expert gates its up projection (gate, up, down); otherwise it is up, activation, down (the view's
-    ``gate_up`` then holds the up rows alone, ``[E, I, H]``, and :meth:`activation` gets ``gate=None``)."""
+    latent_size_key: ClassVar[str | None] = None
+    """The config key of the width the routed experts compute at where the MoE block projects its input into a
+    latent space before them and back after them (Nemotron 3 Super's ``moe_latent_size``); see
+    :attr:`latent_experts`."""
+
 
     def __init__(self, config: dict[str, Any]):
         self.config = config
@@ -402,12 +403,12 @@ class FamilyAdapter:
             raise UserInputError(
                 f"{where}: config.json says {len(moe.expert_ids)} experts, weights hold {moe.num_experts}"
             )
-        hidden = int(self.text_config["hidden_size"])
+        hidden, width = int(self.text_config["hidden_size"]), self.experts_width
         in_rows = (2 if self.gated_experts else 1) * moe.intermediate_size
         shapes = {
             "router": (tuple(moe.router_weight.shape), (moe.router_columns, hidden)),
-            "gate_up": (tuple(moe.gate_up.shape), (moe.num_experts, in_rows, hidden)),
-            "down": (tuple(moe.down.shape), (moe.num_experts, hidden, moe.intermediate_size)),
+            "gate_up": (tuple(moe.gate_up.shape), (moe.num_experts, in_rows, width)),
+            "down": (tuple(moe.down.shape), (moe.num_experts, width, moe.intermediate_size)),
         }
         if moe.expert_scale is not None:
             shapes["expert scale"] = (tuple(moe.expert_scale.shape), (moe.num_experts,))
@@ -562,8 +563,49 @@ class FamilyAdapter:
     @property
     def moe_site_module(self) -> str:
         """The module whose input is what the routed experts compute on and whose output is the MoE output the
-        passes measure: the MoE block, or the experts module where no block holds router and experts (Gemma 4)."""
-        return self.moe_block_name
+        passes measure: the MoE block, or the experts module where no block holds router and experts (Gemma 4) or
+        where they compute in a latent space (:attr:`latent_experts`)."""
+        return self.experts_module if self.latent_experts else self.moe_block_name
+
+    @property
+    def router_input_module(self) -> str | None:
+        """The module in a decoder layer whose input the router's weight multiplies, where that is not the experts'
+        input (Gemma 4's ``router.proj``: its router normalises and scales the residual stream itself; the router
+        itself where the experts compute in a latent space); the sweep captures it there, so the stock modules
+        compute it. None: the router reads the experts' input."""
+        return self.router_module if self.latent_experts else None
+
+    @property
+    def latent_experts(self) -> bool:
+        """Whether the MoE block maps its input into a latent space before the routed experts and their combined
+        output back after them, while the router reads the block's input.
+
+        The stock block computes both maps (they stay layer tensors outside the view, never pruned, quantised as
+        the layer's other tensors are): the sweep captures the experts module's input as the MoE input and the
+        router's as :attr:`router_input_module`, so every pass (frequency, ΔH, REAP, GPTQ, low-rank compensation,
+        the view's forward) computes on the latent tokens, and the stock block adds the output projection."""
+        return bool(self.latent_size_key and self.text_config.get(self.latent_size_key))
+
+    @property
+    def experts_width(self) -> int:
+        """The width the routed experts read and write: ``hidden_size``, or the latent width
+        (:attr:`latent_size_key`) where the config sets one."""
+        latent = self.text_config.get(self.latent_size_key) if self.latent_size_key else None
+        return int(latent or self.text_config["hidden_size"])
+
+    def stock_experts_input(self, model: torch.nn.Module, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What layer ``layer``'s stock routed-experts module receives when its MoE block gets tokens ``hidden``
+        ``[T, H]``: ``hidden`` itself, or the latent tokens the stock block maps it to (:attr:`latent_experts`)."""
+        if not self.latent_experts:
+            return hidden
+        seen: list[torch.Tensor] = []
+        handle = self.experts_of(model, layer).register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+        try:
+            self.moe_block_of(model, layer)(hidden.unsqueeze(0))
+        finally:
+            handle.remove()
+        return seen[0].reshape(hidden.shape[0], -1)
+
 
     def reroute_hooks(
         self, layer_module: torch.nn.Module, choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

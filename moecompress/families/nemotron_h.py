@@ -5,7 +5,10 @@
 The MoE block routes as DeepSeek-V3 does (sigmoid, ``e_score_correction_bias``, groups, renormalised, scaled by
 ``routed_scaling_factor`` inside the router) and its experts are not gated: ``down(act(up(x)))`` with
 ``mlp_hidden_act`` (the releases' squared ReLU). A shared expert of the same kind (``mixer.shared_experts``) runs
-beside them, left untouched by expert passes.
+beside them, left untouched by expert passes. With ``moe_latent_size`` (Nemotron 3 Super) the block maps its input
+to that width (``mixer.fc1_latent_proj``) before the experts and their sum back (``mixer.fc2_latent_proj``), while
+router and shared expert read the block's input: the experts compute in the latent space
+(:attr:`~moecompress.families.base.FamilyAdapter.latent_experts`).
 
 On disk (the release's names and what ``save_pretrained`` writes): ``backbone.embeddings``, ``backbone.norm_f``,
 ``backbone.layers.{i}.norm`` and ``backbone.layers.{i}.mixer.*`` with per-expert
@@ -14,8 +17,6 @@ to ``mixer.experts.{up,down}_proj`` at load.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -33,14 +34,7 @@ class NemotronHAdapter(DeepseekV3Adapter):
     router_module = "mixer.gate"
     attention_module = "mixer"
     gated_experts = False
-
-    def __init__(self, config: dict[str, Any]):
-        super().__init__(config)
-        if config.get("moe_latent_size"):
-            raise UserInputError(
-                "nemotron_h with moe_latent_size (the experts behind a latent projection, Nemotron 3 Super) is not "
-                "supported yet: the expert view computes on the MoE block's input"
-            )
+    latent_size_key = "moe_latent_size"
 
     @property
     def block_types(self) -> list[str]:

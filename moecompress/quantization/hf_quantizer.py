@@ -197,7 +197,7 @@ def replace_quantized_modules(
     from ..families import adapter_for
 
     adapter = adapter or adapter_for(model.config.to_dict())
-    hidden = int(adapter.text_config["hidden_size"])
+    hidden = adapter.experts_width
     if names is None:
         on_disk = [name for name in config.modules if not is_mtp_module(adapter, name)]
         names = {runtime: name for name, runtime in loaded_module_names(model, on_disk).items()}
