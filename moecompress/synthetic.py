@@ -940,6 +940,42 @@ TINY_CONFIGS["unlimited_ocr"] = dict(
     image_token_id=380,
     tie_word_embeddings=False,
 )
+TINY_CONFIGS["glm5_next"] = dict(
+    model_type="glm5_next",
+    text_config=dict(
+        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("first_k_dense_replace", "num_hidden_layers")},
+        **dict(_MLA, qk_rope_head_dim=0, qk_nope_head_dim=16),
+        num_hidden_layers=4,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+        index_topk=32,
+        index_kpool=4,
+        index_head_dim=16,
+        index_n_heads=2,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        hc_mult=2,
+        swiglu_limit=0.15,
+    ),
+    vision_config=dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        image_size=28,
+        projection_intermediate_size=32,
+    ),
+    image_token_id=380,
+    video_token_id=381,
+    image_start_token_id=376,
+    image_end_token_id=377,
+    video_start_token_id=378,
+    video_end_token_id=379,
+)
 TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
     model_type="qwen3_omni_moe_thinker",
     text_config=dict(

@@ -1,6 +1,7 @@
 """Families whose sparse-attention layers reuse what an earlier layer computed: the previous layer's indexer top-k
-(GLM-5, HY-V4: ``"shared"`` layers), Kolibri 1.1's index pool and shared keys and values. With indexer budgets smaller
-than the sequence, the layer sweep's outputs equal the stock forward's, and without the carry a reusing layer fails."""
+(GLM-5, GLM-5.3-Flash, HY-V4: ``"shared"`` layers), Kolibri 1.1's index pool and shared keys and values. With indexer
+budgets smaller than the sequence, the layer sweep's outputs equal the stock forward's, and without the carry a
+reusing layer fails."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from moecompress.synthetic import save_tiny_model
 
 SMALL_BUDGETS = {
     "glm_moe_dsa": {"index_topk": 8},
+    "glm5_next": {"index_topk": 8},
     "hy_v4": {"index_topk": 8},
     "hy_v4_vl": {"index_topk": 8},
     "kolibri1_1": {"index_topk": 4, "index_pool_size": 8},

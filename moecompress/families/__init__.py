@@ -31,6 +31,7 @@ from .deepseek_v4 import DeepseekV4Adapter
 from .dots3_note import Dots3NoteAdapter, Dots3NoteTextAdapter
 from .ernie import Ernie45MoeAdapter
 from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
+from .glm5_next import Glm5NextAdapter
 from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
@@ -144,6 +145,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Dots3NoteAdapter,
     DeepseekOcr2Adapter,
     UnlimitedOcrAdapter,
+    Glm5NextAdapter,
     Qwen3OmniMoeThinkerAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}

@@ -1,0 +1,58 @@
+"""GLM-5.3-Flash (``glm5_next``): GLM-5's MoE block (DeepSeek-V3's sigmoid router with ``e_score_correction_bias``,
+renormalised, scaled; a shared expert; ``mlp_layer_types``, the first three layers dense without it) with the
+routed, shared and dense SwiGLUs clamped at one ``swiglu_limit`` (gate from above, up on both sides), under
+hyper-connections (decoder-layer hidden states ``[B, S, hc_mult, H]``), Kimi Delta Attention layers and NoPE MLA
+layers with a pooled DSA indexer (``layer_types``). The text model sits under ``model.language_model`` beside the
+vision tower ``model.visual``.
+
+Each decoder layer returns ``(hidden, top-k)`` and the next takes that top-k as ``prev_topk_indices`` (an
+``indexer_types`` ``shared`` layer attends over it instead of running an indexer); the layer sweep carries it
+(:mod:`moecompress.layer_carry`).
+
+On disk (transformers' ``glm5_next`` renames reversed, as ``save_pretrained`` writes them): per-expert
+``mlp.experts.{e}.{gate,up,down}_proj``, ``hc_{attn,ffn}_{fn,base,scale}`` (``{attn,ffn}_hc.*`` at runtime), a KDA
+layer's ``self_attn.{q,k,v}_conv1d`` (one ``conv1d`` at runtime) and ``self_attn.f_a_proj`` / ``f_b_proj`` /
+``dt_bias`` / ``A_log`` (under ``self_attn.forget_gate`` at runtime).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .deepseek import DeepseekV3Adapter
+from .vision_language import TextTowerBesideVision
+
+_FORGET_GATE = ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log")
+_HYPER_CONNECTIONS = tuple(
+    (f"hc_{site}_{part}", f"{site}_hc.{part}") for site in ("attn", "ffn") for part in ("fn", "base", "scale")
+)
+
+
+class Glm5NextAdapter(TextTowerBesideVision, DeepseekV3Adapter):
+    family = "glm5_next"
+    model_types = ("glm5_next",)
+    first_dense_default = 3
+    layer_returns_tuple = True
+    carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
+
+    def activation(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        limit = float(self.text_config.get("swiglu_limit", 10.0))
+        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+    def runtime_local_name(self, local_key: str) -> str:
+        for disk, runtime in _HYPER_CONNECTIONS:
+            if local_key == disk:
+                return runtime
+        if local_key.startswith(tuple(f"self_attn.{name}" for name in _FORGET_GATE)):
+            return "self_attn.forget_gate." + local_key[len("self_attn.") :]
+        return local_key
+
+    def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        names = [f"self_attn.{part}_conv1d.weight" for part in ("q", "k", "v")]
+        if not all(name in state for name in names):
+            return state
+        state = dict(state)
+        state["self_attn.conv1d.weight"] = torch.cat([state.pop(name) for name in names], dim=0)
+        return state
