@@ -1004,6 +1004,32 @@ TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
     tie_word_embeddings=False,
 )
 
+TINY_CONFIGS["muse_spark"] = dict(
+    model_type="muse_spark",
+    text_config={
+        **{k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 64,
+        "num_local_experts": 8,
+        "moe_hidden_size": 32,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "routed_scaling_factor": 2.0,
+    },
+    vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, pos_emb_height=4,
+        pos_emb_width=4,
+    ),
+    audio_config=dict(hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], out_hidden_size=64),
+    out_hidden_size=64,
+    projector_hidden_size=32,
+    image_token_id=380,
+    video_token_id=381,
+    audio_token_id=382,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 TINY_VARIANTS: dict[str, dict[str, Any]] = {

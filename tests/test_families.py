@@ -54,11 +54,12 @@ def test_moe_view_reproduces_the_stock_router_and_experts(family, tiny_checkpoin
         handle = router.register_forward_hook(lambda mod, args, out: router_inputs.append(args[0]))
     with torch.no_grad():
         _, stock_weights, stock_ids = adapter.stock_route(model, layer, hidden)
-        stock_out = adapter.stock_experts(model, layer, hidden, stock_ids, stock_weights)
         router_input = router_inputs[0] if router_inputs else None
-        logits = adapter.router_logits(moe, hidden if router_input is None else router_input)
+        experts_input = adapter.stock_experts_input(model, layer, hidden)  # latent experts: the block's map of it
+        stock_out = adapter.stock_experts(model, layer, experts_input, stock_ids, stock_weights)
+        logits = adapter.router_logits(moe, experts_input if router_input is None else router_input)
         ids, weights = adapter.route(moe, logits)
-        ours = adapter.moe_forward(moe, hidden, router_input=router_input)
+        ours = adapter.moe_forward(moe, experts_input, router_input=router_input)
     if router_inputs:
         handle.remove()
 

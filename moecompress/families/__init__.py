@@ -50,6 +50,7 @@ from .minimax_m3 import MiniMaxM3TextAdapter, MiniMaxM3VLAdapter
 from .mistral4 import Mistral3Adapter, Mistral4Adapter
 from .mistral_large4 import MistralLarge4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
+from .muse_spark import MuseSparkAdapter
 from .nemotron_h import NemotronHAdapter
 from .nemotron_h_omni import NemotronHOmniAdapter
 from .qwen3_omni_thinker import Qwen3OmniMoeThinkerAdapter
@@ -147,6 +148,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     UnlimitedOcrAdapter,
     Glm5NextAdapter,
     Qwen3OmniMoeThinkerAdapter,
+    MuseSparkAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -171,10 +173,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "bailing_hybrid": (
         "Ling 2.5's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used by the "
         "expert passes, GPTQ and the quantised-expert plugin) is one per family"
-    ),
-    "muse_spark": (
-        "Muse Spark's experts run in a latent space (a projection and norm before them, a projection after), while "
-        "the expert view computes on the MoE block's input"
     ),
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "

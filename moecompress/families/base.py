@@ -43,6 +43,9 @@ class MoEWeights:
     weights, so no pass prunes or quantises them; routing and the block's output count them.
     ``expert_scale`` ``[E]`` multiplies each chosen expert's routing weight after the rule's normalisation (Gemma 4's
     ``per_expert_scale``): it is part of the routing, removed with its expert and never quantised.
+    ``output_norm`` is the weight of a norm that the family's :meth:`FamilyAdapter.expert_output` applies to each
+    expert's output before its routing weight, one vector shared by every expert (Muse Spark's
+    ``post_expert_norm``): kept whole by ``select()``, never quantised, and written back as a layer tensor.
     """
 
     EXPERT_TENSORS: ClassVar[tuple[str, ...]] = ("gate_up", "down", "gate_up_bias", "down_bias")
@@ -60,6 +63,7 @@ class MoEWeights:
     expert_ids: list[int] = field(default_factory=list)
     identity_experts: int = 0
     expert_scale: torch.Tensor | None = None
+    output_norm: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -167,6 +171,9 @@ class FamilyAdapter:
     expert_scale_name: ClassVar[str | None] = None
     """The router tensor (beside its weight) that holds :attr:`MoEWeights.expert_scale` (Gemma 4:
     ``per_expert_scale``), or None."""
+    expert_output_norm: ClassVar[str | None] = None
+    """The experts module's child that normalises each expert's output before its routing weight, its weight
+    :attr:`MoEWeights.output_norm` (Muse Spark's ``post_expert_norm``); the plugin's quantised experts keep it."""
     latent_size_key: ClassVar[str | None] = None
     """The config key of the width the routed experts compute at where the MoE block projects its input into a
     latent space before them and back after them (Nemotron 3 Super's ``moe_latent_size``); see

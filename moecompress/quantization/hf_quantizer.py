@@ -88,6 +88,7 @@ def _quantized_twin(
     hidden: int,
     ranks: dict[str, list[int]] | None,
     salient: SalientSizes | None,
+    output_norm: str | None = None,
 ) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
         problem = scheme.width_problem(module.in_features)
@@ -116,6 +117,7 @@ def _quantized_twin(
         ranks=ranks,
         salient=salient,
         gated=gated,
+        output_norm=getattr(module, output_norm) if output_norm else None,
     )
 
 
@@ -217,6 +219,7 @@ def replace_quantized_modules(
                     hidden,
                     config.lowrank.get(full_name),
                     config.salient_of(full_name),
+                    adapter.expert_output_norm,
                 )
             except (ValueError, TypeError, KeyError) as error:
                 raise ValueError(f"quantization_config for {full_name}: {error}") from None

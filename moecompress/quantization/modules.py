@@ -129,7 +129,8 @@ class QuantizedExperts(_QuantizedWeights):
     weights [T, k])``, or as Llama 4's ``experts(scaled tokens [E * T, H])``. Weights are stored in the canonical
     orientation (``gate_up`` ``[E, 2I, H]`` gate rows first, ``down`` ``[E, H, I]``); biases, where the family has
     them, likewise. Non-gated experts (``gated=False``) hold ``up_proj`` ``[E, I, H]`` in ``gate_up_proj``'s place
-    and call ``activation(None, up)``."""
+    and call ``activation(None, up)``. An ``output_norm`` module (the stock experts module's ``post_expert_norm``,
+    Muse Spark's) normalises each expert's output before its routing weight, as the stock module does."""
 
     def __init__(
         self,
@@ -144,9 +145,11 @@ class QuantizedExperts(_QuantizedWeights):
         ranks: dict[str, list[int]] | None = None,
         salient: SalientSizes | None = None,
         gated: bool = True,
+        output_norm: nn.Module | None = None,
     ):
         super().__init__(scheme)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.post_expert_norm = output_norm
         self.activation = activation
         self.in_name, self.in_rows = (
             ("gate_up_proj", 2 * intermediate_size) if gated else ("up_proj", intermediate_size)
@@ -191,7 +194,11 @@ class QuantizedExperts(_QuantizedWeights):
     ):
         if top_k_index is None:
             return self._forward_every_expert(hidden_states)
-        fused = dispatch.experts(self, hidden_states, top_k_index, top_k_weights)
+        fused = (
+            None
+            if self.post_expert_norm is not None
+            else dispatch.experts(self, hidden_states, top_k_index, top_k_weights)
+        )
         if fused is not None:
             return fused
         out = torch.zeros_like(hidden_states)
@@ -239,7 +246,7 @@ class QuantizedExperts(_QuantizedWeights):
         expert_out = self.lowrank.apply(expert, "down", hidden, down)
         if self.down_proj_bias is not None:
             expert_out = expert_out + self.down_proj_bias[expert].to(expert_out.dtype)
-        return expert_out
+        return expert_out if self.post_expert_norm is None else self.post_expert_norm(expert_out)
 
 
 _ADAPTER_SHAPES = {"gate": ("inter", "hidden"), "up": ("inter", "hidden"), "down": ("hidden", "inter")}
