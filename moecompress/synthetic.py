@@ -1030,6 +1030,40 @@ TINY_CONFIGS["muse_spark"] = dict(
     tie_word_embeddings=False,
 )  # fmt: skip
 
+TINY_CONFIGS["dbrx"] = dict(
+    model_type="dbrx",
+    d_model=64,
+    n_heads=4,
+    n_layers=2,
+    max_seq_len=128,
+    vocab_size=384,
+    attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+    ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2, moe_jitter_eps=0.01),
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+_INKLING_TEXT = dict(
+    _COMMON,
+    num_hidden_layers=3,
+    head_dim=16,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+    sliding_window_size=16,
+    d_rel=8,
+    rel_extent=32,
+    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=2,
+    route_scale=2.0,
+)
+TINY_CONFIGS["inkling_text"] = dict(_INKLING_TEXT, model_type="inkling_text")
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 TINY_VARIANTS: dict[str, dict[str, Any]] = {

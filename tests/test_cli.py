@@ -22,10 +22,11 @@ def test_inspect_every_family(family, tiny_checkpoints):
     summary = json.loads(result.output)
     text_config = TINY_CONFIGS[family].get("text_config", TINY_CONFIGS[family])
     assert summary["family"] == family
-    layers = text_config.get("num_hidden_layers", text_config.get("num_layers"))
+    layers = text_config.get("num_hidden_layers", text_config.get("num_layers", text_config.get("n_layers")))
     assert summary["num_layers"] == (layers or len(text_config["layers_block_type"]))
-    assert summary["top_k"] == text_config.get("num_experts_per_tok", text_config.get("moe_topk"))
-    assert summary["attention_heads"] == text_config["num_attention_heads"]
+    top_k = text_config.get("moe_topk", text_config.get("ffn_config", {}).get("moe_top_k"))  # Aria's, DBRX's
+    assert summary["top_k"] == text_config.get("num_experts_per_tok", top_k)
+    assert summary["attention_heads"] == text_config.get("num_attention_heads", text_config.get("n_heads"))
     assert summary["parameters"]["experts"] > 0 and summary["parameters"]["router"] > 0
     assert summary["parameters_total"] == sum(summary["parameters"].values())
     tables = {kind: count for kind, count in summary["dtypes"].items() if kind.startswith("I")}  # token-id tables

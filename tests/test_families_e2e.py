@@ -70,7 +70,7 @@ def test_layer_scope_prune_loads_in_stock_transformers_with_the_reported_perplex
     assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
     perplexity, model = _plain_perplexity(out)
     for layer in pruned.moe_layers():
-        assert pruned.experts_of(model, layer).down_proj.shape[0] == kept
+        assert pruned.stock_experts_weights(pruned.experts_of(model, layer))[1].shape[0] == kept
         logits = pruned.stock_route(model, layer, torch.zeros(1, pruned.shape().hidden_size))[0]
         assert logits.shape[-1] == kept + pruned.identity_experts(layer)
     assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)

@@ -32,8 +32,10 @@ def test_known_types_have_their_status(sweep):
     assert entries["kimi_k25"].evidence == "text_config.n_routed_experts" and entries["kimi_k25"].status == "supported"
     assert entries["kimi_k2"].status == "supported"
     dbrx = entries["dbrx"]
-    assert (dbrx.status, dbrx.evidence) == ("refused", "ffn_config.moe_num_experts")
-    assert dbrx.reason == f"dbrx is not supported: {REFUSED_FAMILIES['dbrx']}"
+    assert (dbrx.status, dbrx.evidence) == ("supported", "ffn_config.moe_num_experts")
+    assert dbrx.reason.startswith("dbrx: 2/2 MoE layers, 8 experts, top-2")
+    nllb = entries["nllb-moe"]
+    assert (nllb.status, nllb.reason) == ("refused", f"nllb-moe is not supported: {REFUSED_FAMILIES['nllb-moe']}")
     assert entries["jamba"].status == "supported"
     assert entries["step3p5"].reason.startswith("step3p5 is not supported: step3p5 is a sub-config of step3p7")
     assert not [name for name, entry in entries.items() if entry.status == "error"]
@@ -62,7 +64,7 @@ def test_markdown_section_replaces_only_its_own_lines(sweep, tmp_path):
     module, entries, module_only = sweep
     doc = tmp_path / "families.md"
     doc.write_text(f"# head\n\n{module.BEGIN}\nold\n{module.END}\n\n## tail\n")
-    section = module.markdown([entries["qwen3_moe"], entries["dbrx"]], list(module_only.items()), "cmd")
+    section = module.markdown([entries["qwen3_moe"], entries["nllb-moe"]], list(module_only.items()), "cmd")
     module.update_doc(doc, section)
     text = doc.read_text()
     assert text.startswith("# head\n\n") and text.endswith("\n\n## tail\n") and "old" not in text

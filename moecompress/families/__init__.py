@@ -9,6 +9,7 @@ from .aria import AriaAdapter, AriaTextAdapter
 from .axk2 import AXK2Adapter
 from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
 from .cohere import Cohere2MoeAdapter
+from .dbrx import DbrxAdapter
 from .deepseek import DeepseekV2Adapter, DeepseekV3Adapter
 from .deepseek_derived import (
     AXK1Adapter,
@@ -149,15 +150,11 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Glm5NextAdapter,
     Qwen3OmniMoeThinkerAdapter,
     MuseSparkAdapter,
+    DbrxAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
 REFUSED_FAMILIES: dict[str, str] = {
-    "dbrx": (
-        "DBRX's router returns logits only (its FFN picks and p-norm-renormalises the top-k outside the router) and "
-        "its experts keep w1/v1/w2 as [E*I, H] parameters of an inner module, which the routing hooks and the "
-        "quantised-expert plugin do not model"
-    ),
     "jetmoe": (
         "JetMoE's MoE block routes and groups tokens itself with no (hidden, ids, weights) experts module, adds a bias "
         "after the experts, and its attention is a mixture of experts too (MoA)"

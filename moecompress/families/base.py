@@ -546,6 +546,13 @@ class FamilyAdapter:
         ``weights``: their combined output."""
         return self.experts_of(model, layer)(hidden, ids, weights)
 
+    def stock_experts_weights(self, module: torch.nn.Module) -> tuple[Any, Any, bool]:
+        """``(input projection, down projection, gated)`` of a stock routed-experts module, from which the plugin
+        sizes its quantised twin (only their shapes and dtype count): its ``gate_up_proj`` (or ``up_proj``) and
+        ``down_proj``; None where it has no such tensor."""
+        gated = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+        return getattr(module, "gate_up_proj" if gated else "up_proj", None), getattr(module, "down_proj", None), gated
+
     @property
     def moe_block_name(self) -> str:
         """The MoE block's name inside a runtime decoder layer (the router's parent): ``mlp`` for every family."""

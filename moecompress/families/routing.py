@@ -72,6 +72,9 @@ class RoutingRule:
     scales_input: bool = False
     score: Literal["sigmoid", "sqrtsoftplus"] = "sigmoid"
     """``sigmoid_group_topk``'s score of a logit: the sigmoid, or DeepSeek-V4's ``sqrt(softplus(x))``."""
+    norm_p: float | None = None
+    """``softmax_topk`` with ``normalize``: the chosen weights are divided by their ``p``-norm (DBRX's
+    ``moe_normalize_expert_weights``, as ``torch.norm`` computes it) instead of their sum."""
 
     def __post_init__(self) -> None:
         if self.scales_input and self.kind != "topk_sigmoid":
@@ -103,7 +106,7 @@ class RoutingRule:
             probs = torch.softmax(logits, dim=-1)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
             if self.normalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+                weights = weights / self._norm(weights)
         elif self.kind == "topk_softmax":
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, float("-inf"))
@@ -169,10 +172,18 @@ class RoutingRule:
         else:
             scores = self._scores(logits) if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
             weights = scores.gather(1, ids)
-            if self.normalize:
-                eps = {"softmax_topk": 0.0, "sigmoid_group_topk": self.norm_eps}.get(self.kind, 1e-20)
+            if self.normalize and self.kind == "softmax_topk":
+                weights = weights / self._norm(weights)
+            elif self.normalize:
+                eps = {"sigmoid_group_topk": self.norm_eps}.get(self.kind, 1e-20)
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return weights * self.scaling
+
+    def _norm(self, weights: torch.Tensor) -> torch.Tensor:
+        """What ``softmax_topk`` divides the chosen weights by: their sum, or their :attr:`norm_p`-norm."""
+        if self.norm_p is None:
+            return weights.sum(dim=-1, keepdim=True)
+        return torch.norm(weights, p=self.norm_p, dim=-1, keepdim=True)
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.softplus(logits).sqrt() if self.score == "sqrtsoftplus" else logits.sigmoid()

@@ -8,6 +8,7 @@ writes the same tensors back under the same names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,6 +90,8 @@ def _quantized_twin(
     ranks: dict[str, list[int]] | None,
     salient: SalientSizes | None,
     output_norm: str | None = None,
+    *,
+    stock_weights: Callable[[torch.nn.Module], tuple[Any, Any, bool]],
 ) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
         problem = scheme.width_problem(module.in_features)
@@ -99,8 +102,7 @@ def _quantized_twin(
         return QuantizedLinear(
             module.in_features, module.out_features, module.bias is not None, scheme, dtype, salient=salient
         )
-    gated = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
-    gate_up, down = getattr(module, "gate_up_proj" if gated else "up_proj", None), getattr(module, "down_proj", None)
+    gate_up, down, gated = stock_weights(module)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.ndim != 3:
         raise ValueError(f"moecompress cannot quantise a {type(module).__name__} module")
     experts = down.shape[0]
@@ -220,6 +222,7 @@ def replace_quantized_modules(
                     config.lowrank.get(full_name),
                     config.salient_of(full_name),
                     adapter.expert_output_norm,
+                    stock_weights=adapter.stock_experts_weights,
                 )
             except (ValueError, TypeError, KeyError) as error:
                 raise ValueError(f"quantization_config for {full_name}: {error}") from None

@@ -126,7 +126,8 @@ class QuantizedLinear(_QuantizedWeights):
 
 class QuantizedExperts(_QuantizedWeights):
     """A drop-in for a transformers 5 fused experts module, called as ``experts(hidden [T, H], ids [T, k],
-    weights [T, k])``, or as Llama 4's ``experts(scaled tokens [E * T, H])``. Weights are stored in the canonical
+    weights [T, k])`` (or ``hidden [..., H]``, as DBRX's FFN passes its tokens), or as Llama 4's
+    ``experts(scaled tokens [E * T, H])``. Weights are stored in the canonical
     orientation (``gate_up`` ``[E, 2I, H]`` gate rows first, ``down`` ``[E, H, I]``); biases, where the family has
     them, likewise. Non-gated experts (``gated=False``) hold ``up_proj`` ``[E, I, H]`` in ``gate_up_proj``'s place
     and call ``activation(None, up)``. An ``output_norm`` module (the stock experts module's ``post_expert_norm``,
@@ -194,6 +195,10 @@ class QuantizedExperts(_QuantizedWeights):
     ):
         if top_k_index is None:
             return self._forward_every_expert(hidden_states)
+        if hidden_states.ndim > 2:
+            return self.forward(hidden_states.reshape(-1, hidden_states.shape[-1]), top_k_index, top_k_weights).reshape(
+                hidden_states.shape
+            )
         fused = (
             None
             if self.post_expert_norm is not None
