@@ -194,7 +194,8 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
 
 def _router_replacement(original: MoEWeights, weights: MoEWeights) -> MoEWeights | None:
     """A block of ``original``'s size routing with ``weights``'s router where that changed (merged or refitted
-    rows, at their experts' original indices; removed experts' rows stay, never chosen), else None."""
+    rows, at their experts' original indices; removed experts' rows stay, never chosen; a hash-routed block's table
+    naming the original indices), else None."""
     rows = [original.expert_ids.index(expert) for expert in weights.expert_ids]
     rows += list(range(original.num_experts, original.router_columns))
     index = torch.tensor(rows, dtype=torch.long, device="cpu")
@@ -208,6 +209,10 @@ def _router_replacement(original: MoEWeights, weights: MoEWeights) -> MoEWeights
             full = old.clone()
             full[index[: new.shape[0]]] = new.to(old.dtype)
             changes[name] = full
+    if weights.token_table is not None and original.token_table is not None:
+        table = index[weights.token_table.long()].to(original.token_table.dtype)
+        if not torch.equal(table, original.token_table):
+            changes["token_table"] = table
     return replace(original, **changes) if changes else None
 
 

@@ -252,7 +252,7 @@ def _check_pass(
             f"{model_dir}: the checkpoint is already quantised ({quantized}); start from a bf16/fp16 one"
         )
     if name == "prune_experts":
-        adapter.check_expert_pruning(str(model_dir))
+        adapter.check_expert_pruning(str(model_dir), config)
     if name == "prune_experts" and first_expert_pruning:
         check_router_sizes(model_dir, adapter)
         check_prune_counts(adapter, config)

@@ -70,6 +70,9 @@ class LayerCapture:
     """What the router's weight multiplied, token for token with ``moe_input``, where the family's router reads
     another input than the experts (:attr:`FamilyAdapter.router_input_module`); None: the router reads
     ``moe_input``."""
+    token_ids: torch.Tensor | None = None
+    """The calibration tokens' ids ``[T]``, token for token with ``moe_input``, where the block is hash-routed
+    (:attr:`MoEWeights.token_table`): what its table routes by."""
 
 
 class _LayerProxy(torch.nn.Module):
@@ -159,6 +162,12 @@ class CalibrationSweep:
         self.adapter: FamilyAdapter = adapter_for(self.reader.config, source=str(model_dir))
         self.tags = tags.reshape(-1)
         self.tag_names = tag_names
+        self.token_ids = (
+            torch.cat([batch["input_ids"].reshape(-1) for batch in batches])
+            if batches and all("input_ids" in batch for batch in batches)
+            else None
+        )
+        """The batches' token ids in the order the layers' inputs are captured (what a hash-routed block needs)."""
         self.capture_attention = capture_attention
         self.dtype = dtype
         self.moe_in_compute_dtype = moe_in_compute_dtype
@@ -469,6 +478,7 @@ class CalibrationSweep:
                     rest=rest,
                     layout=layout,
                     router_input=torch.cat(router_inputs).float() if router_inputs else None,
+                    token_ids=self.token_ids if moe is not None and moe.token_table is not None else None,
                 )
                 del captured_inputs, router_inputs, received, rest
                 yield capture
@@ -479,7 +489,7 @@ class CalibrationSweep:
                     outputs = self._forward_routed(module, layer, hidden, capture)
                 result = capture.result
                 capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
-                capture.router_input = None
+                capture.router_input = capture.token_ids = None
                 capture.replacement = capture.router = None
                 del capture
             del moe
@@ -506,8 +516,8 @@ class CalibrationSweep:
         adapter, allowed = self.adapter, capture.allowed
         moe = capture.moe if capture.router is None else capture.router
 
-        def choose(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return adapter.route(moe, logits, allowed.to(logits.device))
+        def choose(logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            return adapter.route(moe, logits, allowed.to(logits.device), token_ids)
 
         handles = adapter.reroute_hooks(module, choose)
         try:

@@ -327,8 +327,8 @@ def _mask_experts(model: Any, adapter: Any, source: Path, removed: dict[int, lis
             allowed = torch.ones(moe.router_columns, dtype=torch.bool)
             allowed[ids] = False
 
-            def choose(logits, moe=moe, allowed=allowed):
-                return adapter.route(moe, logits, allowed)
+            def choose(logits, moe=moe, allowed=allowed, token_ids=None):
+                return adapter.route(moe, logits, allowed, token_ids)
 
             adapter.reroute_hooks(adapter.decoder_layers(model)[layer], choose)
 

@@ -16,8 +16,6 @@ from moecompress.families import adapter_for
 from moecompress.synthetic import FAMILIES, tiny_tokenizer
 
 E2E_FAMILIES = FAMILIES
-PRUNABLE_FAMILIES = tuple(family for family in FAMILIES if family != "deepseek_v4")
-"""DeepSeek-V4's expert pruning is refused (its hash layers; tests/test_deepseek_v4.py)."""
 SEQ_LEN, TOKENS = 64, 512
 
 
@@ -53,7 +51,7 @@ def _run(command, source, out, *args):
     return json.loads((out / "moecompress_report.json").read_text())
 
 
-@pytest.mark.parametrize("family", PRUNABLE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_layer_scope_prune_loads_in_stock_transformers_with_the_reported_perplexity(family, with_tokenizer, tmp_path):
     source = with_tokenizer(family)
     adapter = adapter_for(_config(source))
@@ -71,7 +69,9 @@ def test_layer_scope_prune_loads_in_stock_transformers_with_the_reported_perplex
     perplexity, model = _plain_perplexity(out)
     for layer in pruned.moe_layers():
         assert pruned.stock_experts_weights(pruned.experts_of(model, layer))[1].shape[0] == kept
-        logits = pruned.stock_route(model, layer, torch.zeros(1, pruned.shape().hidden_size))[0]
+        hashed = pruned.family == "deepseek_v4" and pruned.hash_layer(layer)  # its router also takes the token ids
+        routed_by = {"token_ids": torch.zeros(1, dtype=torch.long)} if hashed else {}
+        logits = pruned.stock_route(model, layer, torch.zeros(1, pruned.shape().hidden_size), **routed_by)[0]
         assert logits.shape[-1] == kept + pruned.identity_experts(layer)
     assert perplexity == pytest.approx(report["eval"]["perplexity"], rel=1e-4)
     assert _plain_perplexity(source)[0] == pytest.approx(report["eval"]["reference_perplexity"], rel=1e-4)

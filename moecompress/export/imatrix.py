@@ -125,6 +125,7 @@ def layer_statistics(
     moe: MoEWeights,
     hidden: torch.Tensor,
     router_input: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """One MoE layer's entries, ``{name}.in_sum2`` (float64 ``[experts, width]``, ``[width]`` for a dense
     tensor) and ``{name}.counts`` (float64 ``[experts]``, ``[1]``), from the block's calibration inputs ``hidden``
@@ -134,7 +135,8 @@ def layer_statistics(
 
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
-    inputs = routed_inputs(adapter, moe, hidden, None if router_input is None else router_input.to(hidden.device))
+    router_input = None if router_input is None else router_input.to(hidden.device)
+    inputs = routed_inputs(adapter, moe, hidden, router_input, token_ids)
     width, inter = moe.gate_up.shape[-1], moe.intermediate_size
     routed = torch.zeros(moe.num_experts, width, dtype=torch.float64)
     down = torch.zeros(moe.num_experts, moe.down.shape[-1], dtype=torch.float64)
@@ -240,9 +242,16 @@ class ImatrixCollector:
     def _save(self, layer: int, entries: dict[str, torch.Tensor]) -> None:
         write_safetensors(self._file(layer), {k: v.contiguous() for k, v in entries.items()}, {})
 
-    def add(self, layer: int, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None) -> None:
+    def add(
+        self,
+        layer: int,
+        moe: MoEWeights,
+        hidden: torch.Tensor,
+        router_input: torch.Tensor | None,
+        token_ids: torch.Tensor | None = None,
+    ) -> None:
         """A MoE layer's routed entries, saved with what the hooks summed of it."""
-        entries = layer_statistics(self.adapter, layer, moe, hidden, router_input)
+        entries = layer_statistics(self.adapter, layer, moe, hidden, router_input, token_ids)
         self._save(layer, {**entries, **self._hooked.pop(layer, {})})
 
     def restore(self, layer: int) -> None:

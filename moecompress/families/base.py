@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .routing import RoutingRule
+from .token_table import renumbered, table_route
 
 Layout = Literal["per_expert", "fused", "fused_transposed"]
 QKNorm = Literal["none", "per_head", "per_projection"]
@@ -43,6 +44,8 @@ class MoEWeights:
     weights, so no pass prunes or quantises them; routing and the block's output count them.
     ``expert_scale`` ``[E]`` multiplies each chosen expert's routing weight after the rule's normalisation (Gemma 4's
     ``per_expert_scale``): it is part of the routing, removed with its expert and never quantised.
+    ``token_table`` ``[vocab, k]`` (integer expert positions) makes the block hash-routed (DeepSeek-V4's
+    ``tid2eid``): each token's experts are its id's row, the router only weighs them (:mod:`.token_table`).
     ``output_norm`` is the weight of a norm that the family's :meth:`FamilyAdapter.expert_output` applies to each
     expert's output before its routing weight, one vector shared by every expert (Muse Spark's
     ``post_expert_norm``): kept whole by ``select()``, never quantised, and written back as a layer tensor.
@@ -63,6 +66,7 @@ class MoEWeights:
     expert_ids: list[int] = field(default_factory=list)
     identity_experts: int = 0
     expert_scale: torch.Tensor | None = None
+    token_table: torch.Tensor | None = None
     output_norm: torch.Tensor | None = None
 
     @property
@@ -104,6 +108,7 @@ class MoEWeights:
             down_bias=pick(self.down_bias),
             expert_ids=[self.expert_ids[i] for i in keep],
             expert_scale=pick(self.expert_scale),
+            token_table=None if self.token_table is None else renumbered(self.token_table, self.router_weight, keep),
         )
 
 
@@ -691,12 +696,22 @@ class FamilyAdapter:
         return out
 
     def route(
-        self, moe: MoEWeights, logits: torch.Tensor, allowed: torch.Tensor | None = None
+        self,
+        moe: MoEWeights,
+        logits: torch.Tensor,
+        allowed: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k ids ``[T, k]`` and routing weights of ``moe``'s router logits ``[T, E]``: the family's rule, then
-        the per-expert scale where the block has one."""
-        bias = None if moe.correction_bias is None else moe.correction_bias.to(logits.device)
-        ids, weights = self.routing_rule().route(logits, bias, allowed)
+        the per-expert scale where the block has one. A hash-routed block (:attr:`MoEWeights.token_table`) takes
+        the ids from the table rows of the tokens' ids ``token_ids`` ``[T]`` (:func:`.token_table.table_route`) and
+        weighs them as the rule weighs a choice."""
+        if moe.token_table is not None:
+            ids = table_route(moe.token_table, moe.router_weight, token_ids, allowed).to(logits.device)
+            weights = self.routing_rule().weights_for(logits, ids)
+        else:
+            bias = None if moe.correction_bias is None else moe.correction_bias.to(logits.device)
+            ids, weights = self.routing_rule().route(logits, bias, allowed)
         if moe.expert_scale is not None:
             weights = weights * moe.expert_scale.to(weights.device).float()[ids]
         return ids, weights
@@ -707,11 +722,13 @@ class FamilyAdapter:
         hidden: torch.Tensor,
         allowed: torch.Tensor | None = None,
         router_input: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The routed experts' combined output for ``hidden`` ``[T, H]`` (shared experts excluded); the router reads
-        ``router_input`` where it is given (:attr:`router_input_module`), otherwise ``hidden``."""
+        ``router_input`` where it is given (:attr:`router_input_module`), otherwise ``hidden``; a hash-routed block
+        routes by the tokens' ids ``token_ids``."""
         logits = self.router_logits(moe, hidden if router_input is None else router_input)
-        ids, weights = self.route(moe, logits, allowed)
+        ids, weights = self.route(moe, logits, allowed, token_ids)
         return self.combine_experts(hidden, ids, weights, lambda expert, x: self.expert_output(moe, expert, x))
 
     def combine_experts(
@@ -754,8 +771,9 @@ class FamilyAdapter:
                 "mixtral, qwen2_moe, qwen3_moe and olmoe)"
             )
 
-    def check_expert_pruning(self, source: str = "model") -> None:
-        """A :class:`UserInputError` where this model's experts cannot be removed consistently (none by default)."""
+    def check_expert_pruning(self, source: str = "model", config: Any = None) -> None:
+        """A :class:`UserInputError` where this model's experts cannot be removed consistently, or not as ``config``
+        (the pass's options) asks (none by default)."""
 
     def attention_prefix(self, layer: int) -> str:
         """On-disk (and runtime) prefix of layer ``layer``'s attention module, ending in a dot."""

@@ -4,10 +4,11 @@ Each layer's MoE block is ``hash_moe`` or ``moe`` (``mlp_layer_types``; releases
 first layers). A ``moe`` layer routes as DeepSeek-V3 without groups: scores ``sqrt(softplus(logits))``, choice on
 scores plus ``gate.bias`` (the correction bias), weights the uncorrected scores renormalised, times
 ``routed_scaling_factor``. A ``hash_moe`` layer picks its experts from ``gate.tid2eid[token id]`` (a frozen
-token-id table) and weighs them with the router's scores of those experts. Only ``moe`` layers are in the expert
-view: a hash layer is carried like a dense layer, its experts, router and table unchanged, and the layer sweep runs
-it as stock transformers does (its decoder-layer call carries the input ids), so later layers calibrate on what
-the table sends. Experts clamp their SwiGLU at ``swiglu_limit`` (gate from above, up on both sides).
+token-id table) and weighs them with the router's scores of those experts. Both kinds are in the expert view; a hash
+layer's table is :attr:`MoEWeights.token_table`, which routes the block by the calibration tokens' ids and which
+pruning and merging rewrite (:mod:`.token_table`). Stock transformers builds every layer with one expert count, so
+expert pruning keeps the same count in every layer (``--scope layer``). Experts clamp their SwiGLU at
+``swiglu_limit`` (gate from above, up on both sides).
 
 The release (``deepseek-ai/DeepSeek-V4-*``) names tensors without ``model.``: ``embed.weight``, ``head.weight``,
 ``norm.weight``, ``hc_head_{fn,base,scale}``, and per layer ``attn.*``, ``attn_norm``, ``ffn_norm``,
@@ -20,10 +21,11 @@ through unchanged.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
-from .base import FamilyAdapter
+from .base import FamilyAdapter, MoEWeights
 from .routing import RoutingRule
 
 _LOCAL_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
@@ -62,7 +64,6 @@ _OUTSIDE_NAMES = {
     "hc_head_base": "model.hc_head.hc_base",
     "hc_head_scale": "model.hc_head.hc_scale",
 }
-_HASH_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
 class DeepseekV4Adapter(FamilyAdapter):
@@ -84,20 +85,18 @@ class DeepseekV4Adapter(FamilyAdapter):
         hashed = int(cfg.get("num_hash_layers", 3))
         return ["hash_moe" if i < hashed else "moe" for i in range(self.num_layers)]
 
-    def is_moe_layer(self, layer: int) -> bool:
-        return self.num_experts > 0 and self.mlp_kinds()[layer] == "moe"
+    def hash_layer(self, layer: int) -> bool:
+        return self.mlp_kinds()[layer] == "hash_moe"
 
-    def check_expert_pruning(self, source: str = "model") -> None:
-        """Refused where the model has hash layers: stock transformers builds every layer with one expert count, so a
-        pruned model would need its hash layers' experts removed too, with their token-id tables rewritten."""
+    def check_expert_pruning(self, source: str = "model", config: Any = None) -> None:
+        """Global scope is refused: stock transformers builds every DeepSeek-V4 layer (hash-routed or not) with one
+        expert count, and the plugin cannot rebuild a block with its own (its constructor takes the layer index)."""
         from ..errors import UserInputError
 
-        hashed = [layer for layer, kind in enumerate(self.mlp_kinds()) if kind == "hash_moe"]
-        if hashed:
+        if getattr(config, "scope", None) == "global":
             raise UserInputError(
-                f"{source}: deepseek_v4 experts cannot be pruned: layers {hashed} pick experts from a token-id table "
-                "(hash routing), and stock transformers builds every layer with one expert count, so their experts "
-                "would have to be removed with the table rewritten, which moecompress does not do"
+                f"{source}: deepseek_v4 keeps one expert count in every layer (stock transformers builds each MoE "
+                "block, hash-routed or not, from the one n_routed_experts); prune with --scope layer"
             )
 
     def head_counts(self) -> tuple[int, int, int]:
@@ -123,6 +122,33 @@ class DeepseekV4Adapter(FamilyAdapter):
         name = {"e_score_correction_bias": "bias", "bias": "no_router_bias"}.get(name, name)
         return super()._router_key(layer, name)
 
+    def split_layer(
+        self, layer: int, tensors: dict[str, torch.Tensor], *, consume: bool = False
+    ) -> tuple[MoEWeights | None, dict[str, torch.Tensor], Any]:
+        """As every family's, with a hash layer's ``ffn.gate.tid2eid`` as the view's :attr:`MoEWeights.token_table`."""
+        moe, rest, layout = super().split_layer(layer, tensors, consume=consume)
+        if moe is not None and self.hash_layer(layer):
+            from ..errors import UserInputError
+
+            key = self._router_key(layer, "tid2eid")
+            if key not in rest:
+                raise UserInputError(f"layer {layer} is hash-routed (mlp_layer_types) but {key} is missing")
+            table = moe.token_table = rest.pop(key)
+            want = [int(self.text_config["vocab_size"]), self.top_k]
+            if list(table.shape) != want:
+                raise UserInputError(f"{key}: shape {list(table.shape)}, config.json implies {want}")
+            if table.numel() and not 0 <= int(table.min()) <= int(table.max()) < moe.num_experts:
+                raise UserInputError(f"{key} names experts outside 0..{moe.num_experts - 1}")
+        return moe, rest, layout
+
+    def join_layer(
+        self, layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], layout: Any
+    ) -> dict[str, torch.Tensor]:
+        out = super().join_layer(layer, moe, rest, layout)
+        if moe is not None and moe.token_table is not None:
+            out[self._router_key(layer, "tid2eid")] = moe.token_table
+        return out
+
     # ---- the loaded transformers model ------------------------------------------------------------------
     runtime_layers_path = "model.layers"
 
@@ -131,17 +157,32 @@ class DeepseekV4Adapter(FamilyAdapter):
             local_key = pattern.sub(target, local_key)
         return local_key
 
-    def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A hash layer's per-expert ``w1``/``w3``/``w2`` as the stock module's fused ``gate_up_proj``/``down_proj``."""
-        parts: dict[int, dict[str, torch.Tensor]] = {}
-        for key in [key for key in state if _HASH_EXPERT.match(key)]:
-            match = _HASH_EXPERT.match(key)
-            parts.setdefault(int(match.group(1)), {})[match.group(2)] = state.pop(key)
-        if parts:
-            experts = [parts[e] for e in sorted(parts)]
-            state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([p["w1"], p["w3"]]) for p in experts])
-            state["mlp.experts.down_proj"] = torch.stack([p["w2"] for p in experts])
+    def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        state = super().runtime_router_state(moe)
+        if moe.token_table is not None:
+            state[f"{self.router_module}.tid2eid"] = moe.token_table
         return state
+
+    def stock_route(self, model: torch.nn.Module, layer: int, hidden: torch.Tensor, token_ids=None):
+        """As every family's; a hash layer's stock router also takes the tokens' ids ``token_ids`` ``[T]``."""
+        router = self.router_of(model, layer)
+        if not hasattr(router, "tid2eid"):
+            return super().stock_route(model, layer, hidden)
+        if token_ids is None:
+            raise ValueError(f"layer {layer} is hash-routed: its router needs the tokens' ids")
+        return self.route_of(router(hidden, token_ids))
+
+    def reroute_hooks(self, layer_module: torch.nn.Module, choose) -> list[Any]:
+        """As every family's; a hash router's ``choose`` also gets the tokens' ids (the router's second input)."""
+        router = layer_module.get_submodule(self.router_module)
+        if not hasattr(router, "tid2eid"):
+            return super().reroute_hooks(layer_module, choose)
+
+        def reroute(module, inputs, output):
+            ids, weights = choose(self.route_of(output)[0], token_ids=inputs[1].reshape(-1))
+            return self.with_route(output, weights, ids)
+
+        return [router.register_forward_hook(reroute)]
 
     def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {_OUTSIDE_NAMES.get(key, key): value for key, value in state.items()}

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..device import moe_on
 from ..errors import UserInputError
 from ..families import FamilyAdapter, MoEWeights
+from ..families.token_table import merged as merged_table
 
 RIDGE = 1e-4
 """The refit's ridge: λ = RIDGE · trace(AᵀA) / I (A: the merged expert's intermediate activations, token-weighted)."""
@@ -160,11 +161,14 @@ def merge_experts(
     *,
     refit: bool = True,
     chunk_tokens: int = 2048,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[MoEWeights, list[dict[str, Any]]]:
     """The block with one expert per group of expert positions (in group order; experts in no group are dropped),
     and one report per group.
 
-    Tokens ``hidden`` ``[T, H]`` are routed by the unmerged block (its router reads ``router_input`` where given).
+    Tokens ``hidden`` ``[T, H]`` are routed by the unmerged block (its router reads ``router_input`` where given; a
+    hash-routed block routes by the tokens' ids ``token_ids``, and its table's entries of a group's members name the
+    group's merged expert: :func:`~moecompress.families.token_table.merged`).
     A group of one is that expert, tensors untouched. Otherwise, with ``n_j`` the tokens routed to member j:
 
     - anchor: the member with the largest ``n_j`` (ties: the first); the merged expert takes its id;
@@ -191,7 +195,7 @@ def merge_experts(
     _check_groups(groups, moe.num_experts)
     device = hidden.device
     work = moe_on(moe, device)
-    ids, weights = _route_all(adapter, work, hidden, router_input, chunk_tokens)
+    ids, weights = _route_all(adapter, work, hidden, router_input, chunk_tokens, token_ids)
     counts = torch.bincount(ids.reshape(-1), minlength=work.router_columns)[: work.num_experts].cpu()
     merged, reports = [], []
     for members in groups:
@@ -202,9 +206,10 @@ def merge_experts(
         tensors, report = _merge_group(adapter, work, members, counts, ids, weights, hidden, refit, chunk_tokens)
         merged.append({name: _like(value, getattr(moe, name)) for name, value in tensors.items()})
         reports.append(report)
-    return _assemble(moe, merged, [moe.expert_ids[report["anchor_position"]] for report in reports]), [
-        {key: value for key, value in report.items() if key != "anchor_position"} for report in reports
-    ]
+    block = _assemble(moe, merged, [moe.expert_ids[report["anchor_position"]] for report in reports])
+    if moe.token_table is not None:
+        block = replace(block, token_table=merged_table(moe.token_table, moe.router_weight, groups))
+    return block, [{key: value for key, value in report.items() if key != "anchor_position"} for report in reports]
 
 
 def _check_groups(groups: list[list[int]], num_experts: int) -> None:
@@ -221,12 +226,14 @@ def _route_all(
     hidden: torch.Tensor,
     router_input: torch.Tensor | None,
     chunk_tokens: int,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ids, weights = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         routed_by = hidden if router_input is None else router_input
         chunk = routed_by[start : start + chunk_tokens].to(hidden.device).float()
-        chunk_ids, chunk_weights = adapter.route(moe, adapter.router_logits(moe, chunk))
+        chunk_tokens_ids = None if token_ids is None else token_ids[start : start + chunk_tokens]
+        chunk_ids, chunk_weights = adapter.route(moe, adapter.router_logits(moe, chunk), token_ids=chunk_tokens_ids)
         ids.append(chunk_ids)
         weights.append(chunk_weights.float())
     if not ids:

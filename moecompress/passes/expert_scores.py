@@ -64,9 +64,11 @@ def layer_expert_stats(
     chunk_tokens: int = 2048,
     removed: torch.Tensor | None = None,
     router_input: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> TokenExpertStats:
     """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]`` (the router reads
-    ``router_input`` where the family's router has an input of its own).
+    ``router_input`` where the family's router has an input of its own; a hash-routed block routes by the tokens'
+    ids ``token_ids``, each removed expert's entries redirected as its table's rule says).
 
     ``removed`` (bool ``[E]``) marks experts already taken out: routing avoids them, and ΔH of the others is the
     change from that reduced block. Removed experts get ΔH 0.
@@ -90,10 +92,11 @@ def layer_expert_stats(
         n = x.shape[0]
         routed_by = x if router_input is None else router_input[start : start + chunk_tokens].to(device).float()
         logits = adapter.router_logits(moe, routed_by)
-        ids, weights = adapter.route(moe, logits, allowed=base_allowed)
+        chunk_ids = None if token_ids is None else token_ids[start : start + chunk_tokens]
+        ids, weights = adapter.route(moe, logits, allowed=base_allowed, token_ids=chunk_ids)
         # every present expert removed in turn: [E, n, k] re-routed ids and weights
         masked = [
-            adapter.route(moe, logits, allowed=present & ~eye[e]) if present[e] else (ids, weights)
+            adapter.route(moe, logits, allowed=present & ~eye[e], token_ids=chunk_ids) if present[e] else (ids, weights)
             for e in range(num_experts)
         ]
         new_ids = torch.stack([m[0] for m in masked])
@@ -146,14 +149,19 @@ def layer_expert_stats(
 
 
 def brute_force_delta_h(
-    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None = None
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    hidden: torch.Tensor,
+    router_input: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ΔH by re-running the whole block once per removed expert (the definition; for tests)."""
-    full = adapter.moe_forward(moe, hidden.float(), allowed=None, router_input=router_input)
+    routing = dict(router_input=router_input, token_ids=token_ids)
+    full = adapter.moe_forward(moe, hidden.float(), allowed=None, **routing)
     eye = torch.eye(moe.router_columns, dtype=torch.bool, device=hidden.device)
     return torch.stack(
         [
-            (full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e], router_input=router_input)).norm(dim=-1)
+            (full - adapter.moe_forward(moe, hidden.float(), allowed=~eye[e], **routing)).norm(dim=-1)
             for e in range(moe.num_experts)
         ],
         dim=1,

@@ -110,14 +110,24 @@ class PruneExpertsPass(LayerPass):
             from .expert_merge import merge_experts
 
             rewritten, done["merge"] = merge_experts(
-                self._adapter, block, groups, capture.moe_input, router_input=capture.router_input
+                self._adapter,
+                block,
+                groups,
+                capture.moe_input,
+                router_input=capture.router_input,
+                token_ids=capture.token_ids,
             )
             rewritten = replace(rewritten, expert_ids=[block.expert_ids[group[0]] for group in groups])
         if self.config.recalibrate_router:
             from .router_refit import recalibrate_router
 
             rewritten, done["router"] = recalibrate_router(
-                self._adapter, block, rewritten, capture.moe_input, router_input=capture.router_input
+                self._adapter,
+                block,
+                rewritten,
+                capture.moe_input,
+                router_input=capture.router_input,
+                token_ids=capture.token_ids,
             )
         self.rewrites[layer_unit(layer)] = done
         return _in_dtypes_of(rewritten, block)

@@ -381,6 +381,7 @@ class _ExpertQuantizer:
             damp=self.config.gptq_damp,
             block_size=self.config.gptq_block,
             router_input=capture.router_input,
+            token_ids=capture.token_ids,
         )
         capture.replacement = ExpertSource(quantized.weights, quantized.dequantized_expert)
         return quantized
@@ -401,6 +402,7 @@ class _ExpertQuantizer:
             token_weights=factor if factor is not None and factor.ndim else None,
             only_kept=measure,
             router_input=capture.router_input,
+            token_ids=capture.token_ids,
         )
         if factor is not None and not factor.ndim:
             errors.loads = {key: load * float(factor) for key, load in errors.loads.items()}
@@ -635,7 +637,7 @@ class QuantizedLayers:
         meta: dict[str, Any] = {}
         quantizer = self.quantizer
         if self.imatrix is not None:
-            self.imatrix.add(layer, moe, capture.moe_input, capture.router_input)
+            self.imatrix.add(layer, moe, capture.moe_input, capture.router_input, capture.token_ids)
         quantized = quantizer.quantize(layer, moe, capture)
         if self.ranks:
             layer_ranks = {(e, w): r for (lay, e, w), r in self.ranks.items() if lay == layer}

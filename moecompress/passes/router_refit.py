@@ -47,9 +47,11 @@ def recalibrate_router(
     eval_every: int = DEFAULT_EVAL_EVERY,
     seed: int = 0,
     chunk_tokens: int = CHUNK_TOKENS,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[MoEWeights, dict[str, Any]]:
     """``compressed`` with its router rows (and bias) fitted so that its routed output on the tokens ``hidden``
-    ``[T, H]`` (the router reads ``router_input`` where the family's router has an input of its own) is as close as
+    ``[T, H]`` (the router reads ``router_input`` where the family's router has an input of its own; hash-routed
+    blocks route by the tokens' ids ``token_ids``) is as close as
     the fit gets to ``reference``'s, and a report: the relative error ‖Δ‖²/‖ref‖² over all tokens before and after,
     the step whose rows were kept (0: the original rows), steps, tokens, lr, batch size, and ``history``: ``[step,
     error]`` of every measurement."""
@@ -64,12 +66,12 @@ def recalibrate_router(
     x = hidden.float()
     routed_by = None if router_input is None else router_input.to(device).float()
     moe = moe_on(compressed, device)
-    target = _routed_output(adapter, moe_on(reference, device), x, routed_by, chunk_tokens)
+    target = _routed_output(adapter, moe_on(reference, device), x, routed_by, chunk_tokens, token_ids=token_ids)
     energy = sum(target[s : s + chunk_tokens].double().pow(2).sum() for s in range(0, tokens, chunk_tokens))
     energy = energy.clamp_min(torch.finfo(torch.float64).tiny)
 
     def error(candidate: MoEWeights) -> float:
-        return float(_squared_error(adapter, candidate, x, routed_by, target, chunk_tokens) / energy)
+        return float(_squared_error(adapter, candidate, x, routed_by, target, chunk_tokens, token_ids) / energy)
 
     before = best = error(moe)
     history = [[0, before]]
@@ -88,7 +90,8 @@ def recalibrate_router(
         index = next(batches)
         fitted = replace(moe, router_weight=weight, router_bias=bias)
         batch_router_input = None if routed_by is None else routed_by[index]
-        out = _routed_output(adapter, fitted, x[index], batch_router_input, None, expert_grad)
+        batch_token_ids = None if token_ids is None else token_ids.to(index.device)[index]
+        out = _routed_output(adapter, fitted, x[index], batch_router_input, None, expert_grad, batch_token_ids)
         loss = (out - target[index]).pow(2).sum(dim=-1).mean() / mean_energy
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -167,6 +170,7 @@ def _routed_output(
     routed_by: torch.Tensor | None,
     chunk_tokens: int | None,
     expert_grad: bool = False,
+    token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The block's routed output for ``x``; the router's tensors carry their grad, the experts' computation only
     with ``expert_grad``. With ``chunk_tokens`` it is the family's own forward without grad, that many tokens at a
@@ -176,10 +180,15 @@ def _routed_output(
         with torch.no_grad():
             for s in range(0, x.shape[0], chunk_tokens):
                 rows = slice(s, s + chunk_tokens)
-                out[rows] = adapter.moe_forward(moe, x[rows], router_input=_rows(routed_by, s, chunk_tokens))
+                out[rows] = adapter.moe_forward(
+                    moe,
+                    x[rows],
+                    router_input=_rows(routed_by, s, chunk_tokens),
+                    token_ids=_rows(token_ids, s, chunk_tokens),
+                )
         return out
     logits = adapter.router_logits(moe, x if routed_by is None else routed_by)
-    ids, weights = adapter.route(moe, logits)
+    ids, weights = adapter.route(moe, logits, token_ids=token_ids)
 
     def output_of(expert: int, expert_input: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(expert_grad and torch.is_grad_enabled()):
@@ -195,11 +204,17 @@ def _squared_error(
     routed_by: torch.Tensor | None,
     target: torch.Tensor,
     chunk_tokens: int,
+    token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     with torch.no_grad():
         for s in range(0, x.shape[0], chunk_tokens):
-            out = adapter.moe_forward(moe, x[s : s + chunk_tokens], router_input=_rows(routed_by, s, chunk_tokens))
+            out = adapter.moe_forward(
+                moe,
+                x[s : s + chunk_tokens],
+                router_input=_rows(routed_by, s, chunk_tokens),
+                token_ids=_rows(token_ids, s, chunk_tokens),
+            )
             total += (out - target[s : s + chunk_tokens]).double().pow(2).sum()
     return total
 

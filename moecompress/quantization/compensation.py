@@ -61,6 +61,7 @@ def layer_errors(
     token_weights: torch.Tensor | None = None,
     only_kept: bool = False,
     router_input: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> LayerErrors:
     """Spectra (with ``keep`` components' factors, one number for all or one per ``(expert, matrix)``, absent
     meaning 0) and loads of every expert matrix of one block.
@@ -86,7 +87,7 @@ def layer_errors(
         token_weights = token_weights.to(hidden.device)
     rule = adapter.routing_rule()
     router_input = hidden if router_input is None else router_input.to(hidden.device).float()
-    ids, weights = adapter.route(moe, adapter.router_logits(moe, router_input))
+    ids, weights = adapter.route(moe, adapter.router_logits(moe, router_input), token_ids=token_ids)
     total_slots = float(ids.numel())
     result = LayerErrors({}, {})
     without_adapters = with_adapters = 0.0

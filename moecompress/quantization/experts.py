@@ -54,21 +54,33 @@ def quantize_experts_rtn(moe: MoEWeights, scheme: QuantScheme) -> QuantizedMoE:
 
 
 def routed_tokens(
-    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None = None
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    hidden: torch.Tensor,
+    router_input: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """For each expert (position in ``moe``), the indices of the tokens in ``hidden`` routed to it (the router reads
-    ``router_input`` where the family's router has an input of its own)."""
-    ids, _ = adapter.route(moe, adapter.router_logits(moe, hidden if router_input is None else router_input))
+    ``router_input`` where the family's router has an input of its own; a hash-routed block routes by the tokens'
+    ids ``token_ids``)."""
+    logits = adapter.router_logits(moe, hidden if router_input is None else router_input)
+    ids, _ = adapter.route(moe, logits, token_ids=token_ids)
     return [torch.where((ids == expert).any(dim=-1))[0] for expert in range(moe.num_experts)]
 
 
 def routed_inputs(
-    adapter: FamilyAdapter, moe: MoEWeights, hidden: torch.Tensor, router_input: torch.Tensor | None = None
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    hidden: torch.Tensor,
+    router_input: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """For each expert (position in ``moe``), what it computes on: the tokens of ``hidden`` routed to it, scaled by
-    their routing weight where the family's rule scales expert inputs (Llama 4)."""
+    their routing weight where the family's rule scales expert inputs (Llama 4); a hash-routed block routes by the
+    tokens' ids ``token_ids``."""
     rule = adapter.routing_rule()
-    ids, weights = adapter.route(moe, adapter.router_logits(moe, hidden if router_input is None else router_input))
+    logits = adapter.router_logits(moe, hidden if router_input is None else router_input)
+    ids, weights = adapter.route(moe, logits, token_ids=token_ids)
     inputs = []
     for expert in range(moe.num_experts):
         token, slot = torch.where(ids == expert)
@@ -164,6 +176,7 @@ def quantize_experts_calibrated(
     damp: float = DEFAULT_DAMP,
     block_size: int = DEFAULT_BLOCK,
     router_input: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> QuantizedMoE:
     """Quantise every routed expert of ``moe`` using the block's calibration inputs ``hidden`` ``[T, H]``: GPTQ
     (``method="gptq"``) and/or the choice of salient weights (schemes with a salient fraction).
@@ -178,7 +191,8 @@ def quantize_experts_calibrated(
         raise ValueError(f"unknown method {method!r}")
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
-    inputs = routed_inputs(adapter, moe, hidden, None if router_input is None else router_input.to(hidden.device))
+    router_input = None if router_input is None else router_input.to(hidden.device)
+    inputs = routed_inputs(adapter, moe, hidden, router_input, token_ids)
     counts = [int(x.shape[0]) for x in inputs]
     use = [count >= min_tokens for count in counts] if method == "gptq" else None
     gate_up = _quantize_matrix(moe.gate_up, inputs, scheme, use, damp, block_size)
