@@ -1064,6 +1064,38 @@ _INKLING_TEXT = dict(
     route_scale=2.0,
 )
 TINY_CONFIGS["inkling_text"] = dict(_INKLING_TEXT, model_type="inkling_text")
+TINY_CONFIGS["step3p7"] = dict(
+    model_type="step3p7",
+    text_config=dict(
+        _COMMON,
+        num_hidden_layers=3,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        share_expert_dim=32,
+        head_dim=16,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=8,
+        swiglu_limits=[0, 0, 1.0],
+        swiglu_limits_shared=[0, 0.5, 0],
+    ),
+    vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28),
+    image_token_id=380,
+    tie_word_embeddings=False,
+)
+TINY_CONFIGS["bailing_hybrid"] = dict(
+    _COMMON,
+    **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
+    **dict(_MLA, q_lora_rank=None),
+    model_type="bailing_hybrid",
+    num_local_experts=8,
+    head_dim=16,
+    layer_types=["linear_attention", "linear_attention", "full_attention"],
+    expert_swiglu_limit_list=[0, 1.0, 0],
+    share_expert_swiglu_limit_list=[0, 0, 0.5],
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 TINY_VARIANTS: dict[str, dict[str, Any]] = {

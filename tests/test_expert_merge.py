@@ -11,7 +11,17 @@ from test_expert_scores import _layer_view
 from moecompress.errors import UserInputError
 from moecompress.passes.expert_merge import cut_tree, expert_signatures, merge_experts, merge_tree
 
-FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4", "nemotron_h", "gemma4", "longcat_flash"]
+FAMILIES = [
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "deepseek_v3",
+    "llama4",
+    "nemotron_h",
+    "gemma4",
+    "longcat_flash",
+    "bailing_hybrid",
+]
 
 
 def _tokens(moe, count, seed=0):
@@ -67,7 +77,7 @@ def _reference(adapter, moe, members, hidden, refit):
     inter = moe.intermediate_size
 
     def intermediate(gate_up, bias):
-        return adapter.expert_hidden(F.linear(merged_input, gate_up, bias), inter)
+        return adapter.expert_hidden(F.linear(merged_input, gate_up, bias), inter, moe.layer)
 
     bias_of = (lambda e: moe.gate_up_bias[e]) if moe.gate_up_bias is not None else (lambda e: None)
     anchor_act = intermediate(moe.gate_up[anchor], bias_of(anchor))

@@ -149,7 +149,7 @@ def layer_statistics(
         projected = F.linear(x, moe.gate_up[expert].float())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()
-        down[expert] = _square_sums(adapter.expert_hidden(projected, inter))
+        down[expert] = _square_sums(adapter.expert_hidden(projected, inter, moe.layer))
     every = _square_sums(hidden)
     tokens = torch.tensor([float(hidden.shape[0])], dtype=torch.float64)
     entries = {"ffn_gate_inp": (every, tokens), "ffn_gate_exps": (routed, counts), "ffn_up_exps": (routed, counts)}

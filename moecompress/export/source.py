@@ -224,6 +224,7 @@ class NativeSource:
             gate_up_bias=tensors.pop(f"{experts}.gate_up_proj_bias", None),
             down_bias=tensors.pop(f"{experts}.down_proj_bias", None),
             expert_ids=adapter.original_expert_ids(layer),
+            layer=layer,
         )
         out.adapters = _pop_adapters(experts, tensors)
         out.rest = self._dense_rest(tensors)

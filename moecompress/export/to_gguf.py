@@ -80,6 +80,15 @@ def check_scope(adapter: FamilyAdapter, source: Path) -> None:
         )
 
 
+def check_one_activation(adapter: FamilyAdapter, source: Path) -> None:
+    """llama.cpp's converter writes one expert activation per model; a clamp limit per layer would be lost."""
+    if adapter.activation_varies():
+        raise UserInputError(
+            f"{source}: {adapter.family}'s experts clamp their SwiGLU with a limit per layer, which the GGUF export "
+            "(llama.cpp's converter) does not write; export --format gguf is not supported for it"
+        )
+
+
 def check_foldable(config: dict[str, Any], source: Path, fold: bool) -> list[str]:
     """What is folded (``lowrank``, ``salient``): with ``fold`` all there is; without it nothing, and salient
     weights are refused (adapters go to the LoRA file)."""
@@ -411,6 +420,7 @@ def export_gguf(
         outtype = source_outtype(reader)
         adapter = adapter_for(config, source=str(source))
         check_scope(adapter, source)
+        check_one_activation(adapter, source)
         native = quant_config(config) is not None
         needs = check_foldable(config, source, fold) if native else []
         lora = lora_path(config, source, out, fold, lora_out, overwrite)

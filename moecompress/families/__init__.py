@@ -7,6 +7,7 @@ from typing import Any
 from ..errors import UserInputError
 from .aria import AriaAdapter, AriaTextAdapter
 from .axk2 import AXK2Adapter
+from .bailing_hybrid import BailingHybridAdapter
 from .base import PARAM_CLASSES, FamilyAdapter, ModelShape, MoEWeights
 from .cohere import Cohere2MoeAdapter
 from .dbrx import DbrxAdapter
@@ -69,6 +70,7 @@ from .qwen_next import Qwen3_5MoeAdapter, Qwen3_5MoeTextAdapter, Qwen3NextAdapte
 from .routing import RoutingRule
 from .sarvam import Param2MoeAdapter, SarvamMoeAdapter
 from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
+from .step3p7 import Step3p7Adapter
 from .sub_configs import sub_config_reason
 from .unlimited_ocr import UnlimitedOcrAdapter
 
@@ -151,6 +153,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Qwen3OmniMoeThinkerAdapter,
     MuseSparkAdapter,
     DbrxAdapter,
+    Step3p7Adapter,
+    BailingHybridAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -166,10 +170,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "qwen3_omni_moe": (
         "Qwen3-Omni's top-level model has no forward (generation only) and holds two MoE decoders (thinker and "
         "talker); compressing the thinker's layers needs a sub-model build and evaluation that moecompress lacks"
-    ),
-    "bailing_hybrid": (
-        "Ling 2.5's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used by the "
-        "expert passes, GPTQ and the quantised-expert plugin) is one per family"
     ),
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
@@ -205,10 +205,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "doge": (
         "Doge's experts are single-neuron embedding rows (down_embed/up_embed) retrieved by product keys over "
         "sqrt(E) x sqrt(E) router halves, with no gate/up/down matrices per expert"
-    ),
-    "step3p7": (
-        "Step-3.7-Flash's experts clamp their SwiGLU with a limit per layer, and an adapter's expert activation (used "
-        "by the expert passes, GPTQ and the quantised-expert plugin) is one per family"
     ),
     **dict.fromkeys(
         ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),

@@ -66,6 +66,8 @@ class MoEWeights:
     expert_ids: list[int] = field(default_factory=list)
     identity_experts: int = 0
     expert_scale: torch.Tensor | None = None
+    layer: int | None = None
+    """The decoder layer the block is read from, which picks its activation (:meth:`FamilyAdapter.activation_of`)."""
     token_table: torch.Tensor | None = None
     output_norm: torch.Tensor | None = None
 
@@ -286,10 +288,21 @@ class FamilyAdapter:
             raise ValueError(f"{self.family}: unsupported expert activation {act!r}")
         return F.silu(gate) * up
 
-    def expert_hidden(self, projected: torch.Tensor, inter: int) -> torch.Tensor:
+    def activation_of(self, layer: int | None) -> Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor]:
+        """The experts' activation in decoder layer ``layer``: :meth:`activation` for a family with one activation;
+        families whose activation differs per layer (a clamp limit per layer) override this, and :meth:`activation`
+        stays the family's unclamped one."""
+        return self.activation
+
+    def activation_varies(self) -> bool:
+        """Whether the experts' activation differs from :meth:`activation` in some layer (what an output format
+        with one activation per model cannot express)."""
+        return False
+
+    def expert_hidden(self, projected: torch.Tensor, inter: int, layer: int | None = None) -> torch.Tensor:
         """The down projection's input from an expert's input projection ``projected`` ``[T, 2I]`` (gate columns
-        first) or, for non-gated experts, ``[T, I]``."""
-        return self.activation(*split_gate_up(projected, inter))
+        first) or, for non-gated experts, ``[T, I]``, with layer ``layer``'s activation."""
+        return self.activation_of(layer)(*split_gate_up(projected, inter))
 
     @property
     def fused_in_name(self) -> str:
@@ -403,6 +416,7 @@ class FamilyAdapter:
             moe.expert_scale = rest.pop(self._router_key(layer, self.expert_scale_name))
         moe.expert_ids = self.original_expert_ids(layer)
         moe.identity_experts = self.identity_experts(layer)
+        moe.layer = layer
         self._check_shapes(layer, moe)
         return moe, rest, layout
 
@@ -690,7 +704,7 @@ class FamilyAdapter:
         gate_up = F.linear(hidden, moe.gate_up[expert].to(hidden.dtype))
         if moe.gate_up_bias is not None:
             gate_up = gate_up + moe.gate_up_bias[expert].to(hidden.dtype)
-        out = F.linear(self.expert_hidden(gate_up, moe.intermediate_size), moe.down[expert].to(hidden.dtype))
+        out = F.linear(self.expert_hidden(gate_up, moe.intermediate_size, moe.layer), moe.down[expert].to(hidden.dtype))
         if moe.down_bias is not None:
             out = out + moe.down_bias[expert].to(hidden.dtype)
         return out

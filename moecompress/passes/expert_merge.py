@@ -390,13 +390,18 @@ class _GroupRoutes:
 
 def _intermediate(adapter: FamilyAdapter, moe: MoEWeights, expert: int, x: torch.Tensor) -> torch.Tensor:
     bias = None if moe.gate_up_bias is None else moe.gate_up_bias[expert].float()
-    return _intermediate_of(adapter, moe.gate_up[expert].float(), bias, x, moe.intermediate_size)
+    return _intermediate_of(adapter, moe.gate_up[expert].float(), bias, x, moe.intermediate_size, moe.layer)
 
 
 def _intermediate_of(
-    adapter: FamilyAdapter, gate_up: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, inter: int
+    adapter: FamilyAdapter,
+    gate_up: torch.Tensor,
+    bias: torch.Tensor | None,
+    x: torch.Tensor,
+    inter: int,
+    layer: int | None,
 ) -> torch.Tensor:
-    return adapter.expert_hidden(F.linear(x, gate_up, bias), inter)
+    return adapter.expert_hidden(F.linear(x, gate_up, bias), inter, layer)
 
 
 def _activation_correlation(
@@ -530,7 +535,9 @@ def _normal_equations(
     cross = torch.zeros(width, hidden.shape[1], dtype=torch.float64, device=device)
     energy = torch.zeros((), dtype=torch.float64, device=device)
     for x, merged_input, part in routes.chunks(hidden, chunk_tokens):
-        activation = _intermediate_of(adapter, merged["gate_up"], merged["gate_up_bias"], merged_input, inter)
+        activation = _intermediate_of(
+            adapter, merged["gate_up"], merged["gate_up_bias"], merged_input, inter, moe.layer
+        )
         if merged["down_bias"] is not None:
             activation = torch.cat([activation, torch.ones_like(activation[:, :1])], dim=1)
         output_weights = routes.output_weights[part]

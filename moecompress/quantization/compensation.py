@@ -104,7 +104,7 @@ def layer_errors(
         projected = F.linear(x, moe.gate_up[expert].float())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()
-        down_input = adapter.expert_hidden(projected, inter)
+        down_input = adapter.expert_hidden(projected, inter, moe.layer)
         enough = tokens.numel() >= min_tokens
         if not enough:
             result.plain_svd.append(moe.expert_ids[expert])
@@ -168,10 +168,11 @@ def output_reach(
         return {which: 1.0 for which in errors}
     gate, up = split_gate_up(projected, moe.intermediate_size)
     down = moe.down[expert].float()
-    base = adapter.activation(gate, up)
+    activation = adapter.activation_of(moe.layer)
+    base = activation(gate, up)
     for which in inputs:
         delta = x @ errors[which].T
-        moved = adapter.activation(gate + delta, up) if which == "gate" else adapter.activation(gate, up + delta)
+        moved = activation(gate + delta, up) if which == "gate" else activation(gate, up + delta)
         energy = float((delta**2).sum())
         reach[which] = float(((moved - base) @ down.T).pow(2).sum()) / energy if energy > 0 else 1.0
     return reach

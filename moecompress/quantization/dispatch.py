@@ -65,10 +65,13 @@ def kernel_activation(activation) -> Any:
     method (or an ``Activation`` itself); None for anything else."""
     from ..families.base import FamilyAdapter
     from ..families.gpt_oss import GptOssAdapter
+    from ..families.swiglu_clamp import ClampedSwiGLU
     from ..kernels.triton_moe import Activation
 
     if isinstance(activation, Activation):
         return activation
+    if isinstance(activation, ClampedSwiGLU):
+        return Activation("silu") if activation.limit is None else None
     owner, function = getattr(activation, "__self__", None), getattr(activation, "__func__", None)
     if function is FamilyAdapter.activation and owner.text_config.get("hidden_act", "silu") in ("silu", "swish"):
         return Activation("silu")

@@ -201,7 +201,7 @@ def quantize_experts_calibrated(
         projected = F.linear(x, gate_up[expert].dequantize())
         if moe.gate_up_bias is not None:
             projected = projected + moe.gate_up_bias[expert].float()
-        activations.append(adapter.expert_hidden(projected, moe.intermediate_size))
+        activations.append(adapter.expert_hidden(projected, moe.intermediate_size, moe.layer))
     down = _quantize_matrix(moe.down, activations, scheme, use, damp, block_size)
     ran = method if method == "rtn" or scheme.kind.gptq else "importance-weighted rtn"
     stats: dict = {"method": ran, "tokens_per_expert": dict(zip(moe.expert_ids, counts, strict=True))}

@@ -217,7 +217,7 @@ def replace_quantized_modules(
                 twin = _quantized_twin(
                     module,
                     config.scheme_of(full_name),
-                    adapter.activation,
+                    adapter.activation_of(adapter.layer_of_key(full_name)),
                     hidden,
                     config.lowrank.get(full_name),
                     config.salient_of(full_name),

@@ -274,6 +274,11 @@ def expert_tensors(
 # ---- the quantise pass's interface (see passes/quantize.py) --------------------------------------------------
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
     """Why this export cannot hold the request, or None."""
+    if adapter.activation_varies():
+        return (
+            f"{named('format', 'compressed-tensors')}: {adapter.family}'s experts clamp their SwiGLU with a limit per "
+            f"layer, which moecompress does not know vLLM to apply (use {named('format')} native)"
+        )
     return fused_experts_problem(adapter) or supports(scheme)
 
 
