@@ -38,6 +38,7 @@ from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .hy_v4 import HYV4Adapter, HYV4VLAdapter
+from .inkling import InklingTextAdapter
 from .jamba import JambaAdapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
@@ -155,6 +156,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     DbrxAdapter,
     Step3p7Adapter,
     BailingHybridAdapter,
+    InklingTextAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -178,11 +180,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "zaya": (
         "ZAYA1's router carries a hidden state from one layer to the next and has a skip (no-compute) expert, which "
         "the layer sweep and the expert view do not model"
-    ),
-    **dict.fromkeys(
-        ("inkling", "inkling_text", "inkling_mm_model"),
-        "Inkling routes its shared experts together with the routed ones (the router's rows and the weights' "
-        "normalisation span both), which the routed-only expert view cannot hold",
     ),
     **dict.fromkeys(
         ("nllb-moe", "switch_transformers"),

@@ -23,6 +23,7 @@ RuleKind = Literal[
     "softmax_bias_topk",
     "bias_topk_sigmoid",
     "sparsemixer",
+    "sigmoid_shared_topk",
 ]
 
 _MASK_LOGITS = ("softmax_topk", "topk_sigmoid", "softmax_group_topk", "softmax_bias_topk", "sparsemixer")
@@ -50,6 +51,9 @@ class RoutingRule:
     - ``sparsemixer``: PhiMoE's top-2 at inference. The best expert, weighted by its softmax over the logits within
       a relative distance ``2 * jitter_eps`` of its own; then the best of the others, weighted the same way among
       the others.
+    - ``sigmoid_shared_topk``: the last ``shared`` logits are shared experts' (Inkling). Choice on the sigmoid of the
+      other logits plus a correction bias; the k chosen and the ``shared`` shared experts (always chosen, their ids
+      after the routed ones) are weighted together, each by the sigmoid of its logit divided by the sum over them all.
     Every rule multiplies the weights by ``scaling``.
 
     With ``scales_input`` the weights multiply each chosen expert's *input* token, not its output (Llama 4's block
@@ -72,6 +76,8 @@ class RoutingRule:
     scales_input: bool = False
     score: Literal["sigmoid", "sqrtsoftplus"] = "sigmoid"
     """``sigmoid_group_topk``'s score of a logit: the sigmoid, or DeepSeek-V4's ``sqrt(softplus(x))``."""
+    shared: int = 0
+    """``sigmoid_shared_topk``'s shared experts: the router's last columns, chosen for every token."""
     norm_p: float | None = None
     """``softmax_topk`` with ``normalize``: the chosen weights are divided by their ``p``-norm (DBRX's
     ``moe_normalize_expert_weights``, as ``torch.norm`` computes it) instead of their sum."""
@@ -150,6 +156,15 @@ class RoutingRule:
             second = logits.scatter(1, first, float("-inf")).argmax(dim=-1, keepdim=True)
             ids = torch.cat([first, second], dim=1)
             weights = self._sparsemixer_weights(logits, ids)
+        elif self.kind == "sigmoid_shared_topk":
+            routed = logits.shape[-1] - self.shared
+            choice = logits[:, :routed].sigmoid()
+            choice = choice if correction_bias is None else choice + correction_bias.float()[:routed]
+            if allowed is not None:
+                choice = choice.masked_fill(~allowed[..., :routed], float("-inf"))
+            ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+            ids = self._with_shared(ids, routed)
+            weights = self._shared_normalised(logits, ids)
         else:
             raise ValueError(f"unknown routing rule {self.kind!r}")
         return ids, weights * self.scaling
@@ -169,6 +184,10 @@ class RoutingRule:
             weights = self._sparsemixer_weights(logits, ids)
         elif self.kind == "softmax_bias_topk":
             weights = self._clamped_normalised(torch.softmax(logits, dim=-1).gather(1, ids))
+        elif self.kind == "sigmoid_shared_topk":
+            if ids.shape[-1] == self.top_k:
+                ids = self._with_shared(ids, logits.shape[-1] - self.shared)
+            weights = self._shared_normalised(logits, ids)
         else:
             scores = self._scores(logits) if self.kind == "sigmoid_group_topk" else torch.softmax(logits, dim=-1)
             weights = scores.gather(1, ids)
@@ -184,6 +203,16 @@ class RoutingRule:
         if self.norm_p is None:
             return weights.sum(dim=-1, keepdim=True)
         return torch.norm(weights, p=self.norm_p, dim=-1, keepdim=True)
+
+    def _with_shared(self, ids: torch.Tensor, routed: int) -> torch.Tensor:
+        """The chosen routed experts' ids ``[T, k]`` followed by the shared experts' (``routed``, ``routed + 1``...)."""
+        shared = torch.arange(routed, routed + self.shared, device=ids.device).expand(ids.shape[0], -1)
+        return torch.cat([ids, shared], dim=-1)
+
+    def _shared_normalised(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each of ``ids``'s sigmoid over their sum, as Inkling's router computes it (in log space)."""
+        log_probs = torch.nn.functional.logsigmoid(logits.gather(1, ids))
+        return torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.softplus(logits).sqrt() if self.score == "sqrtsoftplus" else logits.sigmoid()
