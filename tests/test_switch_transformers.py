@@ -1,0 +1,121 @@
+"""Switch Transformers' expert view (encoder and decoder stacks numbered as one, per-sequence expert capacity)
+against the stock modules; the family itself stays refused until the sweep handles encoder-decoder models."""
+
+import pytest
+import torch
+from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+from moecompress.errors import UserInputError
+from moecompress.families import adapter_for
+from moecompress.families.switch_transformers import SwitchTransformersAdapter, capacity_kept
+
+E, H, CAPACITY = 4, 32, 5
+CONFIG = dict(
+    vocab_size=96,
+    d_model=H,
+    d_kv=8,
+    d_ff=48,
+    num_heads=4,
+    num_layers=4,
+    num_decoder_layers=2,
+    num_sparse_encoder_layers=2,
+    num_sparse_decoder_layers=2,
+    num_experts=E,
+    expert_capacity=CAPACITY,
+    router_jitter_noise=0.0,
+    dropout_rate=0.0,
+    decoder_start_token_id=0,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    built = SwitchTransformersForConditionalGeneration(SwitchTransformersConfig(**CONFIG)).eval()
+    with torch.no_grad():  # routers initialised near zero send every token to one expert; spread them out
+        for name, param in built.named_parameters():
+            if "router.classifier" in name:
+                param.normal_(0, 1.0)
+    return built
+
+
+@pytest.fixture(scope="module")
+def adapter(model):
+    return SwitchTransformersAdapter(model.config.to_dict())
+
+
+def _view(adapter, model, layer):
+    prefix = adapter.layer_prefix(layer)
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
+    return (*adapter.split_layer(layer, tensors), tensors)
+
+
+def test_the_family_stays_refused_with_one_line():
+    with pytest.raises(UserInputError, match="switch_transformers is not supported: an encoder-decoder"):
+        adapter_for(SwitchTransformersConfig(**CONFIG).to_dict())
+
+
+def test_layers_span_both_stacks_and_the_sparse_blocks_are_transformers_own(adapter, model):
+    assert adapter.num_layers == 6 and adapter.moe_layers() == [1, 3, 4, 5]
+    stock = [block.is_sparse for block in adapter.decoder_layers(model)]
+    assert [adapter.is_moe_layer(layer) for layer in range(6)] == stock
+    assert adapter.layer_prefix(5) == "decoder.block.1." and adapter.layer_of_key("decoder.block.1.layer.0.x") == 5
+    assert adapter.layer_of_key("encoder.final_layer_norm.weight") is None
+    assert adapter.classify_key("decoder.block.1.layer.2.mlp.experts.expert_3.wo.weight") == "experts"
+    assert adapter.classify_key("encoder.block.1.layer.1.mlp.router.classifier.weight") == "router"
+    assert adapter.classify_key("decoder.block.1.layer.1.EncDecAttention.k.weight") == "attention"
+
+
+@pytest.mark.parametrize("layer", [1, 5])
+def test_split_and_join_are_inverse_and_the_view_is_the_stock_experts(adapter, model, layer):
+    moe, rest, layout, tensors = _view(adapter, model, layer)
+    ff = "layer.2" if layer >= 4 else "layer.1"
+    stack = "decoder.block.1" if layer >= 4 else "encoder.block.1"
+    assert torch.equal(moe.gate_up[2], tensors[f"{stack}.{ff}.mlp.experts.expert_2.wi.weight"])
+    assert torch.equal(moe.down[3], tensors[f"{stack}.{ff}.mlp.experts.expert_3.wo.weight"])
+    assert not any(".mlp." in key for key in rest)
+    joined = adapter.join_layer(layer, moe, rest, layout)
+    assert joined.keys() == tensors.keys() and all(torch.equal(joined[k], tensors[k]) for k in tensors)
+
+
+def test_capacity_keeps_the_first_tokens_of_each_expert_in_order():
+    ids = torch.tensor([[0], [1], [0], [0], [1], [0]])
+    assert capacity_kept(ids, 2, 2)[:, 0].tolist() == [True, True, True, False, True, False]
+
+
+@pytest.mark.parametrize("layer", [1, 5])
+def test_the_view_computes_the_stock_block_capacity_included(adapter, model, layer):
+    moe, *_ = _view(adapter, model, layer)
+    hidden = torch.randn(2, 24, H, generator=torch.Generator().manual_seed(layer))
+    mlp = adapter.moe_block_of(model, layer)
+    with torch.no_grad():
+        stock = mlp(hidden)
+        dispatch = mlp.router(hidden)[0]
+        view = torch.stack([adapter.moe_forward(moe, sequence) for sequence in hidden])
+    assert (dispatch.sum(dim=-1) == 0).any(), "the test's tokens must overflow an expert's capacity"
+    torch.testing.assert_close(view, stock, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer", [1, 5])
+def test_rerouting_around_removed_experts_is_the_view_with_those_experts_disallowed(adapter, model, layer):
+    moe, *_ = _view(adapter, model, layer)
+    allowed = torch.ones(E, dtype=torch.bool)
+    allowed[[0, 2]] = False
+    hidden = torch.randn(2, 24, H, generator=torch.Generator().manual_seed(10 + layer))
+    mlp = adapter.moe_block_of(model, layer)
+    block = adapter.decoder_layers(model)[layer]
+    handles = adapter.reroute_hooks(block, lambda logits: adapter.route(moe, logits, allowed))
+    try:
+        with torch.no_grad():
+            rerouted = mlp(hidden)
+            dispatch = mlp.router(hidden)[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert dispatch[..., ~allowed].sum() == 0
+    kept = moe.select([1, 3])
+    with torch.no_grad():
+        pruned = torch.stack([adapter.moe_forward(kept, sequence) for sequence in hidden])
+        masked = torch.stack([adapter.moe_forward(moe, sequence, allowed) for sequence in hidden])
+    torch.testing.assert_close(rerouted, masked, rtol=0, atol=1e-6)
+    torch.testing.assert_close(pruned, masked, rtol=0, atol=1e-6)
