@@ -1096,6 +1096,16 @@ TINY_CONFIGS["bailing_hybrid"] = dict(
     share_expert_swiglu_limit_list=[0, 0, 0.5],
 )
 
+TINY_CONFIGS["jetmoe"] = dict(
+    {k: v for k, v in _COMMON.items() if k != "max_position_embeddings"},
+    model_type="jetmoe",
+    num_hidden_layers=2,
+    kv_channels=16,
+    intermediate_size=32,
+    num_local_experts=8,
+    max_position_embeddings=128,
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 TINY_VARIANTS: dict[str, dict[str, Any]] = {

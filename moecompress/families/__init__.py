@@ -40,6 +40,7 @@ from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .hy_v4 import HYV4Adapter, HYV4VLAdapter
 from .inkling import InklingTextAdapter
 from .jamba import JambaAdapter
+from .jetmoe import JetMoeAdapter
 from .kimi_k25 import KimiK25Adapter
 from .kimi_linear import KimiLinearAdapter
 from .kolibri import Kolibri1Adapter
@@ -154,6 +155,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Qwen3OmniMoeThinkerAdapter,
     MuseSparkAdapter,
     DbrxAdapter,
+    JetMoeAdapter,
     Step3p7Adapter,
     BailingHybridAdapter,
     InklingTextAdapter,
@@ -161,10 +163,6 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
 REFUSED_FAMILIES: dict[str, str] = {
-    "jetmoe": (
-        "JetMoE's MoE block routes and groups tokens itself with no (hidden, ids, weights) experts module, adds a bias "
-        "after the experts, and its attention is a mixture of experts too (MoA)"
-    ),
     "ernie4_5_vl_moe": (
         "ERNIE 4.5 VL's MoE layers hold two expert sets (text and vision) routed by each token's modality, which the "
         "one-set expert view cannot hold"

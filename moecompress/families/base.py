@@ -565,6 +565,11 @@ class FamilyAdapter:
         ``weights``: their combined output."""
         return self.experts_of(model, layer)(hidden, ids, weights)
 
+    def with_experts_module(self, model: torch.nn.Module) -> None:
+        """Give each MoE block of ``model`` (a model or a decoder layer as transformers builds it) the module
+        :attr:`experts_module` names, called as ``experts(hidden, ids, weights)``, where the stock block computes its
+        experts inline (JetMoE); the plugin calls this before it places the quantised experts there."""
+
     def stock_experts_weights(self, module: torch.nn.Module) -> tuple[Any, Any, bool]:
         """``(input projection, down projection, gated)`` of a stock routed-experts module, from which the plugin
         sizes its quantised twin (only their shapes and dtype count): its ``gate_up_proj`` (or ``up_proj``) and

@@ -201,6 +201,7 @@ def replace_quantized_modules(
     from ..families import adapter_for
 
     adapter = adapter or adapter_for(model.config.to_dict())
+    adapter.with_experts_module(model)
     hidden = adapter.experts_width
     if names is None:
         on_disk = [name for name in config.modules if not is_mtp_module(adapter, name)]
