@@ -1064,6 +1064,17 @@ _INKLING_TEXT = dict(
     route_scale=2.0,
 )
 TINY_CONFIGS["inkling_text"] = dict(_INKLING_TEXT, model_type="inkling_text")
+TINY_CONFIGS["inkling_mm_model"] = dict(
+    model_type="inkling_mm_model",
+    text_config=_INKLING_TEXT,
+    audio_config=dict(n_mel_bins=4, mel_vocab_size=8),
+    vision_config=dict(patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2),
+    image_token_id=380,
+    audio_token_id=381,
+    image_bos_token_id=378,
+    audio_bos_token_id=379,
+    tie_word_embeddings=False,
+)
 TINY_CONFIGS["step3p7"] = dict(
     model_type="step3p7",
     text_config=dict(

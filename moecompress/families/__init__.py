@@ -38,7 +38,7 @@ from .gpt_oss import GptOssAdapter
 from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .hy_v4 import HYV4Adapter, HYV4VLAdapter
-from .inkling import InklingTextAdapter
+from .inkling import InklingAdapter, InklingTextAdapter
 from .jamba import JambaAdapter
 from .jetmoe import JetMoeAdapter
 from .kimi_k25 import KimiK25Adapter
@@ -159,6 +159,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Step3p7Adapter,
     BailingHybridAdapter,
     InklingTextAdapter,
+    InklingAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

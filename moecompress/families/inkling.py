@@ -51,6 +51,9 @@ class InklingTextAdapter(FamilyAdapter):
     num_experts_keys = ("n_routed_experts",)
     shared_expert_markers = ("shared_experts.",)
     has_correction_bias = True
+    correction_bias_on_disk = "e_score_correction_bias"
+    """The router tensor that holds the correction bias on disk (the release's ``mlp.gate.bias``: the router has no
+    bias of its own)."""
 
     @property
     def n_shared(self) -> int:
@@ -94,6 +97,8 @@ class InklingTextAdapter(FamilyAdapter):
             shared_up=up,
             shared_down=down,
         )
+        if self.correction_bias_on_disk == "bias":
+            view.correction_bias, view.router_bias = view.router_bias, None
         bias = view.correction_bias
         if bias is not None and bias.shape[0] == view.num_experts:
             view.correction_bias = torch.cat([bias, bias.new_zeros(self.n_shared)])
@@ -177,3 +182,126 @@ class InklingTextAdapter(FamilyAdapter):
             return block(hidden)
         finally:
             handle.remove()
+
+
+def _interleaved_halves(tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a ``w13`` tensor whose rows along ``dim`` alternate gate, up (transformers'
+    ``Interleave``)."""
+    return tensor.unflatten(dim, (-1, 2)).unbind(dim + 1)
+
+
+def _interleaved(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1).contiguous()
+
+
+_LOCAL = tuple(
+    (re.compile(pattern), replacement)
+    for pattern, replacement in (
+        (r"^attn\.wq_du\.", "self_attn.q_proj."),
+        (r"^attn\.wk_dv\.", "self_attn.k_proj."),
+        (r"^attn\.wv_dv\.", "self_attn.v_proj."),
+        (r"^attn\.wr_du\.", "self_attn.r_proj."),
+        (r"^attn\.wo_ud\.", "self_attn.o_proj."),
+        (r"^attn\.(k|v)_sconv\.", r"self_attn.\1_sconv.conv1d."),
+        (r"^attn\.", "self_attn."),
+        (r"^(attn|mlp)_sconv\.", r"\1_sconv.conv1d."),
+        (r"^attn_norm\.", "input_layernorm."),
+        (r"^mlp_norm\.", "post_attention_layernorm."),
+        (r"^mlp\.w2_md\.", "mlp.down_proj."),
+        (r"^mlp\.shared_experts\.shared_w2_weight$", "mlp.shared_experts.down_proj"),
+        (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    )
+)
+"""transformers' ``inkling_mm_model`` renames of a decoder layer's tensors (the one-to-one ones)."""
+_SPLIT = (
+    ("mlp.w13_dn.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0),
+    ("mlp.shared_experts.shared_w13_weight", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), 1),
+)
+"""Tensors transformers splits at load: the dense MLP's and the shared experts' interleaved gate and up rows."""
+_OUTSIDE = (
+    ("model.llm.embed_norm.", "model.language_model.embed_tokens.embed_norm."),
+    ("model.llm.embed.", "model.language_model.embed_tokens."),
+    ("model.llm.norm.", "model.language_model.norm."),
+    ("model.llm.unembed.", "lm_head."),
+)
+
+
+class InklingAdapter(InklingTextAdapter):
+    """The ``inkling_mm_model`` release: the text model under ``model.llm`` in its native names, beside the vision
+    (``model.visual``) and audio (``model.audio``) towers, which are passed through untouched."""
+
+    family = "inkling_mm_model"
+    model_types = ("inkling_mm_model",)
+    auto_class = "AutoModelForImageTextToText"
+    layers_prefix = "model.llm.layers."
+    correction_bias_on_disk = "bias"
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        return self.config["text_config"]
+
+    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
+        return config["text_config"]
+
+    def is_vision_key(self, key: str) -> bool:
+        return key.startswith(("model.visual.", "model.audio."))
+
+    def _router_key(self, layer: int, name: str) -> str:
+        return super()._router_key(layer, "bias" if name == "e_score_correction_bias" else name)
+
+    # ---- the fused, interleaved experts ------------------------------------------------------------------------
+    def detect_layout(self, layer: int, keys) -> Layout:
+        if self._fused_key(layer, "w13_weight") in keys:
+            return "fused"
+        raise KeyError(f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}mlp.experts")
+
+    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
+        gate, up = _interleaved_halves(rest.pop(self._fused_key(layer, "w13_weight")), 1)
+        down = rest.pop(self._fused_key(layer, "w2_weight"))
+        return MoEWeights(router_weight=torch.empty(0), gate_up=torch.cat([gate, up], dim=1), down=down)
+
+    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
+        inter = moe.intermediate_size
+        return {
+            self._fused_key(layer, "w13_weight"): _interleaved(moe.gate_up[:, :inter], moe.gate_up[:, inter:], 1),
+            self._fused_key(layer, "w2_weight"): moe.down,
+        }
+
+    def shared_weights(self, layer: int, rest: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        gate, up = _interleaved_halves(rest[self._shared_key(layer, "shared_w13_weight")], 1)
+        return gate, up, rest[self._shared_key(layer, "shared_w2_weight")]
+
+    # ---- runtime names -----------------------------------------------------------------------------------------
+    @property
+    def runtime_layers_path(self) -> str:
+        return "model.language_model.layers"
+
+    def runtime_local_name(self, local_key: str) -> str:
+        for pattern, replacement in _LOCAL:
+            local_key = pattern.sub(replacement, local_key)
+        return local_key
+
+    def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        state = dict(state)
+        for disk, (gate, up), dim in _SPLIT:
+            if disk in state:
+                state[gate], state[up] = _interleaved_halves(state.pop(disk), dim)
+        return state
+
+    def runtime_module_name(self, name: str) -> str:
+        layer = self.layer_of_key(name)
+        if layer is not None:
+            local = name[len(self.layer_prefix(layer)) :]
+            return f"{self.runtime_layers_path}.{layer}.{self.runtime_local_name(local)}"
+        for disk, runtime in _OUTSIDE:
+            if name.startswith(disk):
+                return runtime + name[len(disk) :]
+        return name
+
+    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+
+    def classify_key(self, key: str):
+        if self.layer_of_key(key) is None and not self.is_vision_key(key):
+            key = self.runtime_module_name(key)
+        return super().classify_key(key)
