@@ -15,6 +15,15 @@ What it holds: per batch one top-k ``[B, S, min(index_topk, S)]`` int32 (at 16,3
 live source's entries (Mistral Large 4: ``kv_lora_rank + qk_rope_head_dim`` = 576 values a token, 9% of a hidden
 state). A layer run again (a replacement's recomputation) reads the same entries, as nothing is dropped before the
 next layer.
+
+A third kind, a stack of hidden states the stock forward builds between layers (``block_states_argument``, Inkling
+2's ``block_states``): the input of every layer at a block boundary (:meth:`FamilyAdapter.is_block_boundary`) is
+kept, per batch, and each later layer gets those of the boundaries before it stacked ``[B, S, n, H]`` at the
+argument's position; the module after the layers (``block_states_reader``, Inkling 2's ``final_input``) gets them
+all (:meth:`LayerCarry.final_stacks`). That is one hidden state per block boundary held to the end of the sweep:
+``ceil(num_layers / n_layers_per_attn_res_block) x tokens x hidden x 4`` bytes in float32 (Inkling-2-Small: 8
+boundaries of hidden size 4608, 151 KB a token, 2.4 GB at 16,384 calibration tokens), plus one batch's stack
+built for the layer running.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ class LayerCarry:
         """Per batch: layer → the keyword arguments carried into it."""
         self.stored: list[dict[int, dict[str, tuple[torch.Tensor, ...]]]] = [{} for _ in range(batches)]
         """Per batch: source layer → what it wrote into the shared dictionary."""
+        self.block_argument = adapter.block_states_argument
+        self.blocks: list[dict[int, torch.Tensor]] = [{} for _ in range(batches)]
+        """Per batch: block-boundary layer → its input hidden states."""
         self.last_reader: dict[int, int] = {}
         for layer in range(adapter.num_layers):
             for source in adapter.shared_state_sources(layer):
@@ -43,7 +55,33 @@ class LayerCarry:
 
     @property
     def active(self) -> bool:
-        return bool(self.outputs) or self.keyword is not None
+        return bool(self.outputs) or self.keyword is not None or self.block_argument is not None
+
+    def block_entries(self, batch: int, before: int | None = None) -> list[tuple[int, torch.Tensor]]:
+        """Batch ``batch``'s kept block-boundary inputs, by layer, of the layers before ``before`` (all: None)."""
+        held = self.blocks[batch]
+        return [(layer, held[layer]) for layer in sorted(held) if before is None or layer < before]
+
+    @staticmethod
+    def stack(entries: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """``entries`` stacked as the stock forward's ``block_states`` ``[B, S, n, H]`` beside ``hidden``."""
+        if not entries:
+            return hidden.new_zeros(*hidden.shape[:-1], 0, hidden.shape[-1])
+        return torch.stack([to_compute(entry).to(hidden.dtype) for entry in entries], dim=-2)
+
+    def positional(self, layer: int, batch: int, hidden: torch.Tensor, args: tuple) -> tuple:
+        """``args`` (the recorded call's, after the hidden states) with the block stack carried into ``layer``."""
+        if self.block_argument is None:
+            return args
+        args = list(args)
+        args[self.block_argument] = self.stack([e for _, e in self.block_entries(batch, layer)], hidden)
+        return tuple(args)
+
+    def final_stacks(self, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per batch, every kept block-boundary input stacked (what ``block_states_reader`` reads), or None."""
+        if self.block_argument is None:
+            return None
+        return [self.stack([e for _, e in self.block_entries(b)], h) for b, h in enumerate(like)]
 
     def arguments(self, layer: int, batch: int, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` (the recorded call) with the state carried into layer ``layer`` for batch ``batch``."""
@@ -57,10 +95,15 @@ class LayerCarry:
             kwargs[self.keyword] = shared
         return kwargs
 
-    def record(self, layer: int, batch: int, output: Any, kwargs: dict[str, Any]) -> None:
-        """Keep what layer ``layer`` produced for batch ``batch`` (``kwargs``: the arguments it was called with)."""
+    def record(
+        self, layer: int, batch: int, output: Any, kwargs: dict[str, Any], hidden: torch.Tensor | None = None
+    ) -> None:
+        """Keep what layer ``layer`` produced for batch ``batch`` (``kwargs``: the arguments it was called with,
+        ``hidden``: its input hidden states)."""
         if not self.active:
             return
+        if self.block_argument is not None and hidden is not None and self.adapter.is_block_boundary(layer):
+            self.blocks[batch][layer] = hidden
         if self.outputs and isinstance(output, tuple):
             self.entering[batch][layer + 1] = {keyword: output[pos] for pos, keyword in self.outputs.items()}
         for earlier in [i for i in self.entering[batch] if i < layer]:
@@ -83,6 +126,9 @@ class LayerCarry:
                 for keyword, value in values.items():
                     if isinstance(value, torch.Tensor):
                         out[f"in/{batch}/{layer}/{keyword}"] = value.cpu()
+        for batch, blocks in enumerate(self.blocks):
+            for layer, value in blocks.items():
+                out[f"blk/{batch}/{layer}"] = value.cpu()
         for batch, stored in enumerate(self.stored):
             for source, entries in stored.items():
                 for key, values in entries.items():
@@ -99,6 +145,8 @@ class LayerCarry:
             if kind == "in":
                 batch, layer, keyword = int(parts[0]), int(parts[1]), parts[2]
                 self.entering[batch].setdefault(layer, {})[keyword] = value
+            elif kind == "blk":
+                self.blocks[int(parts[0])][int(parts[1])] = tensors[name]
             else:
                 batch, source, key, index = int(parts[0]), int(parts[1]), parts[2], int(parts[3])
                 kv.setdefault((batch, source, key), {})[index] = value

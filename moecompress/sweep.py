@@ -120,8 +120,9 @@ def _text_config(config):
 
 def _layer_attributes(layer: torch.nn.Module) -> dict[str, Any]:
     """Plain attributes of a decoder layer the stock forward reads from the layer itself (GPT-OSS's
-    ``attention_type``, Nemotron-H's ``block_type``)."""
-    return {name: getattr(layer, name) for name in ("attention_type", "block_type") if hasattr(layer, name)}
+    ``attention_type``, Nemotron-H's ``block_type``, Inkling 2's ``is_block_boundary``)."""
+    names = ("attention_type", "block_type", "is_block_boundary")
+    return {name: getattr(layer, name) for name in names if hasattr(layer, name)}
 
 
 class CalibrationSweep:
@@ -261,14 +262,29 @@ class CalibrationSweep:
                     delta = recorder.inputs[i + 1] - recorder.inputs[i]
                     if torch.count_nonzero(delta):
                         injections[i] = delta
-                plans.append(_BatchPlan(hidden=recorder.inputs[0], calls=dict(recorder.calls), injections=injections))
+                calls = dict(recorder.calls)
+                position = self.adapter.block_states_argument
+                if position is not None:
+                    # The skeleton's stacks hold its proxies' inputs; the carry builds the real ones.
+                    calls = {i: ((*a[:position], None, *a[position + 1 :]), k) for i, (a, k) in calls.items()}
+                plans.append(_BatchPlan(hidden=recorder.inputs[0], calls=calls, injections=injections))
         return plans
 
+    def final_block_states(self, last_hidden: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per batch, once every layer has run, the block stack the module after the layers reads
+        (:attr:`~moecompress.families.FamilyAdapter.block_states_reader`); None for a family without one."""
+        return self.carry.final_stacks(last_hidden)
+
     def head_logits(
-        self, batches: list[dict[str, torch.Tensor]], last_hidden: list[torch.Tensor]
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        last_hidden: list[torch.Tensor],
+        block_states: list[torch.Tensor] | None = None,
     ) -> Iterator[torch.Tensor]:
         """Per calibration batch, the logits the stock forward computes from ``last_hidden`` (the last decoder
         layer's output; it may require grad): the final norm and output projection, whatever the family adds.
+        ``block_states``: per batch, the stack the family's ``block_states_reader`` reads (it may require grad;
+        :meth:`final_block_states`).
 
         The skeleton is built again for this and freed after, as it holds the embeddings and output projection."""
         skeleton, recorder = self._skeleton()
@@ -276,20 +292,33 @@ class CalibrationSweep:
         device = compute_device()
         _move(skeleton, device)
         last = self.adapter.num_layers - 1
+        current: dict[str, torch.Tensor] = {}
+        hook = None
+        if block_states is not None:
+            reader = skeleton.get_submodule(self.adapter.block_states_reader)
+            hook = reader.register_forward_pre_hook(lambda module, args: (current["stack"], *args[1:]))
         try:
-            for batch, hidden in zip(batches, last_hidden, strict=True):
+            for index, (batch, hidden) in enumerate(zip(batches, last_hidden, strict=True)):
+                if block_states is not None:
+                    current["stack"] = to_compute(block_states[index])
                 recorder.outputs = {last: to_compute(hidden)}
                 batch = {
                     key: to_compute(value) if isinstance(value, torch.Tensor) else value for key, value in batch.items()
                 }
                 yield skeleton(**batch, use_cache=False).logits
         finally:
+            if hook is not None:
+                hook.remove()
             recorder.outputs = {}
+            current.clear()
             del skeleton
             release_freed_memory()
 
     def text_head_logits(
-        self, batches: list[dict[str, torch.Tensor]], last_hidden: list[torch.Tensor]
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        last_hidden: list[torch.Tensor],
+        block_states: list[torch.Tensor] | None = None,
     ) -> Iterator[torch.Tensor]:
         """:meth:`head_logits` for text-only batches (``input_ids``), without the input embeddings when the output
         projection has its own weights: the skeleton is fed zero embeddings (the last layer's proxy returns the
@@ -298,7 +327,7 @@ class CalibrationSweep:
         embeddings = self._meta_model.get_input_embeddings()
         output = self._meta_model.get_output_embeddings()
         if output is None or output.weight is embeddings.weight or self.adapter.reads_token_ids:
-            yield from self.head_logits(batches, last_hidden)
+            yield from self.head_logits(batches, last_hidden, block_states)
             return
         name = next(name for name, param in self._meta_model.named_parameters() if param is embeddings.weight)
         saved, self._outside_keys = self._outside_keys, [key for key in self._outside_keys if key != name]
@@ -311,7 +340,7 @@ class CalibrationSweep:
                 }
                 for batch in batches
             )
-            yield from self.head_logits(zero_batches, last_hidden)
+            yield from self.head_logits(zero_batches, last_hidden, block_states)
         finally:
             self._outside_keys = saved
 
@@ -534,8 +563,9 @@ class CalibrationSweep:
             for index, states in enumerate(hidden):
                 args, kwargs = self.call_arguments(layer, index)
                 kwargs = self.carry.arguments(layer, index, kwargs)
+                args = self.carry.positional(layer, index, to_compute(states), args)
                 out = module(to_compute(states), *args, **kwargs)
-                self.carry.record(layer, index, out, kwargs)
+                self.carry.record(layer, index, out, kwargs, states)
                 out = out[0] if isinstance(out, tuple) else out
                 outputs.append(host_buffer(out) if accelerated else out)
         return outputs

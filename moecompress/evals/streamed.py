@@ -199,6 +199,11 @@ def _dense_token_bytes(adapter: FamilyAdapter) -> int:
     return moe_token_bytes(adapter) if adapter.moe_layers() and adapter.routing_rule().scales_input else 0
 
 
+def _split_stacks(batches, stacks: list[torch.Tensor] | None, windows: int) -> list[torch.Tensor] | None:
+    """A family's final block stacks cut as :func:`split_windows` cuts the hidden states."""
+    return None if stacks is None else split_windows(batches, stacks, windows)[1]
+
+
 def _vocab(adapter: FamilyAdapter) -> int:
     return int(adapter.text_config["vocab_size"])
 
@@ -248,12 +253,14 @@ def evaluate_streamed(
             totals.model_seconds += seconds
         for ref_ids, ids in zip(ref_routes, routes, strict=compare):
             totals.add_agreement(*routing_agreement({layer: ref_ids}, {layer: ids}))
+    stacks = _split_stacks(batches, model.final_block_states(hidden), head_windows)
     head_batches, hidden = split_windows(batches, hidden, head_windows)
-    heads = model.text_head_logits(head_batches, hidden)
+    heads = model.text_head_logits(head_batches, hidden, stacks)
     ref_heads = None
     if reference is not None:
+        ref_stacks = _split_stacks(batches, reference.final_block_states(ref_hidden), head_windows)
         _, ref_hidden = split_windows(batches, ref_hidden, head_windows)
-        ref_heads = reference.text_head_logits(head_batches, ref_hidden)
+        ref_heads = reference.text_head_logits(head_batches, ref_hidden, ref_stacks)
     with torch.inference_mode():
         for batch in head_batches:
             start = time.perf_counter()

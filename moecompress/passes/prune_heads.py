@@ -411,7 +411,7 @@ def _write(
         replaced = {}
         for key, tensor in rest.items():
             if adapter.classify_key(key) in ("attention", "norms"):
-                runtime = prefix + adapter.runtime_local_name(key[len(prefix) :])
+                runtime = prefix + adapter.runtime_local_key(layer, key)
                 replaced[key] = student_state[runtime].to(tensor.dtype).contiguous()
             else:
                 replaced[key] = tensor

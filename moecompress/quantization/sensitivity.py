@@ -7,6 +7,8 @@ of ``F_l``, ``s_l = E_t ‖g_t‖² / H``, is the factor that makes the gains of
 that an early layer's error passes through every later layer before it reaches the loss.
 
 The gradient pass streams the decoder one layer at a time, forward then backward (:func:`block_output_fisher`).
+Where later layers read a stack of earlier layers' inputs (Inkling 2's ``block_states``), the gradient at each stack
+entry is gathered from every layer (and the head) that reads it and added to the gradient at its layer's input.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def block_output_fisher(
                     for out, plan in zip(outputs, sweep.plans, strict=True)
                 ]
                 del outputs
-            gradients = _head_gradients(sweep, batches, hidden)
+            gradients, block_gradients = _head_gradients(sweep, batches, hidden)
             del hidden
             squares: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe_layers}
             below = progress_bar(
@@ -95,7 +97,9 @@ def block_output_fisher(
                 disable=not progress,
             )
             for layer in below:
-                gradients = _backpropagate_layer(sweep, layer, f"{spill}/{layer}.safetensors", gradients, squares)
+                gradients = _backpropagate_layer(
+                    sweep, layer, f"{spill}/{layer}.safetensors", gradients, squares, block_gradients
+                )
                 Path(f"{spill}/{layer}.safetensors").unlink()
     finally:
         sweep.reader.close()
@@ -104,35 +108,52 @@ def block_output_fisher(
 
 def _head_gradients(
     sweep: CalibrationSweep, batches: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Per batch, ``∂loss/∂(last hidden states)``. Text-only batches go through the head a few windows at a time
+) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
+    """Per batch, ``∂loss/∂(last hidden states)``, and the gradient at each block-stack entry the head reads, by
+    its layer (none where the family has no stack). Text-only batches go through the head a few windows at a time
     and without the input embeddings (:meth:`~moecompress.sweep.CalibrationSweep.text_head_logits`): at
     Qwen3-30B-A3B's 151,936-token vocabulary a batch of 8 windows of 256 has 1.2 GB of float32 logits, and the
     loss's backward as much again. The summed loss is a sum over windows, so each window's gradient is the same
     whichever windows share its head call."""
-    head_batches, head_hidden, logits_of, windows = batches, hidden, sweep.head_logits, 0
+    stacks = sweep.final_block_states(hidden)
+    head_batches, head_hidden, head_stacks, logits_of, windows = batches, hidden, stacks, sweep.head_logits, 0
     if batches and all(set(batch) == {"input_ids"} for batch in batches):
         seq_len, vocab = batches[0]["input_ids"].shape[1], int(sweep.adapter.text_config["vocab_size"])
         windows = windows_per_forward(seq_len, vocab)
         head_batches, head_hidden = split_windows(batches, hidden, windows)
+        head_stacks = None if stacks is None else split_windows(batches, stacks, windows)[1]
         logits_of = sweep.text_head_logits
     leaves = [to_compute(h).clone().requires_grad_(True) for h in head_hidden]
-    del head_hidden
-    pieces = []
-    for leaf, batch, logits in zip(leaves, head_batches, logits_of(head_batches, leaves), strict=True):
-        loss = next_token_loss(logits, batch["input_ids"].to(logits.device))
-        (gradient,) = torch.autograd.grad(loss, leaf)
-        pieces.append(host_buffer(gradient))
-        del logits, loss
-    del leaves
-    if not windows:
+    stack_leaves = None if head_stacks is None else [to_compute(s).clone().requires_grad_(True) for s in head_stacks]
+    del head_hidden, head_stacks, stacks
+    pieces, stack_pieces = [], []
+    for index, logits in enumerate(logits_of(head_batches, leaves, stack_leaves)):
+        loss = next_token_loss(logits, head_batches[index]["input_ids"].to(logits.device))
+        wrt = [leaves[index]] if stack_leaves is None else [leaves[index], stack_leaves[index]]
+        gradients = torch.autograd.grad(loss, wrt)
+        pieces.append(host_buffer(gradients[0]))
+        if stack_leaves is not None:
+            stack_pieces.append(host_buffer(gradients[1]))
+        del logits, loss, gradients
+    del leaves, stack_leaves
+    gradients, stack_gradients = _joined(batches, pieces, windows), _joined(batches, stack_pieces, windows)
+    block_gradients: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+    for index, stack in enumerate(stack_gradients):
+        layers = [layer for layer, _ in sweep.carry.block_entries(index)]
+        block_gradients[index] = {layer: stack[..., j, :] for j, layer in enumerate(layers)}
+    return gradients, block_gradients
+
+
+def _joined(batches: list[dict[str, torch.Tensor]], pieces: list[torch.Tensor], windows: int) -> list[torch.Tensor]:
+    """Per batch, the pieces of a head call cut ``windows`` windows at a time (none: one piece a batch) joined."""
+    if not windows or not pieces:
         return pieces
-    gradients, start = [], 0
+    joined, start = [], 0
     for batch in batches:
         count = -(-batch["input_ids"].shape[0] // windows)
-        gradients.append(torch.cat(pieces[start : start + count]) if count > 1 else pieces[start])
+        joined.append(torch.cat(pieces[start : start + count]) if count > 1 else pieces[start])
         start += count
-    return gradients
+    return joined
 
 
 def _backpropagate_layer(
@@ -141,9 +162,12 @@ def _backpropagate_layer(
     inputs_path: str,
     output_gradients: list[torch.Tensor],
     squares: dict[int, list[torch.Tensor]],
+    block_gradients: list[dict[int, torch.Tensor]],
 ) -> list[torch.Tensor]:
     """The gradients at layer ``layer``'s inputs, given those at its outputs; appends, for an MoE layer, each
-    token's ``‖∂loss/∂(block output)‖² / H`` to ``squares[layer]``."""
+    token's ``‖∂loss/∂(block output)‖² / H`` to ``squares[layer]``. The gradients at the block-stack entries the
+    layer reads are added to ``block_gradients`` (per batch, by entry layer); a block-boundary layer's input takes
+    its entry's, which every later reader has added by then."""
     module, moe = sweep.materialise(layer)
     del moe
     module.requires_grad_(False)
@@ -163,11 +187,25 @@ def _backpropagate_layer(
         for index, gradient in enumerate(output_gradients):
             states = to_compute(inputs.pop(str(index))).requires_grad_(True)
             args, kwargs = sweep.call_arguments(layer, index)
+            entries = carry.block_entries(index, layer) if carry.block_argument is not None else []
+            read = [to_compute(entry).clone().requires_grad_(True) for _, entry in entries]
+            if carry.block_argument is not None:
+                args = list(args)
+                args[carry.block_argument] = carry.stack(read, states)
             out = module(states, *args, **carry.arguments(layer, index, kwargs))
             out = out[0] if isinstance(out, tuple) else out
-            (input_gradient,) = torch.autograd.grad(out, states, grad_outputs=to_compute(gradient))
+            input_gradient, *read_gradients = torch.autograd.grad(
+                out, [states, *read], grad_outputs=to_compute(gradient), allow_unused=True
+            )
+            held = block_gradients[index]
+            for (entry_layer, _), entry_gradient in zip(entries, read_gradients, strict=True):
+                if entry_gradient is not None:
+                    entry_gradient = host_buffer(entry_gradient)
+                    held[entry_layer] = held[entry_layer] + entry_gradient if entry_layer in held else entry_gradient
+            if carry.block_argument is not None and layer in held:
+                input_gradient = input_gradient + to_compute(held.pop(layer))
             input_gradients.append(host_buffer(input_gradient))
-            del out, states
+            del out, states, read
     finally:
         if handle is not None:
             handle.remove()

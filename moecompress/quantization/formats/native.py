@@ -40,8 +40,7 @@ def runtime_key(adapter: FamilyAdapter, key: str) -> str:
     layer = adapter.layer_of_key(key)
     if layer is None:
         return key
-    prefix = adapter.layer_prefix(layer)
-    return prefix + adapter.stored_local_name(adapter.runtime_local_name(key[len(prefix) :]))
+    return adapter.layer_prefix(layer) + adapter.stored_local_name(adapter.runtime_local_key(layer, key))
 
 
 def stored(name: str, tensor: torch.Tensor | QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -66,6 +65,8 @@ def layer_tensors(
     experts = experts_module(adapter, layer)
     out.update(moe.gate_up.stored(f"{experts}.{adapter.fused_in_name}"))
     out.update(moe.down.stored(f"{experts}.down_proj"))
+    if weights.expert_norm is not None:
+        out[f"{experts}.{adapter.expert_output_norm}.weight"] = weights.expert_norm
     if weights.gate_up_bias is not None:
         out[f"{experts}.gate_up_proj_bias"] = weights.gate_up_bias
         out[f"{experts}.down_proj_bias"] = weights.down_bias
