@@ -98,10 +98,9 @@ def check_router_sizes(model_dir: Path, adapter: Any) -> None:
             key = adapter._router_key(layer, "weight")
             info = reader.tensors.get(key)
             promised = adapter.experts_in_layer(layer) + adapter.identity_experts(layer)
-            if info is not None and info.shape and info.shape[0] != promised:
-                raise UserInputError(
-                    f"layer {layer} ({key}): config.json says {promised} experts, weights hold {info.shape[0]}"
-                )
+            rows = info.shape[-1 if adapter.router_transposed else 0] if info is not None and info.shape else None
+            if rows is not None and rows != promised:
+                raise UserInputError(f"layer {layer} ({key}): config.json says {promised} experts, weights hold {rows}")
 
 
 def check_prune_counts(adapter: Any, config: Any) -> None:

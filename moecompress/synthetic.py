@@ -976,6 +976,19 @@ TINY_CONFIGS["glm5_next"] = dict(
     video_start_token_id=378,
     video_end_token_id=379,
 )
+TINY_CONFIGS["ergo"] = dict(
+    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+    model_type="ergo",
+    num_hidden_layers=3,
+    head_dim=16,
+    first_dense_intermediate_size=64,
+    num_dense_blocks=1,
+    moe_intermediate_size=32,
+    shared_intermediate_size=32,
+    num_experts=8,
+    sliding_window=8,
+    global_attention_every_n_layers=2,
+)
 TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
     model_type="qwen3_omni_moe_thinker",
     text_config=dict(

@@ -53,6 +53,7 @@ class ExpertSource:
             down=one(view.down) if down is None else down.unsqueeze(0),
             gate_up_bias=one(view.gate_up_bias),
             down_bias=one(view.down_bias),
+            expert_norm=one(view.expert_norm),
         )
 
     @property
@@ -66,6 +67,7 @@ class ExpertSource:
         down = torch.zeros(like.down.shape, dtype=like.down.dtype, device=like.down.device)
         gate_up_bias = None if like.gate_up_bias is None else torch.zeros_like(like.gate_up_bias)
         down_bias = None if like.down_bias is None else torch.zeros_like(like.down_bias)
+        expert_norm = None if like.expert_norm is None else torch.zeros_like(like.expert_norm)
         for index in range(like.num_experts):
             expert = self.expert(index)
             if expert is None:
@@ -75,7 +77,11 @@ class ExpertSource:
             if gate_up_bias is not None:
                 gate_up_bias[index] = expert.gate_up_bias[0]
                 down_bias[index] = expert.down_bias[0]
-        return replace(like, gate_up=gate_up, down=down, gate_up_bias=gate_up_bias, down_bias=down_bias)
+            if expert_norm is not None:
+                expert_norm[index] = expert.expert_norm[0]
+        return replace(
+            like, gate_up=gate_up, down=down, gate_up_bias=gate_up_bias, down_bias=down_bias, expert_norm=expert_norm
+        )
 
     def to(self, device: torch.device) -> ExpertSource:
         from .device import moe_on

@@ -214,3 +214,52 @@ def test_stock_failures_leave_moecompress_errors_alone():
     with pytest.raises(UserInputError, match=r"^model: stock transformers .* cannot build it: KeyError: 'bogus'"):
         with stock_failures("model", "build it"):
             ACT2FN["bogus"]
+
+
+def test_ergo_experts_normalise_with_their_own_weights_when_pruned_and_quantised(tmp_path):
+    """Ergo's experts each RMS-normalise their output with a weight of their own: a pruned output keeps the kept
+    experts' weights (stock transformers routes as the input with the removed experts masked, exactly), and the
+    plugin's quantised experts apply each expert's own weight (with the weights' rows swapped, the quantised model's
+    logits move far further from the input's than quantisation moved them)."""
+    import json
+
+    from click.testing import CliRunner
+    from helpers import load_stock
+    from safetensors import safe_open
+
+    import moecompress  # noqa: F401 - the plugin
+    from moecompress.cli.main import app
+    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+
+    source = save_tiny_model("ergo", tmp_path / "source")
+    tiny_tokenizer().save_pretrained(source)
+    common = ["--seq-len", "32", "--eval-tokens", "64"]
+    pruned, quantized = tmp_path / "pruned", tmp_path / "quantized"
+    for command, out, options in (
+        ("prune", pruned, ["--keep", "4", "--scope", "layer", "--calib-tokens", "256"]),
+        ("quantize", quantized, ["--scheme", "q6_k"]),
+    ):
+        result = CliRunner().invoke(app, [command, str(source), "--out", str(out), *common, *options])
+        assert result.exit_code == 0, result.output
+    report = json.loads((pruned / "moecompress_report.json").read_text())
+    key = "layers.{}.feed_forward.expert_output_norm.scale"
+    with (
+        safe_open(source / "model.safetensors", "pt") as before,
+        safe_open(pruned / "model.safetensors", "pt") as after,
+    ):
+        for layer, entry in report["layers"].items():
+            kept = [e for e in range(8) if e not in entry["removed"]]
+            torch.testing.assert_close(after.get_tensor(key.format(layer)), before.get_tensor(key.format(layer))[kept])
+
+    ids = torch.randint(3, 380, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = load_stock(quantized)
+    with torch.no_grad():
+        want = load_stock(source)(input_ids=ids).logits
+        close = (model(input_ids=ids).logits - want).abs().max()
+        for layer in model.model.layers:
+            norm = getattr(getattr(layer.mlp, "experts", None), "post_expert_norm", None)
+            if norm is not None:
+                assert type(layer.mlp.experts).__name__ == "QuantizedExperts"
+                norm.weight.copy_(norm.weight.roll(1, dims=0))
+        swapped = (model(input_ids=ids).logits - want).abs().max()
+    assert swapped > 10 * close

@@ -25,6 +25,7 @@ CASES = {
     "llama4": "layer",
     "longcat_flash": "layer",
     "gemma4": "layer",
+    "ergo": "layer",
     "deepseek_v4": "layer",
     "deepseek_v3_mtp": "layer",
     "qwen3_moe": "global",

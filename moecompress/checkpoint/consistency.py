@@ -215,10 +215,10 @@ def _check_moe_layer(adapter: Any, tensors: dict[str, Any], source: str, layer: 
     router_key = adapter._router_key(layer, "weight")
     router = tensors.get(router_key)
     columns = promised + adapter.identity_experts(layer)
-    if _plain(router) and router.shape[0] != columns:
+    rows = router.shape[-1 if adapter.router_transposed else 0] if _plain(router) else None
+    if rows is not None and rows != columns:
         raise UserInputError(
-            f"{source}: layer {layer} ({router_key}): config.json says {columns} experts, weights hold "
-            f"{router.shape[0]}"
+            f"{source}: layer {layer} ({router_key}): config.json says {columns} experts, weights hold {rows}"
         )
     fused = tensors.get(adapter._fused_key(layer, "gate_up_proj"))
     if _plain(fused) and len(fused.shape) == 3 and fused.shape[0] != promised:

@@ -31,6 +31,7 @@ from .deepseek_derived import (
 from .deepseek_ocr import DeepseekOcr2Adapter
 from .deepseek_v4 import DeepseekV4Adapter
 from .dots3_note import Dots3NoteAdapter, Dots3NoteTextAdapter
+from .ergo import ErgoAdapter
 from .ernie import Ernie45MoeAdapter
 from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
 from .glm5_next import Glm5NextAdapter
@@ -152,6 +153,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     DeepseekOcr2Adapter,
     UnlimitedOcrAdapter,
     Glm5NextAdapter,
+    ErgoAdapter,
     Qwen3OmniMoeThinkerAdapter,
     MuseSparkAdapter,
     DbrxAdapter,
@@ -193,10 +195,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "openai_privacy_filter": (
         "OpenAI Privacy Filter is a bidirectional token classifier with no language-model head, so next-token "
         "calibration and evaluation do not apply"
-    ),
-    "ergo": (
-        "Ergo's experts each RMS-normalise their own output with a per-expert scale (post_expert_norm) before the "
-        "weighted sum, which the expert view (gate/up/down and biases per expert) does not hold"
     ),
     "doge": (
         "Doge's experts are single-neuron embedding rows (down_embed/up_embed) retrieved by product keys over "

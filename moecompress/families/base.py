@@ -49,9 +49,11 @@ class MoEWeights:
     ``output_norm`` is the weight of a norm that the family's :meth:`FamilyAdapter.expert_output` applies to each
     expert's output before its routing weight, one vector shared by every expert (Muse Spark's
     ``post_expert_norm``): kept whole by ``select()``, never quantised, and written back as a layer tensor.
+    ``expert_norm`` ``[E, H]`` is the same with one weight per expert (Ergo's ``post_expert_norm``): an expert
+    tensor, removed and merged with its expert, never quantised.
     """
 
-    EXPERT_TENSORS: ClassVar[tuple[str, ...]] = ("gate_up", "down", "gate_up_bias", "down_bias")
+    EXPERT_TENSORS: ClassVar[tuple[str, ...]] = ("gate_up", "down", "gate_up_bias", "down_bias", "expert_norm")
     """The per-expert weight tensors (first dimension ``E``)."""
     ROUTER_TENSORS: ClassVar[tuple[str, ...]] = ("router_weight", "router_bias", "correction_bias", "expert_scale")
     """The routing tensors (first dimension ``E``, or ``E + identity_experts`` for the router's)."""
@@ -70,6 +72,7 @@ class MoEWeights:
     """The decoder layer the block is read from, which picks its activation (:meth:`FamilyAdapter.activation_of`)."""
     token_table: torch.Tensor | None = None
     output_norm: torch.Tensor | None = None
+    expert_norm: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -110,6 +113,7 @@ class MoEWeights:
             down_bias=pick(self.down_bias),
             expert_ids=[self.expert_ids[i] for i in keep],
             expert_scale=pick(self.expert_scale),
+            expert_norm=pick(self.expert_norm),
             token_table=None if self.token_table is None else renumbered(self.token_table, self.router_weight, keep),
         )
 
@@ -178,6 +182,8 @@ class FamilyAdapter:
     expert_scale_name: ClassVar[str | None] = None
     """The router tensor (beside its weight) that holds :attr:`MoEWeights.expert_scale` (Gemma 4:
     ``per_expert_scale``), or None."""
+    router_transposed: ClassVar[bool] = False
+    """Whether the router's weight is stored ``[H, E]`` on disk (Ergo's ``gate_kernel``), not ``[E, H]``."""
     expert_output_norm: ClassVar[str | None] = None
     """The experts module's child that normalises each expert's output before its routing weight, its weight
     :attr:`MoEWeights.output_norm` (Muse Spark's ``post_expert_norm``); the plugin's quantised experts keep it."""

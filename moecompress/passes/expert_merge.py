@@ -342,6 +342,9 @@ def _merge_group(
     if routes.tokens == 0:
         report["refit_skipped"] = "no routed tokens"
         return tensors, report
+    if moe.expert_norm is not None:
+        report["refit_skipped"] = "each expert normalises its output, which the linear refit of down does not model"
+        return tensors, report
     system = _normal_equations(adapter, moe, tensors, routes, hidden, chunk_tokens)
     averaged = _down_matrix(tensors)
     report["error_before"] = report["error_after"] = system.relative_error(averaged)
@@ -482,7 +485,7 @@ def _aligned(moe: MoEWeights, name: str, expert: int, match: torch.Tensor) -> to
     match = match.to(tensor.device)
     if name == "down":
         return tensor[:, match]
-    if name == "down_bias":
+    if name in ("down_bias", "expert_norm"):
         return tensor
     inter = moe.intermediate_size
     rows = match if not moe.gated else torch.cat([match, match + inter])

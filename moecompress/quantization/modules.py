@@ -251,7 +251,11 @@ class QuantizedExperts(_QuantizedWeights):
         expert_out = self.lowrank.apply(expert, "down", hidden, down)
         if self.down_proj_bias is not None:
             expert_out = expert_out + self.down_proj_bias[expert].to(expert_out.dtype)
-        return expert_out if self.post_expert_norm is None else self.post_expert_norm(expert_out)
+        if self.post_expert_norm is None:
+            return expert_out
+        if self.post_expert_norm.weight.dim() == 2:  # one weight per expert (Ergo): the norm takes the expert ids
+            return self.post_expert_norm(expert_out, torch.full_like(expert_out[:, 0], expert, dtype=torch.long))
+        return self.post_expert_norm(expert_out)
 
 
 _ADAPTER_SHAPES = {"gate": ("inter", "hidden"), "up": ("inter", "hidden"), "down": ("hidden", "inter")}
