@@ -1132,6 +1132,26 @@ TINY_CONFIGS["jetmoe"] = dict(
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
+TINY_CONFIGS["inkling2_text"] = dict(
+    _COMMON,
+    model_type="inkling2_text",
+    num_hidden_layers=4,
+    head_dim=16,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+    sliding_window_size=8,
+    d_rel=8,
+    rel_extent=32,
+    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+    n_layers_per_attn_res_block=2,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    route_scale=2.0,
+    mlp_gate_softcap=1.0,
+    mlp_up_softcap=2.0,
+    unpadded_vocab_size=384,
+)
 TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "nemotron_h_latent": dict(TINY_CONFIGS["nemotron_h"], moe_latent_size=32, moe_intermediate_size=96),
 }

@@ -40,6 +40,7 @@ from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeShare
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .hy_v4 import HYV4Adapter, HYV4VLAdapter
 from .inkling import InklingAdapter, InklingTextAdapter
+from .inkling2 import Inkling2TextAdapter
 from .jamba import JambaAdapter
 from .jetmoe import JetMoeAdapter
 from .kimi_k25 import KimiK25Adapter
@@ -162,6 +163,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     BailingHybridAdapter,
     InklingTextAdapter,
     InklingAdapter,
+    Inkling2TextAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -201,7 +203,7 @@ REFUSED_FAMILIES: dict[str, str] = {
         "sqrt(E) x sqrt(E) router halves, with no gate/up/down matrices per expert"
     ),
     **dict.fromkeys(
-        ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
+        ("inkling2", "inkling2_loop", "inkling2_loop_text"),
         "Inkling 2's decoder layers each read block_states, the stack of the hidden states at every earlier "
         "attention-residual block boundary, beside their input (the final norm's input is mixed from them too), "
         "which the layer sweep, carrying one hidden state from layer to layer, does not provide",

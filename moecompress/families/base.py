@@ -168,6 +168,13 @@ class FamilyAdapter:
     shared_state_keyword: ClassVar[str | None] = None
     """The keyword of a dictionary the stock forward threads through every layer, written by some layers and read by
     later ones (:meth:`shared_state_sources`; Mistral Large 4's ``shared_kv_states``)."""
+    block_states_argument: ClassVar[int | None] = None
+    """Position, among a decoder layer's call arguments after the hidden states, of a stack ``[B, S, n, H]`` of the
+    inputs of the earlier layers at block boundaries (:meth:`is_block_boundary`), which the stock forward builds
+    between layers (Inkling 2's ``block_states``)."""
+    block_states_reader: ClassVar[str | None] = None
+    """The module after the decoder layers that reads the whole stack as its first argument (Inkling 2's
+    ``final_input``, before the final norm)."""
     has_correction_bias: ClassVar[bool] = False
     accepts_images: ClassVar[bool] = False
     attention_module: ClassVar[str] = "self_attn"
@@ -357,6 +364,10 @@ class FamilyAdapter:
 
     def is_vision_key(self, key: str) -> bool:
         return False
+    def is_block_boundary(self, layer: int) -> bool:
+        """Whether layer ``layer``'s input joins the :attr:`block_states_argument` stack of the layers after it."""
+        return False
+
 
     def shared_state_sources(self, layer: int) -> list[int]:
         """The earlier layers whose entries in the :attr:`shared_state_keyword` dictionary layer ``layer`` reads."""
@@ -667,12 +678,15 @@ class FamilyAdapter:
         self, layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """A layer's tensors named as the stock transformers decoder-layer module's state dict."""
-        prefix = self.layer_prefix(layer)
-        state = self.runtime_local_state(
-            {self.runtime_local_name(key[len(prefix) :]): tensor for key, tensor in rest.items()}
-        )
+        state = self.runtime_local_state({self.runtime_local_key(layer, key): tensor for key, tensor in rest.items()})
         if moe is not None:
             state.update(self.runtime_moe_state(moe))
+    def runtime_local_key(self, layer: int, key: str) -> str:
+        """The runtime name inside decoder layer ``layer`` of its on-disk ``key`` (not of the routed experts); a
+        family that stores some of a layer's tensors outside its prefix (Inkling 2's block-residual queries) names
+        them here."""
+        return self.runtime_local_name(key[len(self.layer_prefix(layer)) :])
+
         return state
 
     def runtime_local_name(self, local_key: str) -> str:
