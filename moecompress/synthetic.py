@@ -1017,6 +1017,50 @@ TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
     tie_word_embeddings=False,
 )
 
+TINY_CONFIGS["qwen3_omni_moe"] = dict(
+    model_type="qwen3_omni_moe",
+    thinker_config={k: v for k, v in TINY_CONFIGS["qwen3_omni_moe_thinker"].items() if k != "model_type"},
+    talker_config=dict(
+        text_config=dict(
+            {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+            vocab_size=96,
+            num_hidden_layers=2,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            rope_parameters=dict(_MROPE, mrope_interleaved=True),
+        ),
+        code_predictor_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=64,
+            num_code_groups=4,
+        ),
+        thinker_hidden_size=64,
+        accept_hidden_layer=1,
+        spatial_merge_size=2,
+    ),
+    code2wav_config=dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        codebook_size=64,
+        num_quantizers=4,
+        decoder_dim=32,
+        upsample_rates=[2, 2],
+        upsampling_ratios=[2, 2],
+    ),
+)
+"""Qwen3-Omni's release: the thinker above, a talker with MoE layers (passed through) and a code2wav vocoder."""
+
 TINY_CONFIGS["muse_spark"] = dict(
     model_type="muse_spark",
     text_config={
@@ -1187,12 +1231,16 @@ def tiny_config(family: str):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+_RELEASE_CLASS = {"qwen3_omni_moe": "AutoModelForMultimodalLM"}
+"""Releases saved by another class than the sub-model moecompress builds (Qwen3-Omni's thinker)."""
+
+
 def auto_class_for(config) -> Any:
     import transformers
 
     from .families import adapter_for
 
-    return getattr(transformers, adapter_for(config.to_dict()).auto_class)
+    return getattr(transformers, _RELEASE_CLASS.get(config.model_type) or adapter_for(config.to_dict()).auto_class)
 
 
 def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):

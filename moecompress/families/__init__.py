@@ -59,6 +59,7 @@ from .mixtral import MixtralAdapter, PhimoeAdapter
 from .muse_spark import MuseSparkAdapter
 from .nemotron_h import NemotronHAdapter
 from .nemotron_h_omni import NemotronHOmniAdapter
+from .qwen3_omni import Qwen3OmniMoeAdapter
 from .qwen3_omni_thinker import Qwen3OmniMoeThinkerAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
 from .qwen4_exp import Qwen4ExpAdapter, Qwen4ExpTextAdapter
@@ -156,6 +157,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Glm5NextAdapter,
     ErgoAdapter,
     Qwen3OmniMoeThinkerAdapter,
+    Qwen3OmniMoeAdapter,
     MuseSparkAdapter,
     DbrxAdapter,
     JetMoeAdapter,
@@ -171,10 +173,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "ernie4_5_vl_moe": (
         "ERNIE 4.5 VL's MoE layers hold two expert sets (text and vision) routed by each token's modality, which the "
         "one-set expert view cannot hold"
-    ),
-    "qwen3_omni_moe": (
-        "Qwen3-Omni's top-level model has no forward (generation only) and holds two MoE decoders (thinker and "
-        "talker); compressing the thinker's layers needs a sub-model build and evaluation that moecompress lacks"
     ),
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "

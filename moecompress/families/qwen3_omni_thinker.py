@@ -2,7 +2,7 @@
 Qwen3-MoE's decoder and block (softmax top-k, renormalised if ``norm_topk_prob``; per-expert experts on disk;
 ``mlp_only_layers``/``decoder_sparse_step``) as its text model, kept under the text model's own names beside
 ``audio_tower.*`` and ``visual.*``, which are passed through untouched. The full ``qwen3_omni_moe`` release (thinker
-plus talker) stays refused."""
+plus talker) is :mod:`.qwen3_omni`."""
 
 from __future__ import annotations
 
