@@ -1,6 +1,8 @@
 """Switch Transformers' expert view (encoder and decoder stacks numbered as one, per-sequence expert capacity)
 against the stock modules; the family itself stays refused until the sweep handles encoder-decoder models."""
 
+import json
+
 import pytest
 import torch
 from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
@@ -119,3 +121,52 @@ def test_rerouting_around_removed_experts_is_the_view_with_those_experts_disallo
         masked = torch.stack([adapter.moe_forward(moe, sequence, allowed) for sequence in hidden])
     torch.testing.assert_close(rerouted, masked, rtol=0, atol=1e-6)
     torch.testing.assert_close(pruned, masked, rtol=0, atol=1e-6)
+
+
+def test_a_pruned_checkpoint_loads_in_stock_transformers_with_the_masked_models_logits(adapter, model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSeq2SeqLM
+
+    model.save_pretrained(tmp_path / "source")
+    tensors = load_file(tmp_path / "source" / "model.safetensors")
+    removed = {1: [0, 2], 3: [3, 1], 4: [1, 2], 5: [0, 3]}
+    kept = {layer: [e for e in range(E) if e not in ids] for layer, ids in removed.items()}
+    views, pruned = {}, {k: v for k, v in tensors.items() if adapter.layer_of_key(k) not in removed}
+    for layer in removed:
+        moe, rest, layout = adapter.split_layer(
+            layer, {k: v for k, v in tensors.items() if adapter.layer_of_key(k) == layer}
+        )
+        views[layer] = moe
+        pruned.update(adapter.join_layer(layer, moe.select(kept[layer]), rest, layout))
+    out = tmp_path / "pruned"
+    out.mkdir()
+    save_file(pruned, out / "model.safetensors", metadata={"format": "pt"})
+    config = adapter.with_expert_counts({layer: E - 2 for layer in removed}, kept)
+    (out / "config.json").write_text(json.dumps(config))
+    loaded, loading = AutoModelForSeq2SeqLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    assert SwitchTransformersAdapter(config).original_expert_ids(5) == [1, 2]
+
+    handles = []
+    layers = adapter.decoder_layers(model)
+    for layer, ids in removed.items():
+        allowed = torch.ones(E, dtype=torch.bool)
+        allowed[ids] = False
+        handles += adapter.reroute_hooks(
+            layers[layer], lambda logits, moe=views[layer], allowed=allowed: adapter.route(moe, logits, allowed)
+        )
+    generator = torch.Generator().manual_seed(3)
+    inputs = dict(
+        input_ids=torch.randint(2, 96, (2, 24), generator=generator),
+        decoder_input_ids=torch.randint(2, 96, (2, 16), generator=generator),
+    )
+    try:
+        with torch.no_grad():
+            masked = model(**inputs).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():
+        plain, got = model(**inputs).logits, loaded.eval()(**inputs).logits
+    assert (plain - masked).abs().max() > 1e-3
+    torch.testing.assert_close(got, masked, rtol=0, atol=0)
