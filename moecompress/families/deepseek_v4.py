@@ -91,12 +91,14 @@ class DeepseekV4Adapter(FamilyAdapter):
     def check_expert_pruning(self, source: str = "model", config: Any = None) -> None:
         """Global scope is refused: stock transformers builds every DeepSeek-V4 layer (hash-routed or not) with one
         expert count, and the plugin cannot rebuild a block with its own (its constructor takes the layer index)."""
-        from ..errors import UserInputError
+        from ..errors import OptionError
+        from ..vocabulary import named
 
         if getattr(config, "scope", None) == "global":
-            raise UserInputError(
+            raise OptionError(
                 f"{source}: deepseek_v4 keeps one expert count in every layer (stock transformers builds each MoE "
-                "block, hash-routed or not, from the one n_routed_experts); prune with --scope layer"
+                f"block, hash-routed or not, from the one n_routed_experts); prune with {named('scope', 'layer')}",
+                type(config),
             )
 
     def head_counts(self) -> tuple[int, int, int]:
