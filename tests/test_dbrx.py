@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from helpers import run_cli
 from transformers import AutoModelForCausalLM
 
 from moecompress.errors import UserInputError
@@ -141,3 +142,10 @@ def test_pruned_config_keeps_the_count_in_ffn_config():
     assert pruned.num_experts == 4 and pruned.original_expert_ids(1) == [4, 5, 6, 7]
     uneven = adapter_for(adapter.with_expert_counts({0: 4, 1: 6}, {0: [0, 1, 2, 3], 1: [0, 1, 2, 3, 4, 5]}))
     assert uneven.experts_in_layer(0) == 4 and uneven.experts_in_layer(1) == 6
+
+
+def test_global_scope_is_one_line_exit_2_before_work(tiny_checkpoints, tmp_path):
+    out = tmp_path / "pruned"
+    result = run_cli("prune", str(tiny_checkpoints["dbrx"]), "--out", str(out), "--ratio", "0.3", "--scope", "global")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "dbrx keeps its expert count in ffn_config" in result.stderr and not out.exists()

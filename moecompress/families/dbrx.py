@@ -72,6 +72,15 @@ class DbrxAdapter(FamilyAdapter):
             config["ffn_config"]["moe_num_experts"] = config.pop("moe_num_experts")
         return config
 
+    def check_expert_pruning(self, source: str = "model", config: Any = None) -> None:
+        """Global scope is refused: the plugin rebuilds a block with its own expert count from a top-level count
+        attribute, and DBRX keeps its count in ``ffn_config``, so a layer with another count would not load."""
+        if getattr(config, "scope", None) == "global":
+            raise UserInputError(
+                f"{source}: dbrx keeps its expert count in ffn_config, which moecompress's loader cannot set per "
+                "layer; prune with --scope layer"
+            )
+
     @property
     def _norm_p(self) -> float | None:
         p = self._ffn.get("moe_normalize_expert_weights", 1.0)
