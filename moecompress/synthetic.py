@@ -1121,6 +1121,18 @@ _INKLING_TEXT = dict(
     route_scale=2.0,
 )
 TINY_CONFIGS["inkling_text"] = dict(_INKLING_TEXT, model_type="inkling_text")
+TINY_CONFIGS["zaya"] = dict(
+    _COMMON,
+    model_type="zaya",
+    num_hidden_layers=3,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=1,
+    router_hidden_size=16,
+    layer_types=["hybrid", "hybrid_sliding", "hybrid"],
+    sliding_window=8,
+)
 TINY_CONFIGS["inkling_mm_model"] = dict(
     model_type="inkling_mm_model",
     text_config=_INKLING_TEXT,
@@ -1130,6 +1142,41 @@ TINY_CONFIGS["inkling_mm_model"] = dict(
     audio_token_id=381,
     image_bos_token_id=378,
     audio_bos_token_id=379,
+    tie_word_embeddings=False,
+)
+_INKLING2_TEXT = dict(
+    _COMMON,
+    num_hidden_layers=4,
+    head_dim=16,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+    sliding_window_size=8,
+    d_rel=8,
+    rel_extent=32,
+    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+    n_layers_per_attn_res_block=2,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    route_scale=2.0,
+    mlp_gate_softcap=1.0,
+    mlp_up_softcap=2.0,
+    unpadded_vocab_size=384,
+)
+TINY_CONFIGS["inkling2_text"] = dict(_INKLING2_TEXT, model_type="inkling2_text")
+TINY_CONFIGS["inkling2"] = dict(
+    model_type="inkling2",
+    text_config=_INKLING2_TEXT,
+    vision_config=dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        patch_size=4,
+        posemb_grid_size=4,
+        projection_hidden_dim=32,
+        text_hidden_size=64,
+    ),
+    image_token_id=380,
     tie_word_embeddings=False,
 )
 TINY_CONFIGS["step3p7"] = dict(
@@ -1176,26 +1223,6 @@ TINY_CONFIGS["jetmoe"] = dict(
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
-TINY_CONFIGS["inkling2_text"] = dict(
-    _COMMON,
-    model_type="inkling2_text",
-    num_hidden_layers=4,
-    head_dim=16,
-    swa_num_attention_heads=4,
-    swa_num_key_value_heads=2,
-    swa_head_dim=16,
-    sliding_window_size=8,
-    d_rel=8,
-    rel_extent=32,
-    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
-    n_layers_per_attn_res_block=2,
-    moe_intermediate_size=32,
-    n_routed_experts=8,
-    route_scale=2.0,
-    mlp_gate_softcap=1.0,
-    mlp_up_softcap=2.0,
-    unpadded_vocab_size=384,
-)
 TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "nemotron_h_latent": dict(TINY_CONFIGS["nemotron_h"], moe_latent_size=32, moe_intermediate_size=96),
 }
@@ -1256,7 +1283,7 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
             else:
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
-            if name.endswith(("e_score_correction_bias", "expert_bias")):
+            if name.endswith(("e_score_correction_bias", "expert_bias", "balancing_biases")):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
             elif name.endswith("tid2eid"):
                 experts = int(config.num_local_experts)

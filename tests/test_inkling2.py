@@ -16,12 +16,12 @@ from moecompress.sweep import CalibrationSweep
 from moecompress.sweep_state import SweepState
 from moecompress.synthetic import save_tiny_model
 
-FAMILY = "inkling2_text"
+FAMILIES = ("inkling2_text", "inkling2")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_tiny_model(FAMILY, tmp_path_factory.mktemp(FAMILY) / "source")
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    return save_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "source")
 
 
 def _adapter(directory):
@@ -46,7 +46,8 @@ def _stock(checkpoint, batches):
     """The stock model's last-layer outputs and logits per batch."""
     model = load_stock(checkpoint)
     last, logits = [], []
-    handle = model.model.layers[-1].register_forward_hook(lambda module, args, out: last.append(out))
+    layers = _adapter(checkpoint).decoder_layers(model)
+    handle = layers[-1].register_forward_hook(lambda module, args, out: last.append(out))
     with torch.no_grad():
         logits = [model(**batch).logits for batch in batches]
     handle.remove()
@@ -71,7 +72,7 @@ def test_release_names_and_block_queries(checkpoint):
     joined = adapter.join_layer(1, moe, rest, layout)
     assert set(joined) == set(disk) and all(torch.equal(joined[key], disk[key]) for key in disk)
     state = adapter.runtime_layer_state(1, moe, rest)
-    stock = load_stock(checkpoint).model.layers[1].state_dict()
+    stock = adapter.decoder_layers(load_stock(checkpoint))[1].state_dict()
     assert set(state) == set(stock) and all(torch.equal(state[key], stock[key]) for key in stock)
 
 

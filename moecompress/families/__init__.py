@@ -40,7 +40,7 @@ from .granite import GraniteMoeAdapter, GraniteMoeHybridAdapter, GraniteMoeShare
 from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .hy_v4 import HYV4Adapter, HYV4VLAdapter
 from .inkling import InklingAdapter, InklingTextAdapter
-from .inkling2 import Inkling2TextAdapter
+from .inkling2 import Inkling2Adapter, Inkling2TextAdapter
 from .jamba import JambaAdapter
 from .jetmoe import JetMoeAdapter
 from .kimi_k25 import KimiK25Adapter
@@ -78,6 +78,7 @@ from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
 from .step3p7 import Step3p7Adapter
 from .sub_configs import sub_config_reason
 from .unlimited_ocr import UnlimitedOcrAdapter
+from .zaya import ZayaAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MixtralAdapter,
@@ -159,13 +160,15 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Qwen3OmniMoeThinkerAdapter,
     Qwen3OmniMoeAdapter,
     MuseSparkAdapter,
-    DbrxAdapter,
-    JetMoeAdapter,
     Step3p7Adapter,
     BailingHybridAdapter,
     InklingTextAdapter,
     InklingAdapter,
+    ZayaAdapter,
     Inkling2TextAdapter,
+    Inkling2Adapter,
+    DbrxAdapter,
+    JetMoeAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -177,10 +180,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
         "output head); its release is mistral_large4, whose text model moecompress compresses"
-    ),
-    "zaya": (
-        "ZAYA1's router carries a hidden state from one layer to the next and has a skip (no-compute) expert, which "
-        "the layer sweep and the expert view do not model"
     ),
     **dict.fromkeys(
         ("nllb-moe", "switch_transformers"),
@@ -201,7 +200,7 @@ REFUSED_FAMILIES: dict[str, str] = {
         "sqrt(E) x sqrt(E) router halves, with no gate/up/down matrices per expert"
     ),
     **dict.fromkeys(
-        ("inkling2", "inkling2_loop", "inkling2_loop_text"),
+        ("inkling2_loop", "inkling2_loop_text"),
         "Inkling 2's decoder layers each read block_states, the stack of the hidden states at every earlier "
         "attention-residual block boundary, beside their input (the final norm's input is mixed from them too), "
         "which the layer sweep, carrying one hidden state from layer to layer, does not provide",

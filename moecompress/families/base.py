@@ -68,11 +68,11 @@ class MoEWeights:
     expert_ids: list[int] = field(default_factory=list)
     identity_experts: int = 0
     expert_scale: torch.Tensor | None = None
-    layer: int | None = None
-    """The decoder layer the block is read from, which picks its activation (:meth:`FamilyAdapter.activation_of`)."""
     token_table: torch.Tensor | None = None
     output_norm: torch.Tensor | None = None
     expert_norm: torch.Tensor | None = None
+    layer: int | None = None
+    """The decoder layer the block is read from, which picks its activation (:meth:`FamilyAdapter.activation_of`)."""
 
     @property
     def num_experts(self) -> int:
@@ -198,7 +198,6 @@ class FamilyAdapter:
     """The config key of the width the routed experts compute at where the MoE block projects its input into a
     latent space before them and back after them (Nemotron 3 Super's ``moe_latent_size``); see
     :attr:`latent_experts`."""
-
 
     def __init__(self, config: dict[str, Any]):
         self.config = config
@@ -364,10 +363,10 @@ class FamilyAdapter:
 
     def is_vision_key(self, key: str) -> bool:
         return False
+
     def is_block_boundary(self, layer: int) -> bool:
         """Whether layer ``layer``'s input joins the :attr:`block_states_argument` stack of the layers after it."""
         return False
-
 
     def shared_state_sources(self, layer: int) -> list[int]:
         """The earlier layers whose entries in the :attr:`shared_state_keyword` dictionary layer ``layer`` reads."""
@@ -661,7 +660,6 @@ class FamilyAdapter:
             handle.remove()
         return seen[0].reshape(hidden.shape[0], -1)
 
-
     def reroute_hooks(
         self, layer_module: torch.nn.Module, choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     ) -> list[Any]:
@@ -681,13 +679,13 @@ class FamilyAdapter:
         state = self.runtime_local_state({self.runtime_local_key(layer, key): tensor for key, tensor in rest.items()})
         if moe is not None:
             state.update(self.runtime_moe_state(moe))
+        return state
+
     def runtime_local_key(self, layer: int, key: str) -> str:
         """The runtime name inside decoder layer ``layer`` of its on-disk ``key`` (not of the routed experts); a
         family that stores some of a layer's tensors outside its prefix (Inkling 2's block-residual queries) names
         them here."""
         return self.runtime_local_name(key[len(self.layer_prefix(layer)) :])
-
-        return state
 
     def runtime_local_name(self, local_key: str) -> str:
         """The runtime name of a layer-local on-disk key that is not part of the routed experts."""

@@ -1,4 +1,5 @@
-"""Inkling 2 (``inkling2_text``): block attention residuals, experts with a softcapped SwiGLU.
+"""Inkling 2 (``inkling2_text``; ``inkling2`` with its vision tower): block attention residuals, experts with a
+softcapped SwiGLU.
 
 Every decoder layer takes, beside its input, ``block_states`` ``[B, S, n, H]``: the inputs of the layers at each
 earlier block boundary (every ``n_layers_per_attn_res_block``-th layer, layer 0 first), stacked; the attention's
@@ -19,12 +20,14 @@ with gate and up rows interleaved and ``w2_weight`` ``[E, H, I]``, the correctio
 block-residual queries outside the layers, ``model.llm.attn_res.attn_queries.{i}`` (layer ``i + 1``'s),
 ``attn_res.mlp_queries.{i}`` and ``attn_res.output_query``, which the view counts as layer ``i + 1``'s, layer
 ``i``'s and outside tensors; ``model.llm.{embed,embed_norm,norm,unembed}``, the output projection padded to
-``vocab_size`` rows (``unpadded_vocab_size`` at runtime).
+``vocab_size`` rows (``unpadded_vocab_size`` at runtime). The ``inkling2`` release (Inkling-2-Small) has the
+same text names (runtime ``model.language_model.*``) beside its vision tower ``model.visual.*``, passed through.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -211,3 +214,36 @@ class Inkling2TextAdapter(FamilyAdapter):
         if "lm_head.weight" in out:
             out["lm_head.weight"] = out["lm_head.weight"][:rows]
         return out
+
+
+class Inkling2Adapter(Inkling2TextAdapter):
+    """The ``inkling2`` release: the text model under ``model.llm`` as in :class:`Inkling2TextAdapter`, at runtime
+    ``model.language_model``, beside the vision tower ``model.visual`` (passed through untouched)."""
+
+    family = "inkling2"
+    model_types = ("inkling2",)
+    auto_class = "AutoModelForImageTextToText"
+    block_states_reader = "model.language_model.final_input"
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        return self.config["text_config"]
+
+    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
+        return config["text_config"]
+
+    def is_vision_key(self, key: str) -> bool:
+        return key.startswith("model.visual.")
+
+    @property
+    def runtime_layers_path(self) -> str:
+        return "model.language_model.layers"
+
+    def runtime_module_name(self, name: str) -> str:
+        if self.is_vision_key(name) or self.layer_of_key(name) is not None:
+            return super().runtime_module_name(name)
+        name = super().runtime_module_name(name)
+        return f"model.language_model.{name[len('model.') :]}" if name.startswith("model.") else name
+
+    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return super().runtime_outside_state({k: v for k, v in state.items() if not self.is_vision_key(k)})
