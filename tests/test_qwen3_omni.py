@@ -44,7 +44,9 @@ def test_the_thinker_layers_are_the_view_and_the_rest_is_passed_through(checkpoi
     assert tuple(moe.gate_up.shape) == (8, 64, 64) and tuple(moe.router_weight.shape) == (8, 64)
     talker_experts = [key for key in keys if key.startswith("talker.model.layers.") and ".mlp.experts." in key]
     assert talker_experts and {adapter.layer_of_key(key) for key in talker_experts} == {None}
-    assert {adapter.classify_key(key) for key in keys if key.startswith(PASSED_THROUGH)} == {"vision"}
+    assert {adapter.classify_key(key) for key in keys if key.startswith(PASSED_THROUGH[2:])} == {"vision"}
+    assert {adapter.classify_key(key) for key in keys if key.startswith(PASSED_THROUGH[:2])} == {"other"}
+    assert all(adapter.is_vision_key(key) for key in keys if key.startswith(PASSED_THROUGH))
     runtime = adapter.runtime_module_name("thinker.model.layers.1.mlp.experts")
     assert runtime == "model.language_model.layers.1.mlp.experts"
 

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .base import ParamClass
 from .qwen_moe import Qwen3MoeAdapter
 from .vision_language import RenamedTextTower
+
+_SPEECH = ("talker.", "code2wav.")
+"""The speech decoder and vocoder: passed through, counted as "other" (not a vision tower) in footprints."""
 
 
 class Qwen3OmniMoeAdapter(RenamedTextTower, Qwen3MoeAdapter):
@@ -23,7 +27,7 @@ class Qwen3OmniMoeAdapter(RenamedTextTower, Qwen3MoeAdapter):
     head_pruning = False
     layers_prefix = "thinker.model.layers."
     runtime_prefixes = (("thinker.model.", "model.language_model."), ("thinker.lm_head.", "lm_head."))
-    vision_prefixes = ("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav.")
+    vision_prefixes = ("thinker.audio_tower.", "thinker.visual.", *_SPEECH)
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -31,6 +35,9 @@ class Qwen3OmniMoeAdapter(RenamedTextTower, Qwen3MoeAdapter):
 
     def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
         return config["thinker_config"]["text_config"]
+
+    def classify_key(self, key: str) -> ParamClass:
+        return "other" if key.startswith(_SPEECH) else super().classify_key(key)
 
     def transformers_config(self) -> Any:
         from transformers import AutoConfig
