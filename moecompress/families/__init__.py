@@ -78,7 +78,6 @@ from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
 from .step3p7 import Step3p7Adapter
 from .sub_configs import sub_config_reason
 from .unlimited_ocr import UnlimitedOcrAdapter
-from .zaya import ZayaAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MixtralAdapter,
@@ -160,15 +159,14 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Qwen3OmniMoeThinkerAdapter,
     Qwen3OmniMoeAdapter,
     MuseSparkAdapter,
+    DbrxAdapter,
+    JetMoeAdapter,
     Step3p7Adapter,
     BailingHybridAdapter,
     InklingTextAdapter,
     InklingAdapter,
-    ZayaAdapter,
     Inkling2TextAdapter,
     Inkling2Adapter,
-    DbrxAdapter,
-    JetMoeAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -180,6 +178,10 @@ REFUSED_FAMILIES: dict[str, str] = {
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
         "output head); its release is mistral_large4, whose text model moecompress compresses"
+    ),
+    "zaya": (
+        "ZAYA1's router carries a hidden state from one layer to the next and has a skip (no-compute) expert, which "
+        "the layer sweep and the expert view do not model"
     ),
     **dict.fromkeys(
         ("nllb-moe", "switch_transformers"),

@@ -68,11 +68,11 @@ class MoEWeights:
     expert_ids: list[int] = field(default_factory=list)
     identity_experts: int = 0
     expert_scale: torch.Tensor | None = None
+    layer: int | None = None
+    """The decoder layer the block is read from, which picks its activation (:meth:`FamilyAdapter.activation_of`)."""
     token_table: torch.Tensor | None = None
     output_norm: torch.Tensor | None = None
     expert_norm: torch.Tensor | None = None
-    layer: int | None = None
-    """The decoder layer the block is read from, which picks its activation (:meth:`FamilyAdapter.activation_of`)."""
 
     @property
     def num_experts(self) -> int:
@@ -198,6 +198,7 @@ class FamilyAdapter:
     """The config key of the width the routed experts compute at where the MoE block projects its input into a
     latent space before them and back after them (Nemotron 3 Super's ``moe_latent_size``); see
     :attr:`latent_experts`."""
+
 
     def __init__(self, config: dict[str, Any]):
         self.config = config
@@ -659,6 +660,7 @@ class FamilyAdapter:
         finally:
             handle.remove()
         return seen[0].reshape(hidden.shape[0], -1)
+
 
     def reroute_hooks(
         self, layer_module: torch.nn.Module, choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
