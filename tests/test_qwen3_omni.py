@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
+from moecompress.hub import build_card
 from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
 PASSED_THROUGH = ("talker.", "code2wav.", "thinker.audio_tower.", "thinker.visual.")
@@ -74,6 +75,8 @@ def test_prune_keeps_the_talker_and_towers_and_the_release_class_loads_the_outpu
         out, dtype=torch.float32, output_loading_info=True
     )
     assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    card = build_card(out, json.loads((out / "moecompress_report.json").read_text()), repo_id="acme/omni-pruned")
+    assert 'model = AutoModelForMultimodalLM.from_pretrained("acme/omni-pruned")' in card.text
 
 
 def test_the_release_class_loads_the_quantised_output_through_the_plugin(checkpoint, tmp_path):

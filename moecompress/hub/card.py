@@ -441,13 +441,29 @@ def _needs_moecompress(chain: Sequence[dict[str, Any]], config: dict[str, Any]) 
     return any(report.get("uniform") is False or report.get("stock_loadable") is False for report in chain)
 
 
-def _usage(
-    chain: Sequence[dict[str, Any]], config: dict[str, Any], architecture: str, repo: str, directory: Path
-) -> list[str]:
+def _auto_class_name(architecture: str, model_type: str | None) -> str:
+    """The auto class the card loads with: by the architecture's task, or transformers' multimodal-LM auto class
+    where that task's class does not know the model type (Qwen3-Omni's release, which generates text and speech)."""
+    from transformers.models.auto import modeling_auto
+
     auto = {
         "text-generation": "AutoModelForCausalLM",
         "image-text-to-text": "AutoModelForImageTextToText",
     }.get(_pipeline_tag(architecture) or "", "AutoModel")
+    known = {
+        "AutoModelForCausalLM": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "AutoModelForImageTextToText": modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        "AutoModel": modeling_auto.MODEL_MAPPING_NAMES,
+    }[auto]
+    if model_type not in known and model_type in modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return "AutoModelForMultimodalLM"
+    return auto
+
+
+def _usage(
+    chain: Sequence[dict[str, Any]], config: dict[str, Any], architecture: str, repo: str, directory: Path
+) -> list[str]:
+    auto = _auto_class_name(architecture, config.get("model_type"))
     plugin = _needs_moecompress(chain, config)
     has_tokenizer = any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     lines = ["## How to load", ""]
