@@ -203,9 +203,10 @@ REFUSED_FAMILIES: dict[str, str] = {
     ),
     **dict.fromkeys(
         ("inkling2_loop", "inkling2_loop_text"),
-        "Inkling 2's decoder layers each read block_states, the stack of the hidden states at every earlier "
-        "attention-residual block boundary, beside their input (the final norm's input is mixed from them too), "
-        "which the layer sweep, carrying one hidden state from layer to layer, does not provide",
+        "Inkling 2 Loop runs its looped decoder layers (loop_layer_index_start to loop_layer_index_end) "
+        "loop_num_passes times, each pass starting again from the pre-loop states and reading the previous pass's "
+        "messages through gates, so one layer's experts see several inputs per token; the layer sweep runs each "
+        "layer once",
     ),
     "diffusion_gemma": (
         "DiffusionGemma is a block-diffusion model: its experts serve a causal encoder and a bidirectional denoising "
