@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
+from ..vocabulary import named
 from .base import FamilyAdapter, Layout, MoEWeights, ParamClass
 from .routing import RoutingRule
 
@@ -76,9 +77,10 @@ class DbrxAdapter(FamilyAdapter):
         """Global scope is refused: the plugin rebuilds a block with its own expert count from a top-level count
         attribute, and DBRX keeps its count in ``ffn_config``, so a layer with another count would not load."""
         if getattr(config, "scope", None) == "global":
-            raise UserInputError(
+            raise OptionError(
                 f"{source}: dbrx keeps its expert count in ffn_config, which moecompress's loader cannot set per "
-                "layer; prune with --scope layer"
+                f"layer; prune with {named('scope', 'layer')}",
+                type(config),
             )
 
     @property
