@@ -22,7 +22,7 @@ kept, per batch, and each later layer gets those of the boundaries before it sta
 argument's position; the module after the layers (``block_states_reader``, Inkling 2's ``final_input``) gets them
 all (:meth:`LayerCarry.final_stacks`). That is one hidden state per block boundary held to the end of the sweep:
 ``ceil(num_layers / n_layers_per_attn_res_block) x tokens x hidden x 4`` bytes in float32 (Inkling-2-Small: 8
-boundaries of hidden size 4608, 151 KB a token, 2.4 GB at 16,384 calibration tokens), plus one batch's stack
+boundaries of hidden size 4608, 144 KiB a token, 2.25 GiB at 16,384 calibration tokens), plus one batch's stack
 built for the layer running.
 """
 
