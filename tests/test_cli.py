@@ -20,7 +20,8 @@ def test_inspect_every_family(family, tiny_checkpoints):
     result = CliRunner().invoke(app, ["inspect", str(tiny_checkpoints[family]), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
-    text_config = TINY_CONFIGS[family].get("text_config", TINY_CONFIGS[family])
+    config = TINY_CONFIGS[family]
+    text_config = config.get("text_config") or config.get("thinker_config", {}).get("text_config") or config
     assert summary["family"] == family
     layers = text_config.get("num_hidden_layers", text_config.get("num_layers", text_config.get("n_layers")))
     assert summary["num_layers"] == (layers or len(text_config["layers_block_type"]))
