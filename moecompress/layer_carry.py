@@ -4,7 +4,8 @@ The sweep runs one layer at a time on each calibration batch with the call argum
 hold no such state (its proxies return their input). Two kinds are carried, per batch, as the adapter declares:
 
 - an output of layer ``i`` that the stock forward passes to layer ``i + 1`` (``carried_outputs``: output position to
-  keyword; Mistral Large 4's and GLM-5's indexer top-k as ``prev_topk_indices``), kept for the next layer only;
+  keyword, or to an int, the position among the arguments after the hidden states; Mistral Large 4's and GLM-5's
+  indexer top-k as ``prev_topk_indices``, ZAYA1's router state as argument 0), kept for the next layer only;
 - a dictionary the stock forward threads through all layers (``shared_state_keyword``, Mistral Large 4's
   ``shared_kv_states``): each call gets a fresh one holding what the layer's sources
   (:meth:`~moecompress.families.FamilyAdapter.shared_state_sources`) wrote into theirs, and what a layer writes is kept
@@ -70,11 +71,23 @@ class LayerCarry:
         return torch.stack([to_compute(entry).to(hidden.dtype) for entry in entries], dim=-2)
 
     def positional(self, layer: int, batch: int, hidden: torch.Tensor, args: tuple) -> tuple:
-        """``args`` (the recorded call's, after the hidden states) with the block stack carried into ``layer``."""
+        """``args`` (the recorded call's, after the hidden states) with the block stack and the positional outputs
+        carried into ``layer``."""
+        args = self.with_outputs(layer, batch, args)
         if self.block_argument is None:
             return args
         args = list(args)
         args[self.block_argument] = self.stack([e for _, e in self.block_entries(batch, layer)], hidden)
+        return tuple(args)
+
+    def with_outputs(self, layer: int, batch: int, args: tuple) -> tuple:
+        """``args`` with the outputs carried into ``layer`` at their positions (``carried_outputs``' int entries)."""
+        carried = {pos: value for pos, value in self.entering[batch].get(layer, {}).items() if isinstance(pos, int)}
+        if not carried:
+            return args
+        args = list(args)
+        for pos, value in carried.items():
+            args[pos] = value
         return tuple(args)
 
     def final_stacks(self, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -87,7 +100,7 @@ class LayerCarry:
         """``kwargs`` (the recorded call) with the state carried into layer ``layer`` for batch ``batch``."""
         if not self.active:
             return kwargs
-        kwargs = {**kwargs, **self.entering[batch].get(layer, {})}
+        kwargs = {**kwargs, **{k: v for k, v in self.entering[batch].get(layer, {}).items() if isinstance(k, str)}}
         if self.keyword is not None and self.keyword in kwargs:
             shared = type(kwargs[self.keyword])()
             for source in self.adapter.shared_state_sources(layer):
@@ -144,7 +157,7 @@ class LayerCarry:
             kind, *parts = name.split("/")
             if kind == "in":
                 batch, layer, keyword = int(parts[0]), int(parts[1]), parts[2]
-                self.entering[batch].setdefault(layer, {})[keyword] = value
+                self.entering[batch].setdefault(layer, {})[int(keyword) if keyword.isdigit() else keyword] = value
             elif kind == "blk":
                 self.blocks[int(parts[0])][int(parts[1])] = tensors[name]
             else:

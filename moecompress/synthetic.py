@@ -1121,6 +1121,18 @@ _INKLING_TEXT = dict(
     route_scale=2.0,
 )
 TINY_CONFIGS["inkling_text"] = dict(_INKLING_TEXT, model_type="inkling_text")
+TINY_CONFIGS["zaya"] = dict(
+    _COMMON,
+    model_type="zaya",
+    num_hidden_layers=3,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=1,
+    router_hidden_size=16,
+    layer_types=["hybrid", "hybrid_sliding", "hybrid"],
+    sliding_window=8,
+)
 TINY_CONFIGS["inkling_mm_model"] = dict(
     model_type="inkling_mm_model",
     text_config=_INKLING_TEXT,
@@ -1271,7 +1283,7 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
             else:
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
-            if name.endswith(("e_score_correction_bias", "expert_bias")):
+            if name.endswith(("e_score_correction_bias", "expert_bias", "balancing_biases")):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
             elif name.endswith("tid2eid"):
                 experts = int(config.num_local_experts)

@@ -78,6 +78,7 @@ from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
 from .step3p7 import Step3p7Adapter
 from .sub_configs import sub_config_reason
 from .unlimited_ocr import UnlimitedOcrAdapter
+from .zaya import ZayaAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     MixtralAdapter,
@@ -165,6 +166,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     BailingHybridAdapter,
     InklingTextAdapter,
     InklingAdapter,
+    ZayaAdapter,
     Inkling2TextAdapter,
     Inkling2Adapter,
 )
@@ -178,10 +180,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
         "output head); its release is mistral_large4, whose text model moecompress compresses"
-    ),
-    "zaya": (
-        "ZAYA1's router carries a hidden state from one layer to the next and has a skip (no-compute) expert, which "
-        "the layer sweep and the expert view do not model"
     ),
     **dict.fromkeys(
         ("nllb-moe", "switch_transformers"),

@@ -187,6 +187,7 @@ def _backpropagate_layer(
         for index, gradient in enumerate(output_gradients):
             states = to_compute(inputs.pop(str(index))).requires_grad_(True)
             args, kwargs = sweep.call_arguments(layer, index)
+            args = carry.with_outputs(layer, index, args)
             entries = carry.block_entries(index, layer) if carry.block_argument is not None else []
             read = [to_compute(entry).clone().requires_grad_(True) for _, entry in entries]
             if carry.block_argument is not None:
