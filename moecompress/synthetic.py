@@ -1179,6 +1179,38 @@ TINY_CONFIGS["inkling2"] = dict(
     image_token_id=380,
     tie_word_embeddings=False,
 )
+TINY_CONFIGS["nemo_speechlm"] = dict(
+    model_type="nemo_speechlm",
+    text_config={k: v for k, v in TINY_CONFIGS["nemotron_h"].items() if k != "tie_word_embeddings"},
+    audio_config=dict(
+        asr_config=dict(
+            hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=16
+        ),
+        diarization_config=dict(
+            model_type="nemotron3_diarization",
+            audio_config=dict(
+                hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=16
+            ),
+            head_config=dict(hidden_size=16, num_speakers=4, audio_hidden_size=32),
+            streaming_config=dict(num_speakers=4, speaker_cache_length=8, fifo_length=8, speaker_cache_update_period=8),
+            chunk_length=16,
+            chunk_right_context=2,
+            chunk_left_context=2,
+            fifo_length=8,
+            speaker_cache_update_period=8,
+        ),
+    ),
+    word_timestamp_config=dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=16,
+        blank_token_id=15,
+    ),
+    audio_token_id=383,
+    tie_word_embeddings=False,
+)
 TINY_CONFIGS["step3p7"] = dict(
     model_type="step3p7",
     text_config=dict(

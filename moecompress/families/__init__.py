@@ -57,6 +57,7 @@ from .mistral4 import Mistral3Adapter, Mistral4Adapter
 from .mistral_large4 import MistralLarge4Adapter
 from .mixtral import MixtralAdapter, PhimoeAdapter
 from .muse_spark import MuseSparkAdapter
+from .nemo_speechlm import NemoSpeechLMAdapter
 from .nemotron_h import NemotronHAdapter
 from .nemotron_h_omni import NemotronHOmniAdapter
 from .qwen3_omni import Qwen3OmniMoeAdapter
@@ -151,6 +152,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     LaraMiniAdapter,
     AXK2Adapter,
     NemotronHOmniAdapter,
+    NemoSpeechLMAdapter,
     Dots3NoteTextAdapter,
     Dots3NoteAdapter,
     DeepseekOcr2Adapter,
