@@ -91,7 +91,7 @@ def test_view_routes_to_the_skip_expert_as_the_stock_router(skipping):
         assert (moe.num_experts, moe.router_columns) == (EXPERTS, EXPERTS + 1)
         captured = []
         out_proj = adapter.decoder_layers(model)[layer].get_submodule(adapter.router_input_module)
-        handle = out_proj.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+        handle = out_proj.register_forward_hook(lambda m, args, out, into=captured: into.append(args[0]))
         with torch.no_grad():
             _, stock_weights, stock_ids = adapter.stock_route(model, layer, hidden)
             stock_out = adapter.stock_experts(model, layer, hidden, stock_ids, stock_weights)
