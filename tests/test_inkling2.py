@@ -101,6 +101,8 @@ def test_sweep_carries_the_block_stack_to_every_layer_and_the_head(checkpoint):
         assert torch.equal(swept, stock)
     stacks = sweep.final_block_states(sweep.last_hidden)
     assert [tuple(stack.shape) for stack in stacks] == [(2, 24, 2, 64)] * 2
+    held = sum(tensor.numel() * tensor.element_size() for tensor in sweep.carry.tensors().values())
+    assert held == 2 * 96 * 64 * 4  # block boundaries x calibration tokens x hidden size x float32
     for head in (sweep.head_logits, sweep.text_head_logits):
         for swept, stock in zip(head(batches, sweep.last_hidden, stacks), logits, strict=True):
             assert torch.equal(swept, stock)
