@@ -25,6 +25,11 @@ all (:meth:`LayerCarry.final_stacks`). That is one hidden state per block bounda
 ``ceil(num_layers / n_layers_per_attn_res_block) x tokens x hidden x 4`` bytes in float32 (Inkling-2-Small: 8
 boundaries of hidden size 4608, 144 KiB a token, 2.25 GiB at 16,384 calibration tokens), plus one batch's stack
 built for the layer running.
+
+An encoder-decoder (:meth:`FamilyAdapter.stack_starts`, Switch Transformers): the encoder's output after its final
+norm, per batch (one hidden state per source token), is every decoder layer's cross-attention input
+(``encoder_output_argument``); nothing a layer returns is carried into the first layer of the next stack (T5's
+blocks hand their position biases on within a stack only).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class LayerCarry:
         self.block_argument = adapter.block_states_argument
         self.blocks: list[dict[int, torch.Tensor]] = [{} for _ in range(batches)]
         """Per batch: block-boundary layer → its input hidden states."""
+        self.starts = set(adapter.stack_starts()) - {0}
+        self.encoder_argument = adapter.encoder_output_argument
+        self.encoder: list[torch.Tensor | None] = [None] * batches
+        """Per batch: the encoder's normalised output, once the encoder has run."""
         self.last_reader: dict[int, int] = {}
         for layer in range(adapter.num_layers):
             for source in adapter.shared_state_sources(layer):
@@ -56,7 +65,16 @@ class LayerCarry:
 
     @property
     def active(self) -> bool:
-        return bool(self.outputs) or self.keyword is not None or self.block_argument is not None
+        return (
+            bool(self.outputs)
+            or self.keyword is not None
+            or self.block_argument is not None
+            or self.encoder_argument is not None
+        )
+
+    def encoder_output(self, batch: int, output: torch.Tensor) -> None:
+        """Hold batch ``batch``'s encoder output for the later stacks' layers."""
+        self.encoder[batch] = output
 
     def block_entries(self, batch: int, before: int | None = None) -> list[tuple[int, torch.Tensor]]:
         """Batch ``batch``'s kept block-boundary inputs, by layer, of the layers before ``before`` (all: None)."""
@@ -74,6 +92,10 @@ class LayerCarry:
         """``args`` (the recorded call's, after the hidden states) with the block stack and the positional outputs
         carried into ``layer``."""
         args = self.with_outputs(layer, batch, args)
+        if self.encoder_argument is not None and self.encoder[batch] is not None:
+            args = list(args)
+            args[self.encoder_argument] = to_compute(self.encoder[batch]).to(hidden.dtype)
+            args = tuple(args)
         if self.block_argument is None:
             return args
         args = list(args)
@@ -117,7 +139,7 @@ class LayerCarry:
             return
         if self.block_argument is not None and hidden is not None and self.adapter.is_block_boundary(layer):
             self.blocks[batch][layer] = hidden
-        if self.outputs and isinstance(output, tuple):
+        if self.outputs and isinstance(output, tuple) and layer + 1 not in self.starts:
             self.entering[batch][layer + 1] = {keyword: output[pos] for pos, keyword in self.outputs.items()}
         for earlier in [i for i in self.entering[batch] if i < layer]:
             del self.entering[batch][earlier]
@@ -142,6 +164,9 @@ class LayerCarry:
         for batch, blocks in enumerate(self.blocks):
             for layer, value in blocks.items():
                 out[f"blk/{batch}/{layer}"] = value.cpu()
+        for batch, encoder in enumerate(self.encoder):
+            if encoder is not None:
+                out[f"enc/{batch}"] = encoder.cpu()
         for batch, stored in enumerate(self.stored):
             for source, entries in stored.items():
                 for key, values in entries.items():
@@ -160,6 +185,8 @@ class LayerCarry:
                 self.entering[batch].setdefault(layer, {})[int(keyword) if keyword.isdigit() else keyword] = value
             elif kind == "blk":
                 self.blocks[int(parts[0])][int(parts[1])] = tensors[name]
+            elif kind == "enc":
+                self.encoder[int(parts[0])] = tensors[name]
             else:
                 batch, source, key, index = int(parts[0]), int(parts[1]), parts[2], int(parts[3])
                 kv.setdefault((batch, source, key), {})[index] = value

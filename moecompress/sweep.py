@@ -73,23 +73,27 @@ class LayerCapture:
     token_ids: torch.Tensor | None = None
     """The calibration tokens' ids ``[T]``, token for token with ``moe_input``, where the block is hash-routed
     (:attr:`MoEWeights.token_table`): what its table routes by."""
+    sequence_lengths: list[int] | None = None
+    """The tokens of each sequence of ``moe_input``, in order, where the family routes whole sequences
+    (:attr:`FamilyAdapter.per_sequence_routing`)."""
 
 
 class _LayerProxy(torch.nn.Module):
     """Stands in for decoder layer ``index`` in the skeleton: records its call, returns its input."""
 
-    def __init__(self, index: int, recorder: _CallRecorder, attributes: dict[str, Any], returns_tuple: bool = False):
+    def __init__(self, index: int, recorder: _CallRecorder, attributes: dict[str, Any], extras: int | None = None):
         super().__init__()
         self.index = index
         self.recorder = recorder
-        self.returns_tuple = returns_tuple
+        self.extras = extras
+        """None: the layer returns its hidden states alone; else that many ``None`` after them."""
         for name, value in attributes.items():
             setattr(self, name, value)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.recorder.record(self.index, hidden_states, args, kwargs)
         out = self.recorder.outputs.get(self.index, hidden_states)
-        return (out, None) if self.returns_tuple else out
+        return out if self.extras is None else (out, *[None] * self.extras)
 
 
 class _CallRecorder:
@@ -112,6 +116,8 @@ class _BatchPlan:
     hidden: torch.Tensor
     calls: dict[int, tuple[tuple, dict]]
     injections: dict[int, torch.Tensor]
+    stack_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """An encoder-decoder's later stacks' first inputs (the decoder's embedded tokens), by layer."""
 
 
 def _text_config(config):
@@ -155,6 +161,7 @@ class CalibrationSweep:
         moe_in_compute_dtype: bool = False,
         keep_tensors: bool = False,
         progress: bool = True,
+        decoder_tags: torch.Tensor | None = None,
     ):
         import transformers
 
@@ -162,6 +169,8 @@ class CalibrationSweep:
         self.reader = CheckpointReader(model_dir)
         self.adapter: FamilyAdapter = adapter_for(self.reader.config, source=str(model_dir))
         self.tags = tags.reshape(-1)
+        self.decoder_tags = None if decoder_tags is None else decoder_tags.reshape(-1)
+        """An encoder-decoder's tags of its decoder's tokens (``decoder_input_ids``; ``tags``: the encoder's)."""
         self.tag_names = tag_names
         self.token_ids = (
             torch.cat([batch["input_ids"].reshape(-1) for batch in batches])
@@ -191,6 +200,8 @@ class CalibrationSweep:
         skeleton, recorder = self._skeleton()
         self.plans = self._plan(skeleton, recorder, batches)
         self.carry = LayerCarry(self.adapter, len(self.plans))
+        norm = self.adapter.encoder_output_norm
+        self._encoder_norm = skeleton.get_submodule(norm) if norm is not None else None
         del skeleton
 
     def _skeleton(self) -> tuple[torch.nn.Module, _CallRecorder]:
@@ -210,16 +221,12 @@ class CalibrationSweep:
         self.adapter.fix_skeleton(skeleton)
         recorder = _CallRecorder()
         layers_path = self.adapter.runtime_layers_path
-        parent_path, _, attr = layers_path.rpartition(".")
-        parent = skeleton.get_submodule(parent_path)
-        setattr(
-            parent,
-            attr,
-            torch.nn.ModuleList(
-                _LayerProxy(i, recorder, _layer_attributes(layer), self.adapter.layer_returns_tuple)
-                for i, layer in enumerate(meta_layers)
-            ),
-        )
+        extras = self.adapter.layer_output_extras if self.adapter.layer_returns_tuple else None
+        proxies = [_LayerProxy(i, recorder, _layer_attributes(layer), extras) for i, layer in enumerate(meta_layers)]
+        starts = [*self.adapter.stack_starts(), len(proxies)]
+        for path, start, end in zip(self.adapter.layer_stacks or (layers_path,), starts[:-1], starts[1:], strict=True):
+            parent_path, _, attr = path.rpartition(".")
+            setattr(skeleton.get_submodule(parent_path), attr, torch.nn.ModuleList(proxies[start:end]))
         ignored = [re.compile(p) for p in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
         # As transformers, ignore only keys the model lacks (Unlimited-OCR's base model ignores "lm_head", which its
         # conditional-generation class has).
@@ -257,8 +264,11 @@ class CalibrationSweep:
             for batch in batches:
                 recorder.calls, recorder.inputs = {}, {}
                 skeleton(**batch, use_cache=False, **self._one_logit)
-                injections = {}
+                injections, stack_inputs = {}, {}
                 for i in range(num_layers - 1):
+                    if i + 1 in self.adapter.stack_starts():
+                        stack_inputs[i + 1] = recorder.inputs[i + 1]
+                        continue
                     delta = recorder.inputs[i + 1] - recorder.inputs[i]
                     if torch.count_nonzero(delta):
                         injections[i] = delta
@@ -267,7 +277,7 @@ class CalibrationSweep:
                 if position is not None:
                     # The skeleton's stacks hold its proxies' inputs; the carry builds the real ones.
                     calls = {i: ((*a[:position], None, *a[position + 1 :]), k) for i, (a, k) in calls.items()}
-                plans.append(_BatchPlan(hidden=recorder.inputs[0], calls=calls, injections=injections))
+                plans.append(_BatchPlan(recorder.inputs[0], calls, injections, stack_inputs))
         return plans
 
     def final_block_states(self, last_hidden: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -368,15 +378,18 @@ class CalibrationSweep:
         """Whether layer ``layer``'s routed experts run as a :class:`ViewExperts` on the view's own tensors
         instead of a float32 copy loaded into the stock module."""
         module = self.adapter.decoder_layers(self._meta_model)[layer]
-        experts = getattr(module.get_submodule(self.adapter.experts_parent), "experts", None)
+        experts = getattr(self._experts_parent(module, layer), "experts", None)
         return experts is not None and takes_routed_tokens(experts)
+
+    def _experts_parent(self, module: torch.nn.Module, layer: int) -> torch.nn.Module:
+        return module.get_submodule(self.adapter.runtime_in_layer(layer, self.adapter.experts_parent))
 
     def _materialise(self, layer: int) -> tuple[torch.nn.Module, MoEWeights | None, dict[str, torch.Tensor], Any]:
         prefetched = self._prefetched.pop(layer, None) if hasattr(self, "_prefetched") else None
         moe, rest, layout, state = prefetched.result() if prefetched is not None else self._read_layer(layer)
         module = self.adapter.decoder_layers(self._meta_model)[layer]
         if moe is not None and self._computes_from_view(layer):
-            install(module.get_submodule(self.adapter.experts_parent), self.adapter).source = ExpertSource(moe)
+            install(self._experts_parent(module, layer), self.adapter).source = ExpertSource(moe)
         try:
             module.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as error:
@@ -430,7 +443,7 @@ class CalibrationSweep:
         self, module: torch.nn.Module, layer: int, moe: MoEWeights | ExpertSource, original: MoEWeights
     ) -> None:
         """Compute layer ``layer``'s routed experts with ``moe`` from now on (the router stays the original's)."""
-        experts = getattr(module.get_submodule(self.adapter.experts_parent), "experts", None)
+        experts = getattr(self._experts_parent(module, layer), "experts", None)
         if isinstance(experts, ViewExperts):
             source = moe if isinstance(moe, ExpertSource) else ExpertSource(moe)
             experts.source = source.to(compute_device()) if is_accelerated() else source
@@ -478,13 +491,17 @@ class CalibrationSweep:
                 (module, moe), rest, layout = self.materialise(layer), None, None
             self.prefetch(layer + 1)
             captured_inputs: list[torch.Tensor] = []
+            lengths: list[int] | None = [] if self.adapter.per_sequence_routing else None
             router_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
             handles = []
             if moe is not None:
-                handles.append(_capture_input(module.get_submodule(self.adapter.moe_site_module), captured_inputs))
+                site = self.adapter.runtime_in_layer(layer, self.adapter.moe_site_module)
+                handles.append(_capture_input(module.get_submodule(site), captured_inputs, lengths))
                 if self.adapter.router_input_module:
-                    router = module.get_submodule(self.adapter.router_input_module)
+                    router = module.get_submodule(
+                        self.adapter.runtime_in_layer(layer, self.adapter.router_input_module)
+                    )
                     handles.append(_capture_input(router, router_inputs))
                 if self.capture_attention and self.adapter.softmax_attention(layer):
                     handles.append(
@@ -501,13 +518,14 @@ class CalibrationSweep:
                     layer=layer,
                     moe=moe,
                     moe_input=torch.cat(captured_inputs).float() if captured_inputs else None,
-                    tags=self.tags,
+                    tags=self.tags_of(layer),
                     tag_names=self.tag_names,
                     attention_received=torch.cat(received).cpu() if received else None,
                     rest=rest,
                     layout=layout,
                     router_input=torch.cat(router_inputs).float() if router_inputs else None,
                     token_ids=self.token_ids if moe is not None and moe.token_table is not None else None,
+                    sequence_lengths=lengths if moe is not None else None,
                 )
                 del captured_inputs, router_inputs, received, rest
                 yield capture
@@ -527,6 +545,8 @@ class CalibrationSweep:
                 out + plan.injections[layer] if layer in plan.injections else out
                 for out, plan in zip(outputs, self.plans, strict=True)
             ]
+            if layer + 1 in self.adapter.stack_starts():
+                hidden = self._next_stack(layer, hidden)
             if state is not None:
                 state.commit(layer, hidden, result, self.carry.tensors() if self.carry.active else None)
         self.last_hidden = hidden
@@ -535,6 +555,20 @@ class CalibrationSweep:
             self._reading.shutdown(wait=True)
             del self._reading, self._prefetched
         self.reader.close()
+
+    def tags_of(self, layer: int) -> torch.Tensor:
+        """The tags of layer ``layer``'s tokens: the decoder's in an encoder-decoder's decoder."""
+        if self.decoder_tags is None or layer < self.adapter.stack_starts()[-1]:
+            return self.tags
+        return self.decoder_tags
+
+    def _next_stack(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """At the end of an encoder-decoder's stack: its output through :attr:`encoder_output_norm` carried for the
+        later layers (their cross-attention input), and the next stack's recorded first inputs."""
+        with torch.inference_mode():
+            for batch, out in enumerate(outputs):
+                self.carry.encoder_output(batch, self._encoder_norm(out))
+        return [plan.stack_inputs[layer + 1] for plan in self.plans]
 
     def _forward_routed(
         self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor], capture: LayerCapture
@@ -588,9 +622,16 @@ def _meta_model(auto_class, config, dtype: torch.dtype, attention: str) -> torch
         return build("eager")
 
 
-def _capture_input(module: torch.nn.Module, into: list[torch.Tensor]) -> Any:
-    """A forward hook that appends ``module``'s first input, flattened to ``[T, H]``, to ``into``; its handle."""
-    return module.register_forward_hook(lambda mod, args, out: into.append(args[0].reshape(-1, args[0].shape[-1])))
+def _capture_input(module: torch.nn.Module, into: list[torch.Tensor], lengths: list[int] | None = None) -> Any:
+    """A forward hook that appends ``module``'s first input, flattened to ``[T, H]``, to ``into`` (and the length of
+    each of its sequences, ``[B, S, H]``, to ``lengths``); its handle."""
+
+    def hook(mod, args, out):
+        into.append(args[0].reshape(-1, args[0].shape[-1]))
+        if lengths is not None:
+            lengths.extend([args[0].shape[-2]] * args[0].shape[:-2].numel())
+
+    return module.register_forward_hook(hook)
 
 
 def _initialise_meta_buffers(module: torch.nn.Module, model: torch.nn.Module) -> None:

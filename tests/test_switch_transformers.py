@@ -1,5 +1,6 @@
-"""Switch Transformers' expert view (encoder and decoder stacks numbered as one, per-sequence expert capacity)
-against the stock modules; the family itself stays refused until the sweep handles encoder-decoder models."""
+"""Switch Transformers' expert view (encoder and decoder stacks numbered as one, per-sequence expert capacity) and
+the layer sweep over both stacks against the stock modules; the family itself stays refused until the passes,
+calibration, evaluation and plugin handle encoder-decoder models."""
 
 import json
 
@@ -38,6 +39,8 @@ def model():
         for name, param in built.named_parameters():
             if "router.classifier" in name:
                 param.normal_(0, 1.0)
+            elif "layer_norm" in name:  # not all ones, so that a norm missed or swapped shows
+                param.normal_(1.0, 0.3)
     return built
 
 
@@ -170,3 +173,128 @@ def test_a_pruned_checkpoint_loads_in_stock_transformers_with_the_masked_models_
         plain, got = model(**inputs).logits, loaded.eval()(**inputs).logits
     assert (plain - masked).abs().max() > 1e-3
     torch.testing.assert_close(got, masked, rtol=0, atol=0)
+
+
+def _sweep(adapter, model, tmp_path, monkeypatch, batches):
+    """The layer sweep over ``batches``, every source token tagged 0 and every decoder token 1."""
+    import moecompress.sweep as sweep_module
+
+    model.save_pretrained(tmp_path / "source")
+    monkeypatch.setattr(sweep_module, "adapter_for", lambda config, source=None: SwitchTransformersAdapter(config))
+    tokens = sum(batch["input_ids"].numel() for batch in batches)
+    decoder_tokens = sum(batch["decoder_input_ids"].numel() for batch in batches)
+    return sweep_module.CalibrationSweep(
+        tmp_path / "source",
+        batches,
+        torch.zeros(tokens, dtype=torch.long),
+        ["source", "target"],
+        progress=False,
+        decoder_tags=torch.ones(decoder_tokens, dtype=torch.long),
+    )
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(5)
+    return [
+        dict(
+            input_ids=torch.randint(2, 96, (2, length), generator=generator),
+            decoder_input_ids=torch.randint(2, 96, (2, length - 6), generator=generator),
+        )
+        for length in (24, 20)
+    ]
+
+
+def _stock(adapter, model, batches):
+    """The stock forward's MoE-block inputs by layer, the decoder's last block outputs and the logits, per batch."""
+    inputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in adapter.moe_layers()}
+    handles = [
+        adapter.moe_block_of(model, layer).register_forward_hook(
+            lambda mod, args, out, into=inputs[layer]: into.append(args[0].reshape(-1, H))
+        )
+        for layer in adapter.moe_layers()
+    ]
+    last = []
+    handles.append(model.decoder.block[-1].register_forward_hook(lambda mod, args, out: last.append(out[0])))
+    try:
+        with torch.no_grad():
+            logits = [model(**batch).logits for batch in batches]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, last, logits
+
+
+def test_the_layer_sweep_runs_the_encoder_then_the_decoder_on_its_output_as_the_stock_model(
+    adapter, model, tmp_path, monkeypatch
+):
+    """Each MoE block's input, the decoder's last output and the logits equal the stock forward's exactly: the
+    decoder starts from its own embedded tokens, reads the normalised encoder output, and each stack's later blocks
+    get the position biases its first block computed."""
+    batches = _batches()
+    sweep = _sweep(adapter, model, tmp_path, monkeypatch, batches)
+    inputs, last, logits = _stock(adapter, model, batches)
+    seen = []
+    for capture in sweep.run():
+        seen.append(capture.layer)
+        torch.testing.assert_close(capture.moe_input, torch.cat(inputs[capture.layer]), rtol=0, atol=0)
+        sources = [batch["input_ids" if capture.layer < 4 else "decoder_input_ids"] for batch in batches]
+        assert capture.sequence_lengths == [row.numel() for ids in sources for row in ids]
+        assert torch.equal(capture.tags, torch.full((capture.moe_input.shape[0],), int(capture.layer >= 4)))
+    assert seen == adapter.moe_layers()
+    for got, want in zip(sweep.last_hidden, last, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(sweep.head_logits(batches, sweep.last_hidden), logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stop", [4, 5])
+def test_a_resumed_sweep_restores_the_encoder_output_and_the_position_biases(
+    adapter, model, tmp_path, monkeypatch, stop
+):
+    from moecompress.sweep_state import SweepState
+
+    batches = _batches()
+    state = SweepState(tmp_path / "state")
+    for capture in _sweep(adapter, model, tmp_path, monkeypatch, batches).run(state):
+        if capture.layer == stop:
+            break
+    assert SweepState(tmp_path / "state").last_layer == stop - 1
+    assert {name.split("/")[0] for name in state.carried()} == {"enc", "in"}
+    resumed = _sweep(adapter, model, tmp_path, monkeypatch, batches)
+    for _ in resumed.run(SweepState(tmp_path / "state")):
+        pass
+    _, last, _ = _stock(adapter, model, batches)
+    for got, want in zip(resumed.last_hidden, last, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layer", [1, 5])
+def test_frequency_and_delta_h_apply_the_capacity_per_sequence(adapter, model, layer):
+    """With the sequences' lengths the passes route whole sequences: frequency counts the tokens the stock router
+    dispatches (not those past an expert's capacity) and single-pass ΔH equals the view's forward of each sequence
+    without each expert in turn (chunks small enough to split the calibration set)."""
+    from moecompress.passes.expert_scores import layer_expert_stats
+
+    moe, *_ = _view(adapter, model, layer)
+    hidden = torch.randn(3, 24, H, generator=torch.Generator().manual_seed(20 + layer))
+    with torch.no_grad():
+        dispatch = adapter.moe_block_of(model, layer).router(hidden)[0]
+        stats = layer_expert_stats(adapter, moe, hidden.reshape(-1, H), chunk_tokens=50, sequence_lengths=[24] * 3)
+        eye = torch.eye(E, dtype=torch.bool)
+        brute = torch.stack(
+            [
+                torch.cat(
+                    [
+                        (adapter.moe_forward(moe, sequence) - adapter.moe_forward(moe, sequence, ~eye[e])).norm(dim=-1)
+                        for sequence in hidden
+                    ]
+                )
+                for e in range(E)
+            ],
+            dim=1,
+        )
+        flat = layer_expert_stats(adapter, moe, hidden.reshape(-1, H))
+    assert (dispatch.sum(dim=-1) == 0).any(), "the test's tokens must overflow an expert's capacity"
+    assert torch.equal(stats.routed_counts, dispatch.reshape(-1, E).sum(dim=0).float())
+    torch.testing.assert_close(stats.delta_h, brute, rtol=0, atol=1e-5)
+    assert not torch.equal(flat.routed_counts, stats.routed_counts)

@@ -175,6 +175,22 @@ class FamilyAdapter:
     block_states_reader: ClassVar[str | None] = None
     """The module after the decoder layers that reads the whole stack as its first argument (Inkling 2's
     ``final_input``, before the final norm)."""
+    layer_output_extras: ClassVar[int] = 1
+    """With :attr:`layer_returns_tuple`: how many outputs follow the hidden states (Switch Transformers' blocks
+    return two position biases)."""
+    layer_stacks: ClassVar[tuple[str, ...]] = ()
+    """An encoder-decoder's layer stacks (module paths) in the view's layer order, starting at
+    :meth:`stack_starts` (Switch Transformers' ``encoder.block``, ``decoder.block``); empty: one stack at
+    :attr:`runtime_layers_path`."""
+    encoder_output_norm: ClassVar[str | None] = None
+    """The module the first stack's output passes through before every later layer reads it as
+    :attr:`encoder_output_argument` (the cross-attention's input; Switch Transformers' ``encoder.final_layer_norm``)."""
+    encoder_output_argument: ClassVar[int | None] = None
+    """Position, among a later stack's layer arguments after the hidden states, of the encoder's output."""
+    per_sequence_routing: ClassVar[bool] = False
+    """Whether what a token's expert computes for it depends on the other tokens of its sequence (Switch
+    Transformers' expert capacity): the sweep records each capture's sequence lengths and the passes route whole
+    sequences through :meth:`sequence_routing`."""
     has_correction_bias: ClassVar[bool] = False
     accepts_images: ClassVar[bool] = False
     attention_module: ClassVar[str] = "self_attn"
@@ -552,6 +568,24 @@ class FamilyAdapter:
     def fix_skeleton(self, skeleton: torch.nn.Module) -> None:
         """Undo what the stock model derived at build time from the sweep skeleton's zero decoder layers (Gemma 4's
         first KV-sharing layer index)."""
+
+    def stack_starts(self) -> tuple[int, ...]:
+        """The first layer of each of :attr:`layer_stacks` (a new stack's first layer takes what the stock forward
+        gives it, not the previous layer's output): ``(0,)`` for a decoder-only model."""
+        return (0,)
+
+    def sequence_routing(
+        self, moe: MoEWeights, ids: torch.Tensor, weights: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """The ``weights`` of the choice ``ids`` ``[T, k]`` of tokens that are whole sequences of ``lengths``, with
+        what a sequence-level rule takes away (:attr:`per_sequence_routing`) set to zero."""
+        return weights
+
+    def runtime_in_layer(self, layer: int, name: str) -> str:
+        """The name in runtime layer ``layer`` of a module named relative to its MoE block's parent
+        (:attr:`moe_site_module`, :attr:`experts_parent`), where that parent differs between layers (Switch
+        Transformers' ``layer.1`` in the encoder, ``layer.2`` in the decoder)."""
+        return name
 
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The decoder layers of a loaded model."""

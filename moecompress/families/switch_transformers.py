@@ -1,8 +1,9 @@
 """Switch Transformers (``switch_transformers``; google/switch-base-8): the expert view of an encoder-decoder MoE.
 
-Not registered in :data:`~moecompress.families.ADAPTERS`: the family stays refused until the layer sweep, the
-evaluation and the plugin handle encoder-decoder models (see docs/families.md, "Known gaps"). What is here is the
-view, tested against the stock modules.
+Not registered in :data:`~moecompress.families.ADAPTERS`: the family stays refused until merging, the router refit
+and GPTQ apply the capacity per sequence and the calibration, evaluation and plugin handle encoder-decoder models
+(see docs/families.md, "Known gaps"). What is here is the view, what the layer sweep needs to run both stacks and
+the per-sequence routing of frequency, REAP and ΔH, tested against the stock modules.
 
 Layers are numbered over both stacks: the encoder's blocks ``0 .. num_layers - 1`` (``encoder.block.{i}.``), then
 the decoder's (``decoder.block.{i}.`` as layer ``num_layers + i``). A block's feed-forward is its last sub-layer:
@@ -18,7 +19,7 @@ past it get no expert (the block adds nothing to their residual stream), which :
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -42,7 +43,17 @@ class SwitchTransformersAdapter(FamilyAdapter):
     gated_experts = False
     expert_names = ("wi", "wi", "wo")
     router_key = "router.classifier"
+    router_module = "mlp.router"
     num_experts_keys = ("num_experts",)
+    layer_returns_tuple = True
+    layer_output_extras = 2
+    carried_outputs: ClassVar[dict[int, str | int]] = {1: 1, 2: 4}
+    """A block's position biases (self-attention, cross-attention), computed by each stack's first block and
+    handed on to the next block as its arguments ``position_bias`` and ``encoder_decoder_position_bias``."""
+    per_sequence_routing = True
+    layer_stacks = ("encoder.block", "decoder.block")
+    encoder_output_norm = "encoder.final_layer_norm"
+    encoder_output_argument = 2
 
     # ---- config -----------------------------------------------------------------------------------------
     @property
@@ -75,6 +86,9 @@ class SwitchTransformersAdapter(FamilyAdapter):
         if layer < self.encoder_layers:
             return "encoder", layer
         return "decoder", layer - self.encoder_layers
+
+    def stack_starts(self) -> tuple[int, ...]:
+        return (0, self.encoder_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         stack, index = self.stack_of(layer)
@@ -112,6 +126,9 @@ class SwitchTransformersAdapter(FamilyAdapter):
     def feed_forward(self, layer: int) -> str:
         """The block's feed-forward sub-layer, under :meth:`layer_prefix`: ``layer.1`` or ``layer.2``."""
         return "layer.2" if self.stack_of(layer)[0] == "decoder" else "layer.1"
+
+    def runtime_in_layer(self, layer: int, name: str) -> str:
+        return f"{self.feed_forward(layer)}.{name}" if name else self.feed_forward(layer)
 
     def moe_prefix(self, layer: int) -> str:
         return f"{self.layer_prefix(layer)}{self.feed_forward(layer)}.mlp."
@@ -173,6 +190,19 @@ class SwitchTransformersAdapter(FamilyAdapter):
         return out
 
     # ---- the loaded transformers model --------------------------------------------------------------------
+    def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        local = len(self.layer_prefix(moe.layer))
+        return {key[local:]: value for key, value in self._expert_tensors(moe.layer, moe, None).items()} | (
+            self.runtime_router_state(moe)
+        )
+
+    def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
+        router = self.runtime_in_layer(moe.layer, f"{self.router_module}.classifier")
+        state = {f"{router}.weight": moe.router_weight}
+        if moe.router_bias is not None:
+            state[f"{router}.bias"] = moe.router_bias
+        return state
+
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """Every block of ``model``, numbered as the view numbers layers (encoder first)."""
         return nn.ModuleList([*model.get_submodule("encoder.block"), *model.get_submodule("decoder.block")])
@@ -218,6 +248,13 @@ class SwitchTransformersAdapter(FamilyAdapter):
         return [router.register_forward_hook(reroute) for router in sparse]
 
     # ---- computation ----------------------------------------------------------------------------------
+    def sequence_routing(
+        self, moe: MoEWeights, ids: torch.Tensor, weights: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """``weights`` with the tokens past an expert's capacity in their sequence set to zero."""
+        kept = [capacity_kept(part, moe.router_columns, self.capacity) for part in ids.split(lengths)]
+        return weights * torch.cat(kept)
+
     def moe_forward(
         self,
         moe: MoEWeights,

@@ -65,10 +65,14 @@ def layer_expert_stats(
     removed: torch.Tensor | None = None,
     router_input: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> TokenExpertStats:
     """Frequency, REAP and single-pass ΔH of every expert over the tokens ``hidden`` ``[T, H]`` (the router reads
     ``router_input`` where the family's router has an input of its own; a hash-routed block routes by the tokens'
-    ids ``token_ids``, each removed expert's entries redirected as its table's rule says).
+    ids ``token_ids``, each removed expert's entries redirected as its table's rule says). Where the family routes
+    whole sequences (:attr:`FamilyAdapter.per_sequence_routing`), ``sequence_lengths`` are those of ``hidden``'s
+    sequences: each chunk holds whole sequences, and a token its sequence's rule takes from its expert (weight 0) is
+    not counted as that expert's.
 
     ``removed`` (bool ``[E]``) marks experts already taken out: routing avoids them, and ΔH of the others is the
     change from that reduced block. Removed experts get ΔH 0.
@@ -87,18 +91,20 @@ def layer_expert_stats(
     if removed is not None:
         present[:num_experts] = ~removed.to(device)
     base_allowed = None if removed is None else present
-    for start in range(0, tokens, chunk_tokens):
-        x = hidden[start : start + chunk_tokens].float()
+    for start, end, lengths in _chunks(tokens, chunk_tokens, sequence_lengths):
+        x = hidden[start:end].float()
         n = x.shape[0]
-        routed_by = x if router_input is None else router_input[start : start + chunk_tokens].to(device).float()
+        routed_by = x if router_input is None else router_input[start:end].to(device).float()
         logits = adapter.router_logits(moe, routed_by)
-        chunk_ids = None if token_ids is None else token_ids[start : start + chunk_tokens]
-        ids, weights = adapter.route(moe, logits, allowed=base_allowed, token_ids=chunk_ids)
+        chunk_ids = None if token_ids is None else token_ids[start:end]
+
+        def route(allowed, chunk_ids=chunk_ids, logits=logits, lengths=lengths):
+            ids, weights = adapter.route(moe, logits, allowed=allowed, token_ids=chunk_ids)
+            return (ids, weights) if lengths is None else (ids, adapter.sequence_routing(moe, ids, weights, lengths))
+
+        ids, weights = route(base_allowed)
         # every present expert removed in turn: [E, n, k] re-routed ids and weights
-        masked = [
-            adapter.route(moe, logits, allowed=present & ~eye[e], token_ids=chunk_ids) if present[e] else (ids, weights)
-            for e in range(num_experts)
-        ]
+        masked = [route(present & ~eye[e]) if present[e] else (ids, weights) for e in range(num_experts)]
         new_ids = torch.stack([m[0] for m in masked])
         new_weights = torch.stack([m[1] for m in masked])
 
@@ -124,8 +130,9 @@ def layer_expert_stats(
         combined = (rule.output_weight(weights)[..., None] * routed).sum(dim=1)  # H_t
         output_norm[start : start + n] = combined.norm(dim=-1)
         gate_norm = rule.output_weight(weights) * routed.norm(dim=-1)  # [n, k]
-        counts += torch.bincount(ids.reshape(-1), minlength=columns).float()
-        reap_sum += torch.bincount(ids.reshape(-1), weights=gate_norm.reshape(-1).double(), minlength=columns)
+        counted = (ids if lengths is None else ids.masked_fill(weights == 0, columns)).reshape(-1)
+        counts += torch.bincount(counted, minlength=columns + 1)[:columns].float()
+        reap_sum += torch.bincount(counted, weights=gate_norm.reshape(-1).double(), minlength=columns + 1)[:columns]
         for e in range(num_experts):
             rows = changed[e].nonzero().squeeze(1)
             if rows.numel() == 0:
@@ -146,6 +153,23 @@ def layer_expert_stats(
         identity_counts=identity_counts,
         identity_reap_sum=identity_reap_sum,
     )
+
+
+def _chunks(tokens: int, chunk_tokens: int, sequence_lengths: list[int] | None):
+    """``(start, end, lengths of the sequences in it or None)`` of each chunk of at most ``chunk_tokens`` tokens (at
+    least one sequence when ``sequence_lengths`` is given: chunks then end at sequence ends)."""
+    if sequence_lengths is None:
+        for start in range(0, tokens, chunk_tokens):
+            yield start, min(start + chunk_tokens, tokens), None
+        return
+    start, lengths = 0, []
+    for length in sequence_lengths:
+        if lengths and sum(lengths) + length > chunk_tokens:
+            yield start, start + sum(lengths), lengths
+            start, lengths = start + sum(lengths), []
+        lengths.append(length)
+    if lengths:
+        yield start, start + sum(lengths), lengths
 
 
 def brute_force_delta_h(

@@ -254,7 +254,12 @@ def score_layer(
     Under ``torch.distributed`` the capture holds this rank's tokens only; every statistic is then a sum and
     a count added over ranks, so all ranks get the scores of the whole calibration set."""
     stats = layer_expert_stats(
-        adapter, capture.moe, capture.moe_input, router_input=capture.router_input, token_ids=capture.token_ids
+        adapter,
+        capture.moe,
+        capture.moe_input,
+        router_input=capture.router_input,
+        token_ids=capture.token_ids,
+        sequence_lengths=capture.sequence_lengths,
     )
     tokens, counts, reap_sum, delta_h_sum = distributed.sum_over_ranks(
         torch.tensor(float(stats.delta_h.shape[0]), device="cpu"),
@@ -336,6 +341,7 @@ def _greedy_removal_order(
                 removed=removed,
                 router_input=capture.router_input,
                 token_ids=capture.token_ids,
+                sequence_lengths=capture.sequence_lengths,
             )
             score, _ = _maep_score(stats.delta_h, capture, config, token_weight)
     return order, marginal
