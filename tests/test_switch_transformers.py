@@ -3,6 +3,7 @@ the layer sweep over both stacks against the stock modules; the family itself st
 calibration, evaluation and plugin handle encoder-decoder models."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -298,3 +299,41 @@ def test_frequency_and_delta_h_apply_the_capacity_per_sequence(adapter, model, l
     assert torch.equal(stats.routed_counts, dispatch.reshape(-1, E).sum(dim=0).float())
     torch.testing.assert_close(stats.delta_h, brute, rtol=0, atol=1e-5)
     assert not torch.equal(flat.routed_counts, stats.routed_counts)
+
+
+@pytest.mark.parametrize("layer", [1, 5])
+def test_gptq_calibrates_each_expert_on_the_tokens_the_stock_router_dispatches_to_it(adapter, model, layer):
+    from moecompress.quantization.experts import routed_inputs, routed_tokens
+
+    moe, *_ = _view(adapter, model, layer)
+    hidden = torch.randn(3, 24, H, generator=torch.Generator().manual_seed(30 + layer))
+    flat = hidden.reshape(-1, H)
+    with torch.no_grad():
+        dispatch = adapter.moe_block_of(model, layer).router(hidden)[0].reshape(-1, E)
+    tokens = routed_tokens(adapter, moe, flat, sequence_lengths=[24] * 3)
+    inputs = routed_inputs(adapter, moe, flat, sequence_lengths=[24] * 3)
+    assert (dispatch.sum(dim=-1) == 0).any(), "the test's tokens must overflow an expert's capacity"
+    for expert in range(E):
+        assert torch.equal(tokens[expert], dispatch[:, expert].nonzero()[:, 0])
+        assert torch.equal(inputs[expert], flat[dispatch[:, expert].bool()])
+    assert sum(map(len, routed_tokens(adapter, moe, flat))) == flat.shape[0] > int(dispatch.sum())
+
+
+def test_the_low_rank_compensation_measures_each_expert_on_the_tokens_the_stock_router_dispatches_to_it(adapter, model):
+    from moecompress.quantization.compensation import layer_errors
+
+    layer = 5
+    moe, *_ = _view(adapter, model, layer)
+    hidden = torch.randn(3, 24, H, generator=torch.Generator().manual_seed(40))
+    flat = hidden.reshape(-1, H)
+    with torch.no_grad():
+        dispatch = adapter.moe_block_of(model, layer).router(hidden)[0].reshape(-1, E).bool()
+    # d_ff 48 fits no group size; what is measured here is which tokens each expert is given, not the error
+    quantized = SimpleNamespace(dequantized_expert=lambda expert: (moe.gate_up[expert] * 0.9, moe.down[expert] * 0.9))
+    errors = layer_errors(
+        adapter, moe, quantized, flat, keep=0, min_tokens=1, keep_inputs=True, sequence_lengths=[24] * 3
+    )
+    assert (dispatch.sum(dim=-1) == 0).any(), "the test's tokens must overflow an expert's capacity"
+    for expert in range(E):
+        up = [inputs for (e, which), inputs in errors.inputs.items() if e == expert and which != "down"]
+        assert up and all(torch.equal(inputs, flat[dispatch[:, expert]]) for inputs in up)

@@ -382,6 +382,7 @@ class _ExpertQuantizer:
             block_size=self.config.gptq_block,
             router_input=capture.router_input,
             token_ids=capture.token_ids,
+            sequence_lengths=capture.sequence_lengths,
         )
         capture.replacement = ExpertSource(quantized.weights, quantized.dequantized_expert)
         return quantized
@@ -403,6 +404,7 @@ class _ExpertQuantizer:
             only_kept=measure,
             router_input=capture.router_input,
             token_ids=capture.token_ids,
+            sequence_lengths=capture.sequence_lengths,
         )
         if factor is not None and not factor.ndim:
             errors.loads = {key: load * float(factor) for key, load in errors.loads.items()}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..device import moe_on
 from ..families import FamilyAdapter, MoEWeights
 from ..families.base import split_gate_up
-from .experts import QuantizedMoE
+from .experts import QuantizedMoE, route_tokens
 from .lowrank import ErrorSpectrum, error_spectrum
 
 MATRICES: tuple[str, ...] = ("gate", "up", "down")
@@ -62,6 +62,7 @@ def layer_errors(
     only_kept: bool = False,
     router_input: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> LayerErrors:
     """Spectra (with ``keep`` components' factors, one number for all or one per ``(expert, matrix)``, absent
     meaning 0) and loads of every expert matrix of one block.
@@ -75,7 +76,8 @@ def layer_errors(
     compensated expert should reproduce.
 
     ``token_weights`` (one per row of ``hidden``) multiply each token's squared error, e.g. the downstream
-    sensitivity of the block's output at that token.
+    sensitivity of the block's output at that token. A family that routes whole sequences routes by ``hidden``'s
+    ``sequence_lengths`` (a token past its expert's capacity is no expert's).
 
     Memory is one block's weights plus one expert's work at a time; ``keep_inputs`` (for analysis) instead
     keeps every matrix's error and inputs, and ``measure`` sums the measured errors as it goes. ``only_kept``
@@ -87,7 +89,7 @@ def layer_errors(
         token_weights = token_weights.to(hidden.device)
     rule = adapter.routing_rule()
     router_input = hidden if router_input is None else router_input.to(hidden.device).float()
-    ids, weights = adapter.route(moe, adapter.router_logits(moe, router_input), token_ids=token_ids)
+    ids, weights = route_tokens(adapter, moe, hidden, router_input, token_ids, sequence_lengths)
     total_slots = float(ids.numel())
     result = LayerErrors({}, {})
     without_adapters = with_adapters = 0.0

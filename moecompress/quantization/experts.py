@@ -59,13 +59,31 @@ def routed_tokens(
     hidden: torch.Tensor,
     router_input: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """For each expert (position in ``moe``), the indices of the tokens in ``hidden`` routed to it (the router reads
     ``router_input`` where the family's router has an input of its own; a hash-routed block routes by the tokens'
-    ids ``token_ids``)."""
-    logits = adapter.router_logits(moe, hidden if router_input is None else router_input)
-    ids, _ = adapter.route(moe, logits, token_ids=token_ids)
+    ids ``token_ids``; a family that routes whole sequences, by ``hidden``'s ``sequence_lengths``)."""
+    ids, _ = route_tokens(adapter, moe, hidden, router_input, token_ids, sequence_lengths)
     return [torch.where((ids == expert).any(dim=-1))[0] for expert in range(moe.num_experts)]
+
+
+def route_tokens(
+    adapter: FamilyAdapter,
+    moe: MoEWeights,
+    hidden: torch.Tensor,
+    router_input: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
+    sequence_lengths: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's choice ``(ids, weights)`` for ``hidden``; with ``sequence_lengths`` (a family that routes whole
+    sequences), a choice its sequence's rule takes away gets id -1."""
+    logits = adapter.router_logits(moe, hidden if router_input is None else router_input)
+    ids, weights = adapter.route(moe, logits, token_ids=token_ids)
+    if sequence_lengths is None:
+        return ids, weights
+    weights = adapter.sequence_routing(moe, ids, weights, sequence_lengths)
+    return ids.masked_fill(weights == 0, -1), weights
 
 
 def routed_inputs(
@@ -74,13 +92,13 @@ def routed_inputs(
     hidden: torch.Tensor,
     router_input: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """For each expert (position in ``moe``), what it computes on: the tokens of ``hidden`` routed to it, scaled by
     their routing weight where the family's rule scales expert inputs (Llama 4); a hash-routed block routes by the
-    tokens' ids ``token_ids``."""
+    tokens' ids ``token_ids``; a family that routes whole sequences, by ``hidden``'s ``sequence_lengths``."""
     rule = adapter.routing_rule()
-    logits = adapter.router_logits(moe, hidden if router_input is None else router_input)
-    ids, weights = adapter.route(moe, logits, token_ids=token_ids)
+    ids, weights = route_tokens(adapter, moe, hidden, router_input, token_ids, sequence_lengths)
     inputs = []
     for expert in range(moe.num_experts):
         token, slot = torch.where(ids == expert)
@@ -177,6 +195,7 @@ def quantize_experts_calibrated(
     block_size: int = DEFAULT_BLOCK,
     router_input: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> QuantizedMoE:
     """Quantise every routed expert of ``moe`` using the block's calibration inputs ``hidden`` ``[T, H]``: GPTQ
     (``method="gptq"``) and/or the choice of salient weights (schemes with a salient fraction).
@@ -192,7 +211,7 @@ def quantize_experts_calibrated(
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
     router_input = None if router_input is None else router_input.to(hidden.device)
-    inputs = routed_inputs(adapter, moe, hidden, router_input, token_ids)
+    inputs = routed_inputs(adapter, moe, hidden, router_input, token_ids, sequence_lengths)
     counts = [int(x.shape[0]) for x in inputs]
     use = [count >= min_tokens for count in counts] if method == "gptq" else None
     gate_up = _quantize_matrix(moe.gate_up, inputs, scheme, use, damp, block_size)
