@@ -215,7 +215,6 @@ class FamilyAdapter:
     latent space before them and back after them (Nemotron 3 Super's ``moe_latent_size``); see
     :attr:`latent_experts`."""
 
-
     def __init__(self, config: dict[str, Any]):
         self.config = config
 
@@ -694,7 +693,6 @@ class FamilyAdapter:
         finally:
             handle.remove()
         return seen[0].reshape(hidden.shape[0], -1)
-
 
     def reroute_hooks(
         self, layer_module: torch.nn.Module, choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
