@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .calibration.span_corruption import DECODER_TAGS, model_inputs
 from .checkpoint import CheckpointReader, group_keys_by_layer
 from .checkpoint.stock_model import stock_config, stock_failures
 from .device import HOST, compute_device, host_buffer, is_accelerated, to_compute
@@ -169,8 +170,12 @@ class CalibrationSweep:
         self.reader = CheckpointReader(model_dir)
         self.adapter: FamilyAdapter = adapter_for(self.reader.config, source=str(model_dir))
         self.tags = tags.reshape(-1)
+        if decoder_tags is None and batches and all(DECODER_TAGS in batch for batch in batches):
+            decoder_tags = torch.cat([batch[DECODER_TAGS].reshape(-1) for batch in batches])
+        batches = [model_inputs(batch) for batch in batches]
         self.decoder_tags = None if decoder_tags is None else decoder_tags.reshape(-1)
-        """An encoder-decoder's tags of its decoder's tokens (``decoder_input_ids``; ``tags``: the encoder's)."""
+        """An encoder-decoder's tags of its decoder's tokens (``decoder_input_ids``; ``tags``: the encoder's), given
+        or taken out of the batches (:mod:`~moecompress.calibration.span_corruption`'s ``DECODER_TAGS``)."""
         self.tag_names = tag_names
         self.token_ids = (
             torch.cat([batch["input_ids"].reshape(-1) for batch in batches])
@@ -313,7 +318,8 @@ class CalibrationSweep:
                     current["stack"] = to_compute(block_states[index])
                 recorder.outputs = {last: to_compute(hidden)}
                 batch = {
-                    key: to_compute(value) if isinstance(value, torch.Tensor) else value for key, value in batch.items()
+                    key: to_compute(value) if isinstance(value, torch.Tensor) else value
+                    for key, value in model_inputs(batch).items()
                 }
                 yield skeleton(**batch, use_cache=False).logits
         finally:

@@ -337,3 +337,90 @@ def test_the_low_rank_compensation_measures_each_expert_on_the_tokens_the_stock_
     for expert in range(E):
         up = [inputs for (e, which), inputs in errors.inputs.items() if e == expert and which != "down"]
         assert up and all(torch.equal(inputs, flat[dispatch[:, expert]]) for inputs in up)
+
+
+def _seq2seq_source(tmp_path, monkeypatch):
+    """A tiny checkpoint with a tokenizer that has T5's sentinels, the family's adapter patched in for the sweep
+    (the family itself is refused)."""
+    import moecompress.evals.streamed as streamed_module
+    import moecompress.sweep as sweep_module
+    from moecompress.synthetic import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(100)]})
+    torch.manual_seed(1)
+    model = SwitchTransformersForConditionalGeneration(
+        SwitchTransformersConfig(**{**CONFIG, "vocab_size": len(tokenizer), "expert_capacity": 64})
+    ).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "router.classifier" in name:
+                param.normal_(0, 1.0)
+    source = tmp_path / "source"
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    patched = lambda config, source=None: SwitchTransformersAdapter(config)  # noqa: E731
+    monkeypatch.setattr(sweep_module, "adapter_for", patched)
+    monkeypatch.setattr(streamed_module, "adapter_for", patched)
+    return model, tokenizer, source, SwitchTransformersAdapter(model.config.to_dict())
+
+
+def test_calibration_batches_are_span_corrupted_and_the_sweep_tags_each_stack_with_its_tokens(tmp_path, monkeypatch):
+    """The seq2seq calibration: T5's span corruption of the windows (sentinels ``<extra_id_i>`` from the tokenizer,
+    the decoder starting at ``decoder_start_token_id``), the sweep taking the decoder's tags out of the batches,
+    and the head's logits those of the stock forward on the same source and decoder input."""
+    import moecompress.passes.prune_experts as prune_experts
+    import moecompress.sweep as sweep_module
+    from moecompress.calibration.batches import sampled_windows, tokenize_documents
+    from moecompress.calibration.sources import load_documents
+    from moecompress.calibration.span_corruption import DECODER_TAGS, corrupt_spans, model_inputs, sentinel_ids
+
+    model, tokenizer, source, adapter = _seq2seq_source(tmp_path, monkeypatch)
+    sentinels = sentinel_ids(tokenizer)
+    assert len(sentinels) == 100 and tokenizer.convert_ids_to_tokens(sentinels[7]) == "<extra_id_7>"
+
+    batches, tags, names = prune_experts.calibration_batches(adapter, source, "builtin:prose", 96, 32, 2, 11, 0)
+    stream = tokenize_documents(load_documents("builtin:prose", default_part="calib"), tokenizer)
+    windows = sampled_windows(stream, 32, 96, 11)
+    want = corrupt_spans(windows.input_ids, windows.tags, sentinels, tokenizer.eos_token_id, 0, 11)
+    assert [b["input_ids"].shape[0] for b in batches] == [2, 1]
+    assert torch.equal(torch.cat([b["input_ids"] for b in batches]), want.input_ids)
+    assert torch.equal(torch.cat([b["decoder_input_ids"] for b in batches]), want.decoder_input_ids)
+    assert torch.equal(torch.cat([b[DECODER_TAGS] for b in batches]), want.decoder_tags)
+    assert torch.equal(tags, want.source_tags.reshape(-1)) and names == windows.tag_names
+    assert want.decoder_input_ids[:, 0].eq(0).all() and torch.isin(want.input_ids, torch.tensor(sentinels)).any()
+
+    sweep = sweep_module.CalibrationSweep(source, batches, tags, names, progress=False)
+    assert torch.equal(sweep.decoder_tags, want.decoder_tags.reshape(-1))
+    for capture in sweep.run():
+        stack_tags = tags if capture.layer < 4 else want.decoder_tags.reshape(-1)
+        assert torch.equal(capture.tags, stack_tags) and capture.moe_input.shape[0] == stack_tags.numel()
+    with torch.no_grad():
+        stock = [model(**model_inputs(batch)).logits for batch in batches]
+    for got, expected in zip(sweep.head_logits(batches, sweep.last_hidden), stock, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_evaluation_is_the_perplexity_of_the_decoders_targets_whole_and_streamed_alike(tmp_path, monkeypatch):
+    """The whole model's and the streamed evaluation's figures on the same span-corrupted windows are equal, and
+    the perplexity is that of the stock model's loss on the labels; against itself the KL is 0 and the routing
+    agreement 1."""
+    from moecompress.calibration.batches import consecutive_windows, tokenize_documents
+    from moecompress.calibration.sources import load_documents
+    from moecompress.calibration.span_corruption import seq2seq_windows
+    from moecompress.evals.perplexity import SEQ2SEQ_SEED, evaluate_windows
+    from moecompress.evals.streamed import evaluate_streamed
+
+    model, tokenizer, source, adapter = _seq2seq_source(tmp_path, monkeypatch)
+    stream = tokenize_documents(load_documents("builtin:prose", default_part="heldout"), tokenizer)
+    plain = consecutive_windows(stream, 32, 160)
+    windows = seq2seq_windows(plain.input_ids, plain.tags, tokenizer, adapter.config, SEQ2SEQ_SEED)
+    whole = evaluate_windows(model, adapter, windows, (model, adapter), progress=False)
+    streamed = evaluate_streamed(source, windows, source, progress=False)
+    assert whole.tokens == streamed.tokens == windows.labels.numel()
+    for name in ("perplexity", "kl", "routing_agreement", "reference_perplexity"):
+        assert getattr(streamed, name) == pytest.approx(getattr(whole, name), rel=1e-5, abs=1e-9), name
+    assert whole.kl == 0.0 and whole.routing_agreement == 1.0
+    with torch.no_grad():
+        loss = model(input_ids=windows.input_ids, decoder_input_ids=windows.decoder_input_ids, labels=windows.labels)
+    assert whole.perplexity == pytest.approx(float(loss.loss.exp()), rel=1e-5)

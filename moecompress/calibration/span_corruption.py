@@ -7,6 +7,10 @@ mean length 3, alternating with kept spans (a kept span first, a noise span last
 alike (so the batches stay rectangular) at positions drawn from the seed; the source is the kept spans with the
 ``i``-th noise span replaced by sentinel ``i``, the target the sentinels each followed by its span, both ending with
 EOS. Each token keeps its tag; a sentinel takes its span's first token's, EOS the window's last token's.
+
+The decoder's tags travel inside each batch under :data:`DECODER_TAGS` (so that splitting the batches, as sharding
+does, keeps them with their tokens); :class:`~moecompress.sweep.CalibrationSweep` takes them out as its
+``decoder_tags`` and :func:`model_inputs` drops them before a forward.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import torch
 
 from ..errors import UserInputError
 
+DECODER_TAGS = "decoder_tags"
+TARGETS = "targets"
+"""An evaluation batch's key for the ids its logits predict, position by position (the decoder's labels)."""
 NOISE_DENSITY = 0.15
 MEAN_SPAN_LENGTH = 3.0
 
@@ -32,6 +39,11 @@ class Seq2SeqWindows:
     source_tags: torch.Tensor
     decoder_tags: torch.Tensor
     """Aligned with ``decoder_input_ids`` (what the decoder's layers see), each position the tag of its token."""
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens the model runs on: the sources' and the decoder inputs'."""
+        return self.input_ids.numel() + self.decoder_input_ids.numel()
 
 
 def span_lengths(length: int, generator: torch.Generator) -> list[tuple[int, int]]:
@@ -91,3 +103,44 @@ def corrupt_spans(
         source_tags=torch.tensor(source_tags, dtype=tags.dtype).reshape(count, -1),
         decoder_tags=torch.cat([label_tags[:, :1], label_tags[:, :-1]], dim=1),
     )
+
+
+def sentinel_ids(tokenizer) -> list[int]:
+    """The ids of T5's sentinels ``<extra_id_0>``, ``<extra_id_1>``, ... in the tokenizer, in order."""
+    unknown = tokenizer.unk_token_id
+    ids = []
+    while (token := tokenizer.convert_tokens_to_ids(f"<extra_id_{len(ids)}>")) is not None and token != unknown:
+        ids.append(token)
+    return ids
+
+
+def seq2seq_windows(input_ids: torch.Tensor, tags: torch.Tensor, tokenizer, config: dict, seed: int) -> Seq2SeqWindows:
+    """:func:`corrupt_spans` with the tokenizer's sentinels and EOS and the config's decoder start."""
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.get("eos_token_id")
+    start = config.get("decoder_start_token_id")
+    if eos is None or start is None:
+        raise UserInputError("span corruption needs the tokenizer's EOS and the config's decoder_start_token_id")
+    return corrupt_spans(input_ids, tags, sentinel_ids(tokenizer), int(eos), int(start), seed)
+
+
+def seq2seq_batches(
+    input_ids: torch.Tensor, tags: torch.Tensor, tokenizer, config: dict, batch_size: int, seed: int
+) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """Calibration batches of an encoder-decoder from windows ``input_ids`` ``[N, L]`` (tags ``[N, L]``): the
+    corrupted source as ``input_ids``, ``decoder_input_ids``, the decoder's tags under :data:`DECODER_TAGS`; and
+    the flat tags of the sources' tokens."""
+    windows = seq2seq_windows(input_ids, tags, tokenizer, config, seed)
+    batches = [
+        {
+            "input_ids": windows.input_ids[at : at + batch_size],
+            "decoder_input_ids": windows.decoder_input_ids[at : at + batch_size],
+            DECODER_TAGS: windows.decoder_tags[at : at + batch_size],
+        }
+        for at in range(0, windows.input_ids.shape[0], batch_size)
+    ]
+    return batches, windows.source_tags.reshape(-1)
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` without the decoder's tags and the evaluation's targets: the model forward's keyword arguments."""
+    return {key: value for key, value in batch.items() if key not in (DECODER_TAGS, TARGETS)}

@@ -3,6 +3,10 @@
 Perplexity is ``exp(mean NLL)`` over every predicted token (positions 1..L-1 of each window). KL is the mean over
 those tokens of KL(reference ‖ model) of the next-token distributions. Routing agreement is the mean over MoE
 layers and tokens of |S_ref ∩ S| / k, with pruned models' expert ids mapped back to the original ids.
+
+An encoder-decoder (Switch Transformers) is evaluated on T5's span corruption of the windows at a fixed seed
+(:data:`SEQ2SEQ_SEED`, so a model and its reference see the same spans): the perplexity of the decoder's targets
+(every position of the labels, EOS included) given the corrupted source.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 
 from ..calibration.batches import TokenWindows, consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
+from ..calibration.span_corruption import TARGETS, Seq2SeqWindows, model_inputs, seq2seq_windows
 from ..checkpoint.stock_model import stock_config
 from ..device import compute_device
 from ..errors import UserInputError
@@ -58,13 +63,28 @@ class BatchSums:
     ref_nll: float = 0.0
 
 
+SEQ2SEQ_SEED = 0
+
+
 def batch_sums(input_ids: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tensor | None = None) -> BatchSums:
     """The sums of one batch of windows from its logits ``[B, L, V]`` (and the reference's)."""
-    targets = input_ids[:, 1:].to(logits.device)
-    log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return target_sums(input_ids[:, 1:], logits[:, :-1], None if ref_logits is None else ref_logits[:, :-1])
+
+
+def window_sums(batch: dict[str, torch.Tensor], logits: torch.Tensor, ref_logits: torch.Tensor | None) -> BatchSums:
+    """The sums of one of :func:`forward_batches`' batches."""
+    if TARGETS in batch:
+        return target_sums(batch[TARGETS], logits, ref_logits)
+    return batch_sums(batch["input_ids"], logits, ref_logits)
+
+
+def target_sums(targets: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tensor | None = None) -> BatchSums:
+    """The sums of ``logits`` ``[B, L, V]`` predicting ``targets`` ``[B, L]`` position by position."""
+    targets = targets.to(logits.device)
+    log_probs = F.log_softmax(logits.float(), dim=-1)
     sums = BatchSums(nll=-log_probs.gather(-1, targets[..., None]).sum().item(), predicted=targets.numel())
     if ref_logits is not None:
-        ref_log_probs = F.log_softmax(ref_logits[:, :-1].float(), dim=-1)
+        ref_log_probs = F.log_softmax(ref_logits.float(), dim=-1)
         sums.ref_nll = -ref_log_probs.gather(-1, targets[..., None]).sum().item()
         sums.kl = (ref_log_probs.exp() * (ref_log_probs - log_probs)).sum().item()
     return sums
@@ -93,7 +113,7 @@ class EvalTotals:
         self.agreement += total
         self.agreement_count += count
 
-    def result(self, windows: TokenWindows, with_reference: bool) -> EvalResult:
+    def result(self, windows: TokenWindows | Seq2SeqWindows, with_reference: bool) -> EvalResult:
         return EvalResult(
             perplexity=math.exp(self.nll / self.predicted),
             tokens=self.predicted,
@@ -106,6 +126,22 @@ class EvalTotals:
             else None,
             reference_perplexity=math.exp(self.ref_nll / self.predicted) if with_reference else None,
         )
+
+
+def forward_batches(windows: TokenWindows | Seq2SeqWindows, batch_size: int):
+    """``windows`` in batches of ``batch_size`` rows, each the forward's keyword arguments; an encoder-decoder's
+    with its labels under ``TARGETS`` (:func:`window_sums`)."""
+    if isinstance(windows, TokenWindows):
+        for input_ids, _ in windows.batches(batch_size):
+            yield {"input_ids": input_ids}
+        return
+    for at in range(0, windows.input_ids.shape[0], batch_size):
+        rows = slice(at, at + batch_size)
+        yield {
+            "input_ids": windows.input_ids[rows],
+            "decoder_input_ids": windows.decoder_input_ids[rows],
+            TARGETS: windows.labels[rows],
+        }
 
 
 def moe_token_bytes(adapter: FamilyAdapter) -> int:
@@ -135,7 +171,7 @@ def _head_rows(model: torch.nn.Module) -> int:
 def evaluate_windows(
     model: torch.nn.Module,
     adapter: FamilyAdapter,
-    windows: TokenWindows,
+    windows: TokenWindows | Seq2SeqWindows,
     reference: tuple[torch.nn.Module, FamilyAdapter] | None = None,
     progress: bool = True,
 ) -> EvalResult:
@@ -154,17 +190,23 @@ def evaluate_windows(
     total_batches = math.ceil(windows.input_ids.shape[0] / batch_size)
     try:
         with torch.inference_mode():
-            for input_ids, _ in progress_bar(
-                windows.batches(batch_size), total=total_batches, desc="eval", unit="batch", disable=not progress
+            for batch in progress_bar(
+                forward_batches(windows, batch_size),
+                total=total_batches,
+                desc="eval",
+                unit="batch",
+                disable=not progress,
             ):
+                inputs = model_inputs(batch)
                 start = time.perf_counter()
-                logits = model(input_ids=input_ids.to(model.device), use_cache=False).logits
+                logits = model(**{k: v.to(model.device) for k, v in inputs.items()}, use_cache=False).logits
                 totals.model_seconds += time.perf_counter() - start
                 ref_logits = None
                 if reference is not None:
-                    ref_logits = reference[0](input_ids=input_ids.to(reference[0].device), use_cache=False).logits
+                    ref_inputs = {k: v.to(reference[0].device) for k, v in inputs.items()}
+                    ref_logits = reference[0](**ref_inputs, use_cache=False).logits
                     ref_logits = ref_logits.to(logits.device)
-                totals.add(batch_sums(input_ids, logits, ref_logits))
+                totals.add(window_sums(batch, logits, ref_logits))
                 if reference is not None:
                     totals.add_agreement(*routing_agreement(ref_recorder.routes, recorder.routes))
     finally:
@@ -195,6 +237,8 @@ def evaluate(
     tokenizer = load_tokenizer(model_dir)
     stream = tokenize_documents(load_documents(data, default_part="heldout"), tokenizer)
     windows = consecutive_windows(stream, seq_len, max_tokens)
+    if adapter.encoder_output_norm is not None:
+        windows = seq2seq_windows(windows.input_ids, windows.tags, tokenizer, adapter.config, SEQ2SEQ_SEED)
     if not whole_model:
         from .streamed import evaluate_streamed, whole_model_reason
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..calibration.batches import TokenWindows
+from ..calibration.span_corruption import Seq2SeqWindows
 from ..checkpoint import CheckpointReader
 from ..checkpoint.reader import PendingTensor
 from ..errors import UserInputError
@@ -40,7 +41,7 @@ from ..quantization.hf_quantizer import (
     replace_quantized_modules,
 )
 from ..sweep import CalibrationSweep, split_windows
-from .perplexity import EvalResult, EvalTotals, batch_sums, moe_token_bytes, windows_per_forward
+from .perplexity import EvalResult, EvalTotals, forward_batches, moe_token_bytes, window_sums, windows_per_forward
 from .routing import routing_agreement
 
 
@@ -178,7 +179,8 @@ class LayerStream(CalibrationSweep):
                 ids = self.adapter.route_of(output)[2]
                 routes.append(id_map[ids.reshape(-1, ids.shape[-1]).cpu()])
 
-            handle = module.get_submodule(self.adapter.router_module).register_forward_hook(record)
+            router = self.adapter.runtime_in_layer(layer, self.adapter.router_module)
+            handle = module.get_submodule(router).register_forward_hook(record)
         start = time.perf_counter()
         try:
             outputs = self.forward_layer(module, layer, hidden)
@@ -187,10 +189,13 @@ class LayerStream(CalibrationSweep):
                 handle.remove()
         seconds = time.perf_counter() - start
         self.release(module)
-        return [
+        outputs = [
             out + plan.injections[layer] if layer in plan.injections else out
             for out, plan in zip(outputs, self.plans, strict=True)
-        ], seconds
+        ]
+        if layer + 1 in self.adapter.stack_starts():
+            outputs = self._next_stack(layer, outputs)
+        return outputs, seconds
 
 
 def _dense_token_bytes(adapter: FamilyAdapter) -> int:
@@ -210,7 +215,7 @@ def _vocab(adapter: FamilyAdapter) -> int:
 
 def evaluate_streamed(
     model_dir: Path,
-    windows: TokenWindows,
+    windows: TokenWindows | Seq2SeqWindows,
     reference_dir: Path | None = None,
     progress: bool = True,
 ) -> EvalResult:
@@ -228,7 +233,7 @@ def evaluate_streamed(
     token_bytes = max(_dense_token_bytes(adapter), _dense_token_bytes(ref_adapter) if reference_dir is not None else 0)
     # A layer runs over as many windows at once as the experts allow (a quantised layer unpacks its experts once
     # per call); the logits are computed over fewer where the vocabulary is large.
-    batches = [{"input_ids": ids} for ids, _ in windows.batches(windows_per_forward(seq_len, 1, token_bytes))]
+    batches = list(forward_batches(windows, windows_per_forward(seq_len, 1, token_bytes)))
     head_windows = windows_per_forward(seq_len, vocab, token_bytes)
     model = LayerStream(model_dir, batches)
     reference = LayerStream(reference_dir, batches) if reference_dir is not None else None
@@ -266,7 +271,7 @@ def evaluate_streamed(
             start = time.perf_counter()
             logits = next(heads)
             totals.model_seconds += time.perf_counter() - start
-            totals.add(batch_sums(batch["input_ids"], logits, next(ref_heads) if ref_heads is not None else None))
+            totals.add(window_sums(batch, logits, next(ref_heads) if ref_heads is not None else None))
             del logits
     for generator in (heads, ref_heads):
         if generator is not None:

@@ -1,10 +1,11 @@
 """Switch Transformers (``switch_transformers``; google/switch-base-8): the expert view of an encoder-decoder MoE.
 
 Not registered in :data:`~moecompress.families.ADAPTERS`: the family stays refused until merging, the router refit
-and the imatrix apply the capacity per sequence and the calibration, evaluation and plugin handle encoder-decoder
-models (see docs/families.md, "Known gaps"). What is here is the view, what the layer sweep needs to run both stacks
-and the per-sequence routing of frequency, REAP, ΔH, GPTQ and the low-rank compensation, tested against the stock
-modules.
+and the imatrix apply the capacity per sequence and the plugin handles its experts (see docs/families.md, "Known
+gaps"). What is here is the view, what the layer sweep needs to run both stacks and the per-sequence routing of
+frequency, REAP, ΔH, GPTQ and the low-rank compensation, tested against the stock modules; the calibration
+(span corruption) and evaluation (the decoder's targets) are in :mod:`moecompress.calibration.span_corruption` and
+:mod:`moecompress.evals.perplexity`.
 
 Layers are numbered over both stacks: the encoder's blocks ``0 .. num_layers - 1`` (``encoder.block.{i}.``), then
 the decoder's (``decoder.block.{i}.`` as layer ``num_layers + i``). A block's feed-forward is its last sub-layer:

@@ -35,6 +35,7 @@ import torch
 from ..calibration import distributed
 from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
+from ..calibration.span_corruption import seq2seq_batches
 from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
 from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
@@ -562,7 +563,9 @@ def calibration_batches(
     seed: int,
     image_size: int,
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, list[str]]:
-    """Model-input batches, the flat tag index of every token, and the tag names, for text or image sources."""
+    """Model-input batches, the flat tag index of every token, and the tag names, for text or image sources. An
+    encoder-decoder's are T5's span corruption of the windows, its decoder's tags in the batches
+    (:mod:`~moecompress.calibration.span_corruption`); the flat tags are its sources'."""
     tokenizer = load_tokenizer(model_dir)
     items = load_image_captions(calib, seed=seed, size=image_size)
     if items is not None:
@@ -574,6 +577,9 @@ def calibration_batches(
         return vision_batches(items, tokenizer, processor, **adapter.vision_token_ids())
     stream = tokenize_documents(load_documents(calib, default_part="calib"), tokenizer)
     windows = sampled_windows(stream, seq_len, calib_tokens, seed)
+    if adapter.encoder_output_norm is not None:
+        batches, tags = seq2seq_batches(windows.input_ids, windows.tags, tokenizer, adapter.config, batch_size, seed)
+        return batches, tags, windows.tag_names
     batches = [{"input_ids": ids} for ids, _ in windows.batches(batch_size)]
     return batches, windows.tags.reshape(-1), windows.tag_names
 
