@@ -22,7 +22,6 @@ its native names (transformers' ``inkling_mm_model`` conversion rules, reversed 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -30,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from .base import FamilyAdapter, Layout, MoEWeights
+from .native_names import NativeNames, compile_renames
 from .routing import RoutingRule
+from .vision_language import TextConfigSection
 
 
 @dataclass
@@ -194,23 +195,20 @@ def _interleaved(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor
     return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1).contiguous()
 
 
-_LOCAL = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        (r"^attn\.wq_du\.", "self_attn.q_proj."),
-        (r"^attn\.wk_dv\.", "self_attn.k_proj."),
-        (r"^attn\.wv_dv\.", "self_attn.v_proj."),
-        (r"^attn\.wr_du\.", "self_attn.r_proj."),
-        (r"^attn\.wo_ud\.", "self_attn.o_proj."),
-        (r"^attn\.(k|v)_sconv\.", r"self_attn.\1_sconv.conv1d."),
-        (r"^attn\.", "self_attn."),
-        (r"^(attn|mlp)_sconv\.", r"\1_sconv.conv1d."),
-        (r"^attn_norm\.", "input_layernorm."),
-        (r"^mlp_norm\.", "post_attention_layernorm."),
-        (r"^mlp\.w2_md\.", "mlp.down_proj."),
-        (r"^mlp\.shared_experts\.shared_w2_weight$", "mlp.shared_experts.down_proj"),
-        (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
-    )
+_LOCAL = compile_renames(
+    (r"^attn\.wq_du\.", "self_attn.q_proj."),
+    (r"^attn\.wk_dv\.", "self_attn.k_proj."),
+    (r"^attn\.wv_dv\.", "self_attn.v_proj."),
+    (r"^attn\.wr_du\.", "self_attn.r_proj."),
+    (r"^attn\.wo_ud\.", "self_attn.o_proj."),
+    (r"^attn\.(k|v)_sconv\.", r"self_attn.\1_sconv.conv1d."),
+    (r"^attn\.", "self_attn."),
+    (r"^(attn|mlp)_sconv\.", r"\1_sconv.conv1d."),
+    (r"^attn_norm\.", "input_layernorm."),
+    (r"^mlp_norm\.", "post_attention_layernorm."),
+    (r"^mlp\.w2_md\.", "mlp.down_proj."),
+    (r"^mlp\.shared_experts\.shared_w2_weight$", "mlp.shared_experts.down_proj"),
+    (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
 )
 """transformers' ``inkling_mm_model`` renames of a decoder layer's tensors (the one-to-one ones)."""
 _SPLIT = (
@@ -226,7 +224,7 @@ _OUTSIDE = (
 )
 
 
-class InklingAdapter(InklingTextAdapter):
+class InklingAdapter(TextConfigSection, NativeNames, InklingTextAdapter):
     """The ``inkling_mm_model`` release: the text model under ``model.llm`` in its native names, beside the vision
     (``model.visual``) and audio (``model.audio``) towers, which are passed through untouched."""
 
@@ -235,13 +233,8 @@ class InklingAdapter(InklingTextAdapter):
     auto_class = "AutoModelForImageTextToText"
     layers_prefix = "model.llm.layers."
     correction_bias_on_disk = "bias"
-
-    @property
-    def text_config(self) -> dict[str, Any]:
-        return self.config["text_config"]
-
-    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
-        return config["text_config"]
+    local_renames = _LOCAL
+    outside_prefixes = _OUTSIDE
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith(("model.visual.", "model.audio."))
@@ -276,30 +269,12 @@ class InklingAdapter(InklingTextAdapter):
     def runtime_layers_path(self) -> str:
         return "model.language_model.layers"
 
-    def runtime_local_name(self, local_key: str) -> str:
-        for pattern, replacement in _LOCAL:
-            local_key = pattern.sub(replacement, local_key)
-        return local_key
-
     def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = dict(state)
         for disk, (gate, up), dim in _SPLIT:
             if disk in state:
                 state[gate], state[up] = _interleaved_halves(state.pop(disk), dim)
         return state
-
-    def runtime_module_name(self, name: str) -> str:
-        layer = self.layer_of_key(name)
-        if layer is not None:
-            local = name[len(self.layer_prefix(layer)) :]
-            return f"{self.runtime_layers_path}.{layer}.{self.runtime_local_name(local)}"
-        for disk, runtime in _OUTSIDE:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
 
     def classify_key(self, key: str):
         if self.layer_of_key(key) is None and not self.is_vision_key(key):

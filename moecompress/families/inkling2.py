@@ -27,66 +27,61 @@ same text names (runtime ``model.language_model.*``) beside its vision tower ``m
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
 from .base import FamilyAdapter, Layout, MoEWeights
+from .native_names import NativeNames, compile_renames
 from .routing import RoutingRule
+from .vision_language import TextConfigSection
 
-_LOCAL = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
-        (r"^attn\.", "self_attn."),
-        (r"^self_attn\.wq_du", "self_attn.q_proj.linear"),
-        (r"^self_attn\.wk_dv", "self_attn.k_proj.linear"),
-        (r"^self_attn\.wv_dv", "self_attn.v_proj.linear"),
-        (r"^self_attn\.k_sconv\.", "self_attn.k_proj.sconv."),
-        (r"^self_attn\.v_sconv\.", "self_attn.v_proj.sconv."),
-        (r"^self_attn\.rel_logits_proj\.", "self_attn.relative_position_bias."),
-        (r"^self_attn\.wr_du", "self_attn.relative_position_bias.linear"),
-        (r"^self_attn\.q_l2_clip\.", "self_attn.q_proj.norm."),
-        (r"^self_attn\.rel_l2_clip\.", "self_attn.relative_position_bias.norm."),
-        (r"^self_attn\.wo_ud", "self_attn.o_proj.linear"),
-        (r"^self_attn\.gate_attn", "self_attn.o_proj.gate_proj"),
-        (r"^self_attn\.attn_sink_proj", "self_attn.sink_proj"),
-        (r"^attn_sconv\.", "post_attention_convolution."),
-        (r"^mlp_sconv\.", "post_mlp_convolution."),
-        (r"(convolution|sconv)\.weight(?!_)", r"\1.conv1d.weight"),
-        (r"(convolution|sconv)\.static_w", r"\1.static_weight"),
-        (r"(convolution|sconv)\.weight_proj", r"\1.weight_proj.weight"),
-        (r"^mlp_norm", "post_attention_layernorm"),
-        (r"^attn_norm", "input_layernorm"),
-        (r"^(q|k|v)_input_norm", r"\1_input_layernorm"),
-    )
+_LOCAL = compile_renames(
+    (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    (r"^attn\.", "self_attn."),
+    (r"^self_attn\.wq_du", "self_attn.q_proj.linear"),
+    (r"^self_attn\.wk_dv", "self_attn.k_proj.linear"),
+    (r"^self_attn\.wv_dv", "self_attn.v_proj.linear"),
+    (r"^self_attn\.k_sconv\.", "self_attn.k_proj.sconv."),
+    (r"^self_attn\.v_sconv\.", "self_attn.v_proj.sconv."),
+    (r"^self_attn\.rel_logits_proj\.", "self_attn.relative_position_bias."),
+    (r"^self_attn\.wr_du", "self_attn.relative_position_bias.linear"),
+    (r"^self_attn\.q_l2_clip\.", "self_attn.q_proj.norm."),
+    (r"^self_attn\.rel_l2_clip\.", "self_attn.relative_position_bias.norm."),
+    (r"^self_attn\.wo_ud", "self_attn.o_proj.linear"),
+    (r"^self_attn\.gate_attn", "self_attn.o_proj.gate_proj"),
+    (r"^self_attn\.attn_sink_proj", "self_attn.sink_proj"),
+    (r"^attn_sconv\.", "post_attention_convolution."),
+    (r"^mlp_sconv\.", "post_mlp_convolution."),
+    (r"(convolution|sconv)\.weight(?!_)", r"\1.conv1d.weight"),
+    (r"(convolution|sconv)\.static_w", r"\1.static_weight"),
+    (r"(convolution|sconv)\.weight_proj", r"\1.weight_proj.weight"),
+    (r"^mlp_norm", "post_attention_layernorm"),
+    (r"^attn_norm", "input_layernorm"),
+    (r"^(q|k|v)_input_norm", r"\1_input_layernorm"),
 )
 """transformers' ``inkling2_text`` renames of a decoder layer's tensors, in its order."""
-_STORED = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        (r"^self_attn\.q_proj\.linear", "attn.wq_du"),
-        (r"^self_attn\.k_proj\.linear", "attn.wk_dv"),
-        (r"^self_attn\.v_proj\.linear", "attn.wv_dv"),
-        (r"^self_attn\.q_proj\.norm\.", "attn.q_l2_clip."),
-        (r"^self_attn\.(k|v)_proj\.sconv\.", r"attn.\1_sconv."),
-        (r"^self_attn\.relative_position_bias\.linear", "attn.wr_du"),
-        (r"^self_attn\.relative_position_bias\.norm\.", "attn.rel_l2_clip."),
-        (r"^self_attn\.relative_position_bias\.", "attn.rel_logits_proj."),
-        (r"^self_attn\.o_proj\.linear", "attn.wo_ud"),
-        (r"^self_attn\.o_proj\.gate_proj", "attn.gate_attn"),
-        (r"^self_attn\.sink_proj", "attn.attn_sink_proj"),
-        (r"^self_attn\.", "attn."),
-        (r"^post_attention_convolution\.", "attn_sconv."),
-        (r"^post_mlp_convolution\.", "mlp_sconv."),
-        (r"sconv\.conv1d\.weight$", "sconv.weight"),
-        (r"sconv\.static_weight$", "sconv.static_w"),
-        (r"sconv\.weight_proj\.weight$", "sconv.weight_proj"),
-        (r"^post_attention_layernorm", "mlp_norm"),
-        (r"^input_layernorm", "attn_norm"),
-        (r"^(q|k|v)_input_layernorm", r"\1_input_norm"),
-        (r"^mlp\.gate\.e_score_correction_bias$", "mlp.gate.bias"),
-    )
+_STORED = compile_renames(
+    (r"^self_attn\.q_proj\.linear", "attn.wq_du"),
+    (r"^self_attn\.k_proj\.linear", "attn.wk_dv"),
+    (r"^self_attn\.v_proj\.linear", "attn.wv_dv"),
+    (r"^self_attn\.q_proj\.norm\.", "attn.q_l2_clip."),
+    (r"^self_attn\.(k|v)_proj\.sconv\.", r"attn.\1_sconv."),
+    (r"^self_attn\.relative_position_bias\.linear", "attn.wr_du"),
+    (r"^self_attn\.relative_position_bias\.norm\.", "attn.rel_l2_clip."),
+    (r"^self_attn\.relative_position_bias\.", "attn.rel_logits_proj."),
+    (r"^self_attn\.o_proj\.linear", "attn.wo_ud"),
+    (r"^self_attn\.o_proj\.gate_proj", "attn.gate_attn"),
+    (r"^self_attn\.sink_proj", "attn.attn_sink_proj"),
+    (r"^self_attn\.", "attn."),
+    (r"^post_attention_convolution\.", "attn_sconv."),
+    (r"^post_mlp_convolution\.", "mlp_sconv."),
+    (r"sconv\.conv1d\.weight$", "sconv.weight"),
+    (r"sconv\.static_weight$", "sconv.static_w"),
+    (r"sconv\.weight_proj\.weight$", "sconv.weight_proj"),
+    (r"^post_attention_layernorm", "mlp_norm"),
+    (r"^input_layernorm", "attn_norm"),
+    (r"^(q|k|v)_input_layernorm", r"\1_input_norm"),
+    (r"^mlp\.gate\.e_score_correction_bias$", "mlp.gate.bias"),
 )
 """The inverse of :data:`_LOCAL`: a quantised checkpoint keeps the native names, which transformers renames at load
 (its renames applied to runtime names would rename some again: ``sconv.weight_proj.weight.weight``)."""
@@ -106,7 +101,7 @@ def softcap(values: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(values / cap) * cap
 
 
-class Inkling2TextAdapter(FamilyAdapter):
+class Inkling2TextAdapter(NativeNames, FamilyAdapter):
     family = "inkling2_text"
     model_types = ("inkling2_text",)
     num_experts_keys = ("n_routed_experts",)
@@ -115,6 +110,9 @@ class Inkling2TextAdapter(FamilyAdapter):
     block_states_reader = "model.final_input"
 
     layers_prefix = "model.llm.layers."
+    local_renames = _LOCAL
+    stored_renames = _STORED
+    outside_prefixes = _OUTSIDE
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0
@@ -174,19 +172,6 @@ class Inkling2TextAdapter(FamilyAdapter):
     def runtime_layers_path(self) -> str:
         return "model.layers"
 
-    def runtime_local_name(self, local_key: str) -> str:
-        for pattern, replacement in _LOCAL:
-            local_key = pattern.sub(replacement, local_key)
-        return local_key
-
-    def stored_local_name(self, runtime_local: str) -> str:
-        for pattern, replacement in _STORED:
-            runtime_local = pattern.sub(replacement, runtime_local)
-        return runtime_local
-
-    def runtime_name_of_stored(self, stored_local: str) -> str:
-        return self.runtime_local_name(stored_local)
-
     def runtime_local_key(self, layer: int, key: str) -> str:
         if _QUERY.match(key):
             return self.runtime_module_name(key)[len(f"{self.runtime_layers_path}.{layer}.") :]
@@ -194,17 +179,10 @@ class Inkling2TextAdapter(FamilyAdapter):
 
     def runtime_module_name(self, name: str) -> str:
         query = _QUERY.match(name)
-        layer = self.layer_of_key(name)
         if query:
             module = "attention_input" if query.group(1) == "attn" else "mlp_input"
-            return f"{self.runtime_layers_path}.{layer}.{module}.query"
-        if layer is not None:
-            local = name[len(self.layer_prefix(layer)) :]
-            return f"{self.runtime_layers_path}.{layer}.{self.runtime_local_name(local)}"
-        for disk, runtime in _OUTSIDE:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
+            return f"{self.runtime_layers_path}.{self.layer_of_key(name)}.{module}.query"
+        return super().runtime_module_name(name)
 
     def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Runtime names; the output projection without the rows past ``unpadded_vocab_size`` (transformers'
@@ -216,7 +194,7 @@ class Inkling2TextAdapter(FamilyAdapter):
         return out
 
 
-class Inkling2Adapter(Inkling2TextAdapter):
+class Inkling2Adapter(TextConfigSection, Inkling2TextAdapter):
     """The ``inkling2`` release: the text model under ``model.llm`` as in :class:`Inkling2TextAdapter`, at runtime
     ``model.language_model``, beside the vision tower ``model.visual`` (passed through untouched)."""
 
@@ -224,13 +202,6 @@ class Inkling2Adapter(Inkling2TextAdapter):
     model_types = ("inkling2",)
     auto_class = "AutoModelForImageTextToText"
     block_states_reader = "model.language_model.final_input"
-
-    @property
-    def text_config(self) -> dict[str, Any]:
-        return self.config["text_config"]
-
-    def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
-        return config["text_config"]
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith("model.visual.")

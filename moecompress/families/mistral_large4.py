@@ -16,10 +16,11 @@ forward's ``shared_kv_states`` and the layers that name it read it from there.
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 from .mistral4 import Mistral4Adapter
+from .native_names import NativeNames, compile_renames
+from .vision_language import TextConfigSection
 
 _VISION_PREFIXES = ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.")
 _OUTSIDE = (
@@ -28,50 +29,44 @@ _OUTSIDE = (
     ("output.", "lm_head."),
     ("lerope.alpha", "model.language_model.rotary_emb.alpha"),
 )
-_LOCAL = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        (r"^attention\.wq\.", "self_attn.q_proj."),
-        (r"^attention\.wkv_a_with_mqa\.", "self_attn.kv_a_proj_with_mqa."),
-        (r"^attention\.kv_a_norm\.", "self_attn.kv_a_layernorm."),
-        (r"^attention\.wkv_b\.", "self_attn.kv_b_proj."),
-        (r"^attention\.wo\.", "self_attn.o_proj."),
-        (r"^attention\.", "self_attn."),
-        (r"ssmax_scaling\.s$", "softmax_scaling.scale"),
-        (r"ssmax_scaling\.b$", "softmax_scaling.bias"),
-        (r"^attention_norm\.", "input_layernorm."),
-        (r"^ffn_norm\.", "post_attention_layernorm."),
-        (r"^(feed_forward|shared_experts)\.w1(\.|$)", r"\1.gate_proj\2"),
-        (r"^(feed_forward|shared_experts)\.w2(\.|$)", r"\1.down_proj\2"),
-        (r"^(feed_forward|shared_experts)\.w3(\.|$)", r"\1.up_proj\2"),
-        (r"^feed_forward\.", "mlp."),
-        (r"^(gate|experts|shared_experts)(\.|$)", r"mlp.\1\2"),
-    )
+_LOCAL = compile_renames(
+    (r"^attention\.wq\.", "self_attn.q_proj."),
+    (r"^attention\.wkv_a_with_mqa\.", "self_attn.kv_a_proj_with_mqa."),
+    (r"^attention\.kv_a_norm\.", "self_attn.kv_a_layernorm."),
+    (r"^attention\.wkv_b\.", "self_attn.kv_b_proj."),
+    (r"^attention\.wo\.", "self_attn.o_proj."),
+    (r"^attention\.", "self_attn."),
+    (r"ssmax_scaling\.s$", "softmax_scaling.scale"),
+    (r"ssmax_scaling\.b$", "softmax_scaling.bias"),
+    (r"^attention_norm\.", "input_layernorm."),
+    (r"^ffn_norm\.", "post_attention_layernorm."),
+    (r"^(feed_forward|shared_experts)\.w1(\.|$)", r"\1.gate_proj\2"),
+    (r"^(feed_forward|shared_experts)\.w2(\.|$)", r"\1.down_proj\2"),
+    (r"^(feed_forward|shared_experts)\.w3(\.|$)", r"\1.up_proj\2"),
+    (r"^feed_forward\.", "mlp."),
+    (r"^(gate|experts|shared_experts)(\.|$)", r"mlp.\1\2"),
 )
-_STORED = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        (r"^self_attn\.q_proj\.", "attention.wq."),
-        (r"^self_attn\.kv_a_proj_with_mqa\.", "attention.wkv_a_with_mqa."),
-        (r"^self_attn\.kv_a_layernorm\.", "attention.kv_a_norm."),
-        (r"^self_attn\.kv_b_proj\.", "attention.wkv_b."),
-        (r"^self_attn\.o_proj\.", "attention.wo."),
-        (r"^self_attn\.", "attention."),
-        (r"softmax_scaling\.scale$", "ssmax_scaling.s"),
-        (r"softmax_scaling\.bias$", "ssmax_scaling.b"),
-        (r"^input_layernorm\.", "attention_norm."),
-        (r"^post_attention_layernorm\.", "ffn_norm."),
-        (r"^mlp\.(gate|experts|shared_experts)(\.|$)", r"\1\2"),
-        (r"^mlp\.", "feed_forward."),
-        (r"^(feed_forward|shared_experts)\.gate_proj(\.|$)", r"\1.w1\2"),
-        (r"^(feed_forward|shared_experts)\.down_proj(\.|$)", r"\1.w2\2"),
-        (r"^(feed_forward|shared_experts)\.up_proj(\.|$)", r"\1.w3\2"),
-    )
+_STORED = compile_renames(
+    (r"^self_attn\.q_proj\.", "attention.wq."),
+    (r"^self_attn\.kv_a_proj_with_mqa\.", "attention.wkv_a_with_mqa."),
+    (r"^self_attn\.kv_a_layernorm\.", "attention.kv_a_norm."),
+    (r"^self_attn\.kv_b_proj\.", "attention.wkv_b."),
+    (r"^self_attn\.o_proj\.", "attention.wo."),
+    (r"^self_attn\.", "attention."),
+    (r"softmax_scaling\.scale$", "ssmax_scaling.s"),
+    (r"softmax_scaling\.bias$", "ssmax_scaling.b"),
+    (r"^input_layernorm\.", "attention_norm."),
+    (r"^post_attention_layernorm\.", "ffn_norm."),
+    (r"^mlp\.(gate|experts|shared_experts)(\.|$)", r"\1\2"),
+    (r"^mlp\.", "feed_forward."),
+    (r"^(feed_forward|shared_experts)\.gate_proj(\.|$)", r"\1.w1\2"),
+    (r"^(feed_forward|shared_experts)\.down_proj(\.|$)", r"\1.w2\2"),
+    (r"^(feed_forward|shared_experts)\.up_proj(\.|$)", r"\1.w3\2"),
 )
 """The inverse of ``_LOCAL``: what a quantised output stores, so that transformers' renaming at load applies once."""
 
 
-class MistralLarge4Adapter(Mistral4Adapter):
+class MistralLarge4Adapter(TextConfigSection, NativeNames, Mistral4Adapter):
     family = "mistral_large4"
     model_types = ("mistral_large4",)
     layers_prefix = "layers."
@@ -80,13 +75,9 @@ class MistralLarge4Adapter(Mistral4Adapter):
     layer_returns_tuple = True
     carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
     shared_state_keyword = "shared_kv_states"
-
-    @property
-    def text_config(self):
-        return self.config["text_config"]
-
-    def _text_section(self, config):
-        return config["text_config"]
+    local_renames = _LOCAL
+    stored_renames = _STORED
+    outside_prefixes = _OUTSIDE
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith(_VISION_PREFIXES)
@@ -107,29 +98,3 @@ class MistralLarge4Adapter(Mistral4Adapter):
     @property
     def runtime_layers_path(self) -> str:
         return "model.language_model.layers"
-
-    def runtime_local_name(self, local_key: str) -> str:
-        for pattern, replacement in _LOCAL:
-            local_key = pattern.sub(replacement, local_key)
-        return local_key
-
-    def stored_local_name(self, runtime_local: str) -> str:
-        for pattern, replacement in _STORED:
-            runtime_local = pattern.sub(replacement, runtime_local)
-        return runtime_local
-
-    def runtime_name_of_stored(self, stored_local: str) -> str:
-        return self.runtime_local_name(stored_local)
-
-    def runtime_module_name(self, name: str) -> str:
-        layer = self.layer_of_key(name)
-        if layer is not None:
-            local = name[len(self.layer_prefix(layer)) :]
-            return f"{self.runtime_layers_path}.{layer}.{self.runtime_local_name(local)}"
-        for disk, runtime in _OUTSIDE:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
-
-    def runtime_outside_state(self, state):
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}

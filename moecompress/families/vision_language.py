@@ -8,12 +8,10 @@ from typing import Any, ClassVar
 import torch
 
 
-class TextTowerBesideVision:
-    """Mixin, listed before the text family's adapter class."""
+class TextConfigSection:
+    """Mixin, listed before the text family's adapter class: the decoder's config is the ``text_config`` section."""
 
     config: dict[str, Any]
-    auto_class = "AutoModelForImageTextToText"
-    layers_prefix = "model.language_model.layers."
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -21,6 +19,13 @@ class TextTowerBesideVision:
 
     def _text_section(self, config: dict[str, Any]) -> dict[str, Any]:
         return config["text_config"]
+
+
+class TextTowerBesideVision(TextConfigSection):
+    """Mixin, listed before the text family's adapter class."""
+
+    auto_class = "AutoModelForImageTextToText"
+    layers_prefix = "model.language_model.layers."
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith("model.visual.")
