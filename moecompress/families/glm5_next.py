@@ -22,9 +22,9 @@ from typing import ClassVar
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .kda_names import kda_runtime_name, kda_runtime_state
 from .vision_language import TextTowerBesideVision
 
-_FORGET_GATE = ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log")
 _HYPER_CONNECTIONS = tuple(
     (f"hc_{site}_{part}", f"{site}_hc.{part}") for site in ("attn", "ffn") for part in ("fn", "base", "scale")
 )
@@ -45,14 +45,7 @@ class Glm5NextAdapter(TextTowerBesideVision, DeepseekV3Adapter):
         for disk, runtime in _HYPER_CONNECTIONS:
             if local_key == disk:
                 return runtime
-        if local_key.startswith(tuple(f"self_attn.{name}" for name in _FORGET_GATE)):
-            return "self_attn.forget_gate." + local_key[len("self_attn.") :]
-        return local_key
+        return kda_runtime_name(local_key)
 
     def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        names = [f"self_attn.{part}_conv1d.weight" for part in ("q", "k", "v")]
-        if not all(name in state for name in names):
-            return state
-        state = dict(state)
-        state["self_attn.conv1d.weight"] = torch.cat([state.pop(name) for name in names], dim=0)
-        return state
+        return kda_runtime_state(state)

@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .kda_names import kda_runtime_name, kda_runtime_state
 from .routing import RoutingRule
-
-_FORGET_GATE = ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log")
 
 
 class KimiLinearAdapter(DeepseekV3Adapter):
@@ -56,15 +55,7 @@ class KimiLinearAdapter(DeepseekV3Adapter):
         return bool(layer) and layer % 4 == 0
 
     def runtime_local_name(self, local_key: str) -> str:
-        local_key = local_key.replace("block_sparse_moe.", "mlp.", 1)
-        if local_key.startswith(tuple(f"self_attn.{name}" for name in _FORGET_GATE)):
-            return "self_attn.forget_gate." + local_key[len("self_attn.") :]
-        return local_key
+        return kda_runtime_name(local_key.replace("block_sparse_moe.", "mlp.", 1))
 
     def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        names = [f"self_attn.{part}_conv1d.weight" for part in ("q", "k", "v")]
-        if not all(name in state for name in names):
-            return state
-        state = dict(state)
-        state["self_attn.conv1d.weight"] = torch.cat([state.pop(name) for name in names], dim=0)
-        return state
+        return kda_runtime_state(state)
