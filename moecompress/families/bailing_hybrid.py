@@ -13,19 +13,15 @@ On disk (the release's names, which transformers renames at load): ``model.word_
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
+from .bailing_names import BailingNames
 from .block_bias import CorrectionBiasOffRouter
 from .kimi_linear import KimiLinearAdapter
 from .swiglu_clamp import PerLayerSwigluClamp
 
 _FORGET_GATE = ("f_proj.", "dt_bias", "A_log")
-_CONVOLUTIONS = tuple(f"self_attn.{part}_conv1d.weight" for part in ("q", "k", "v"))
 
 
-class BailingHybridAdapter(PerLayerSwigluClamp, CorrectionBiasOffRouter, KimiLinearAdapter):
+class BailingHybridAdapter(BailingNames, PerLayerSwigluClamp, CorrectionBiasOffRouter, KimiLinearAdapter):
     family = "bailing_hybrid"
     model_types = ("bailing_hybrid",)
     moe_disk_prefix = "mlp."
@@ -39,14 +35,6 @@ class BailingHybridAdapter(PerLayerSwigluClamp, CorrectionBiasOffRouter, KimiLin
             return kinds[layer] == "full_attention"
         return (layer + 1) % int(self.text_config.get("layer_group_size") or 6) == 0
 
-    def classify_key(self, key: str) -> Any:
-        if key.startswith("model.word_embeddings."):
-            return "embeddings"
-        layer = self.layer_of_key(key)
-        if layer is not None and key[len(self.layer_prefix(layer)) :].startswith("attention."):
-            return "attention"
-        return super().classify_key(key)
-
     def runtime_local_name(self, local_key: str) -> str:
         if not local_key.startswith("attention."):
             return local_key
@@ -56,17 +44,3 @@ class BailingHybridAdapter(PerLayerSwigluClamp, CorrectionBiasOffRouter, KimiLin
         if local_key.startswith(tuple(f"self_attn.{name}" for name in _FORGET_GATE)):
             return "self_attn.forget_gate." + local_key[len("self_attn.") :]
         return local_key
-
-    def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not all(name in state for name in _CONVOLUTIONS):
-            return state
-        state = dict(state)
-        state["self_attn.conv1d.weight"] = torch.cat([state.pop(name) for name in _CONVOLUTIONS], dim=0)
-        return state
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = "model.word_embeddings."
-        return {
-            ("model.embed_tokens." + key[len(prefix) :] if key.startswith(prefix) else key): value
-            for key, value in state.items()
-        }

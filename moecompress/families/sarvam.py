@@ -12,10 +12,9 @@ The checkpoint is read and written in these names; the calibration sweep builds 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from .bailing_names import BailingNames
 from .block_bias import CorrectionBiasOffRouter
 from .deepseek_derived import _GroupedQueryAttentionAdapter
 
@@ -27,20 +26,12 @@ _LOCAL_RENAMES = (
 )
 
 
-class SarvamMoeAdapter(CorrectionBiasOffRouter, _GroupedQueryAttentionAdapter):
+class SarvamMoeAdapter(BailingNames, CorrectionBiasOffRouter, _GroupedQueryAttentionAdapter):
     family = "sarvam_moe"
     model_types = ("sarvam_moe",)
     correction_bias_key = "mlp.gate.expert_bias"
     first_dense_default = 1
     fused_on_disk_targets = ("attention",)
-
-    def classify_key(self, key: str) -> Any:
-        if key.startswith("model.word_embeddings."):
-            return "embeddings"
-        layer = self.layer_of_key(key)
-        if layer is not None and key[len(self.layer_prefix(layer)) :].startswith("attention."):
-            return "attention"
-        return super().classify_key(key)
 
     def runtime_local_name(self, local_key: str) -> str:
         for disk, runtime in _LOCAL_RENAMES:
@@ -58,13 +49,6 @@ class SarvamMoeAdapter(CorrectionBiasOffRouter, _GroupedQueryAttentionAdapter):
                 for name, part in zip(("q_proj", "k_proj", "v_proj"), torch.split(fused, sizes, dim=0), strict=True):
                     state[f"self_attn.{name}.{kind}"] = part
         return state
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = "model.word_embeddings."
-        return {
-            ("model.embed_tokens." + key[len(prefix) :] if key.startswith(prefix) else key): value
-            for key, value in state.items()
-        }
 
 
 class Param2MoeAdapter(SarvamMoeAdapter):
