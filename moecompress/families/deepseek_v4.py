@@ -27,6 +27,7 @@ import torch
 
 from .base import FamilyAdapter, MoEWeights
 from .routing import RoutingRule
+from .swiglu_clamp import OneSwigluLimit
 
 _LOCAL_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(source), target)
@@ -66,7 +67,7 @@ _OUTSIDE_NAMES = {
 }
 
 
-class DeepseekV4Adapter(FamilyAdapter):
+class DeepseekV4Adapter(OneSwigluLimit, FamilyAdapter):
     family = "deepseek_v4"
     model_types = ("deepseek_v4",)
     layers_prefix = "layers."
@@ -113,10 +114,6 @@ class DeepseekV4Adapter(FamilyAdapter):
     def routing_rule(self) -> RoutingRule:
         scaling = float(self.text_config.get("routed_scaling_factor", 1.0))
         return RoutingRule("sigmoid_group_topk", top_k=self.top_k, scaling=scaling, score="sqrtsoftplus")
-
-    def activation(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
-        limit = float(self.text_config.get("swiglu_limit", 10.0))
-        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
     # ---- on-disk names ---------------------------------------------------------------------------------
     def _router_key(self, layer: int, name: str) -> str:

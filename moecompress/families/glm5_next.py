@@ -23,6 +23,7 @@ import torch
 
 from .deepseek import DeepseekV3Adapter
 from .kda_names import kda_runtime_name, kda_runtime_state
+from .swiglu_clamp import OneSwigluLimit
 from .vision_language import TextTowerBesideVision
 
 _HYPER_CONNECTIONS = tuple(
@@ -30,16 +31,12 @@ _HYPER_CONNECTIONS = tuple(
 )
 
 
-class Glm5NextAdapter(TextTowerBesideVision, DeepseekV3Adapter):
+class Glm5NextAdapter(TextTowerBesideVision, OneSwigluLimit, DeepseekV3Adapter):
     family = "glm5_next"
     model_types = ("glm5_next",)
     first_dense_default = 3
     layer_returns_tuple = True
     carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
-
-    def activation(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
-        limit = float(self.text_config.get("swiglu_limit", 10.0))
-        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
     def runtime_local_name(self, local_key: str) -> str:
         for disk, runtime in _HYPER_CONNECTIONS:

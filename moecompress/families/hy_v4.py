@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .swiglu_clamp import OneSwigluLimit
 from .vision_language import TextTowerBesideVision
 
 _RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
@@ -52,16 +53,12 @@ def runtime_name(name: str) -> str:
     return name[1:]
 
 
-class HYV4Adapter(DeepseekV3Adapter):
+class HYV4Adapter(OneSwigluLimit, DeepseekV3Adapter):
     family = "hy_v4"
     model_types = ("hy_v4",)
     first_dense_default = 1
     layer_returns_tuple = True
     carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
-
-    def activation(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
-        limit = float(self.text_config.get("swiglu_limit", 10.0))
-        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
     def runtime_local_name(self, local_key: str) -> str:
         return runtime_name(local_key)

@@ -1,4 +1,5 @@
-"""Experts whose SwiGLU is clamped with a limit per layer (Step-3.7-Flash, Ling 2.5).
+"""Experts whose SwiGLU is clamped: with one limit (DeepSeek-V4, HY-V4, GLM-5.3-Flash) or a limit per layer
+(Step-3.7-Flash, Ling 2.5).
 
 transformers' ``Step3p7Experts._apply_gate`` (``limit_after_act``, which Ling 2.5's experts inherit) computes
 ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` with layer ``i``'s ``swiglu_limits[i]`` (Ling 2.5's
@@ -26,6 +27,17 @@ class ClampedSwiGLU:
         if self.limit is None:
             return F.silu(gate) * up
         return F.silu(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
+
+
+class OneSwigluLimit:
+    """Mixin, listed before the family's adapter class: ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``
+    with the config's one ``swiglu_limit`` (10 where it has none), the gate clamped before the activation."""
+
+    text_config: dict[str, Any]
+
+    def activation(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        limit = float(self.text_config.get("swiglu_limit", 10.0))
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class PerLayerSwigluClamp:
