@@ -99,7 +99,7 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
             {"model_type": "glm4v_moe_text", "n_routed_experts": 8},
             "glm4v_moe_text is not supported: glm4v_moe_text is a sub-config of glm4v_moe .*compress the glm4v_moe",
         ),
-        ({"model_type": "nllb-moe", "num_experts": 8}, "nllb-moe is not supported: an encoder-decoder"),
+        ({"model_type": "nllb-moe", "num_experts": 8}, "nllb-moe is not supported: stock transformers' NllbMoeExperts"),
         ({"model_type": "openai_privacy_filter", "num_local_experts": 8}, "openai_privacy_filter .* token classifier"),
         ({"model_type": "inkling2_loop", "text_config": {"n_routed_experts": 8}}, "inkling2_loop .* loop_num_passes"),
         ({"model_type": "diffusion_gemma", "text_config": {"num_experts": 8}}, "diffusion_gemma .* block-diffusion"),

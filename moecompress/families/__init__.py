@@ -183,10 +183,14 @@ REFUSED_FAMILIES: dict[str, str] = {
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
         "output head); its release is mistral_large4, whose text model moecompress compresses"
     ),
-    **dict.fromkeys(
-        ("nllb-moe", "switch_transformers"),
+    "switch_transformers": (
         "an encoder-decoder (seq2seq) model: its experts sit in an encoder and a cross-attending decoder, and "
-        "moecompress calibrates and evaluates decoder-only language models",
+        "moecompress calibrates and evaluates decoder-only language models"
+    ),
+    "nllb-moe": (
+        "stock transformers' NllbMoeExperts runs expert_0 and expert_1 for every token whatever the router chose, so "
+        "no output can be checked against the model as routed or run correctly by it (and it is an encoder-decoder, "
+        "whose experts moecompress does not yet calibrate)"
     ),
     **dict.fromkeys(
         ("vitpose", "vitpose_backbone"),
