@@ -266,6 +266,7 @@ def _check_pass(
 
             check_imatrix_target(Path(quantize.imatrix_out), adapter, [model_dir], type(quantize))
         if name == "qat":
+            adapter.check_route_replay(str(model_dir))
             check_seq_len(adapter, config.seq_len, named("seq_len"), type(config))
 
 

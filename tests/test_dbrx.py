@@ -130,7 +130,7 @@ def test_a_replayed_route_passes_through_the_router_logits():
         want = adapter.stock_experts(model, 0, hidden[0], want_ids, want_weights)
     torch.testing.assert_close(replayed[0], want, rtol=0, atol=1e-6)
     plain = adapter_for(_model(moe_normalize_expert_weights=None).config.to_dict())
-    with pytest.raises(UserInputError, match="moe_normalize_expert_weights is null"):
+    with pytest.raises(UserInputError, match="moe_normalize_expert_weights null"):
         plain.with_route(torch.zeros(2, E), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long))
 
 
@@ -149,3 +149,19 @@ def test_global_scope_is_one_line_exit_2_before_work(tiny_checkpoints, tmp_path)
     result = run_cli("prune", str(tiny_checkpoints["dbrx"]), "--out", str(out), "--ratio", "0.3", "--scope", "global")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "dbrx keeps its expert count in ffn_config" in result.stderr and not out.exists()
+
+
+def test_qat_without_renormalised_weights_is_one_line_exit_2_before_work(tiny_checkpoints, tmp_path):
+    """DBRX's route replay passes weights through the router's logits, which needs their p-norm to be 1."""
+    import json
+    import shutil
+
+    model = tmp_path / "dbrx"
+    shutil.copytree(tiny_checkpoints["dbrx"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["ffn_config"]["moe_normalize_expert_weights"] = None
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "qat"
+    result = run_cli("qat", str(model), "--out", str(out), "--scheme", "mxfp4")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "QAT's route replay cannot run" in result.stderr and not out.exists()

@@ -846,6 +846,10 @@ class FamilyAdapter:
         """A :class:`UserInputError` where this model's experts cannot be removed consistently, or not as ``config``
         (the pass's options) asks (none by default)."""
 
+    def check_route_replay(self, source: str = "model") -> None:
+        """A :class:`UserInputError` where :meth:`with_route` cannot replay a route through this model's router
+        (QAT replays the full-precision routes), raised before any work (none by default)."""
+
     def attention_prefix(self, layer: int) -> str:
         """On-disk (and runtime) prefix of layer ``layer``'s attention module, ending in a dot."""
         return f"{self.layer_prefix(layer)}{self.attention_module}."

@@ -169,12 +169,15 @@ class DbrxAdapter(FamilyAdapter):
         """Logits from which the FFN picks ``ids`` with ``weights``: their logarithms at ``ids``, -inf elsewhere. The
         softmax and p-norm then give back ``weights`` (to rounding) when their p-norm is 1, as the family's rule
         makes it; the weights of a release that does not renormalise (p null) cannot be expressed so."""
+        self.check_route_replay()
+        return torch.full_like(output, float("-inf")).scatter(1, ids, weights.to(output.dtype).log())
+
+    def check_route_replay(self, source: str = "model") -> None:
         if self._norm_p is None:
             raise UserInputError(
-                "dbrx: ffn_config.moe_normalize_expert_weights is null: a replayed route's weights cannot be passed "
-                "through DBRX's router logits"
+                f"{source}: dbrx with ffn_config.moe_normalize_expert_weights null: a replayed route's weights cannot "
+                "be passed through DBRX's router logits, so QAT's route replay cannot run"
             )
-        return torch.full_like(output, float("-inf")).scatter(1, ids, weights.to(output.dtype).log())
 
     def reroute_hooks(self, layer_module: torch.nn.Module, choose) -> list[Any]:
         logits: list[torch.Tensor] = []
