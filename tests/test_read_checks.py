@@ -61,8 +61,10 @@ def test_every_supported_family_passes_the_config_checks(tiny_checkpoints):
         with CheckpointReader(directory, decode=False) as reader:
             check_against_config(adapter, reader.tensors, family)
             config = json.loads(json.dumps(reader.config))
-            text = config.get("text_config", config)
-            text["hidden_size"] = int(text["hidden_size"]) * 2
+            text = config.get("thinker_config", config)
+            text = text.get("text_config", text)
+            key = "hidden_size" if "hidden_size" in text else "d_model"
+            text[key] = int(text[key]) * 2
             with pytest.raises(UserInputError, match="hidden_size"):
                 check_against_config(adapter_for(config), reader.tensors, family)
 

@@ -172,7 +172,7 @@ def _plain(info: Any) -> bool:
 
 def _check_embeddings(adapter: Any, tensors: dict[str, Any], source: str, hidden: Any, vocab: Any) -> None:
     for key, info in tensors.items():
-        if not (key.endswith("embed_tokens.weight") or key == "lm_head.weight" or key.endswith(".lm_head.weight")):
+        if not any(_embedding_or_head(name) for name in {key, adapter.runtime_module_name(key)}):
             continue
         outside_layers = adapter.layer_of_key(key) is None and not adapter.is_vision_key(key)
         if not (outside_layers and not key.startswith("mtp.") and _plain(info)):
@@ -184,6 +184,13 @@ def _check_embeddings(adapter: Any, tensors: dict[str, Any], source: str, hidden
             )
         if isinstance(vocab, int) and rows != vocab:
             raise UserInputError(f"{source}: config.json says vocab_size {vocab}, the weights' {key} has {rows} rows")
+
+
+def _embedding_or_head(name: str) -> bool:
+    """The input embedding or the output head, under transformers' names or the native ones some releases keep
+    (``tok_embeddings``)."""
+    heads = name == "lm_head.weight" or name.endswith(".lm_head.weight")
+    return heads or name.endswith(("embed_tokens.weight", "tok_embeddings.weight"))
 
 
 def _check_layer_count(adapter: Any, tensors: dict[str, Any], source: str) -> None:
