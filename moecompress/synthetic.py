@@ -1137,7 +1137,7 @@ TINY_CONFIGS["inkling_mm_model"] = dict(
     model_type="inkling_mm_model",
     text_config=_INKLING_TEXT,
     audio_config=dict(n_mel_bins=4, mel_vocab_size=8),
-    vision_config=dict(patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2),
+    vision_config=dict(patch_size=4, hidden_size=32, num_hidden_layers=4, num_attention_heads=2),
     image_token_id=380,
     audio_token_id=381,
     image_bos_token_id=378,
