@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 from moecompress import synthetic
-from moecompress.families import adapter_for
+from moecompress.families import adapter_for, families_declaring
 from moecompress.kernels import w4a8
 from moecompress.quantization.experts import QuantizedMoE
 from moecompress.quantization.formats import compressed_tensors as ctx
@@ -190,7 +190,7 @@ def test_quantization_config_is_valid(name):
     assert json.loads(json.dumps(raw)) == raw
 
 
-@pytest.mark.parametrize("family", ctx.PER_EXPERT_FAMILIES)
+@pytest.mark.parametrize("family", families_declaring("per_expert_linears"))
 def test_expert_targets_match_expert_linears_only(family):
     adapter = adapter_for(synthetic.TINY_CONFIGS[family])
     (target,) = ctx.expert_targets(adapter)

@@ -22,6 +22,7 @@ import moecompress
 from moecompress.errors import UserInputError
 from moecompress.export.imatrix import covered_tensors
 from moecompress.export.llama_cpp import find_converter
+from moecompress.families.qwen_moe import Qwen3MoeAdapter
 from moecompress.loading import load_adapter
 from moecompress.passes.prune_experts import calibration_batches
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
@@ -135,7 +136,7 @@ def test_routed_sums_and_counts_equal_those_of_the_stock_forward(tmp_path):
     # every calibration token goes to top_k = 2 experts
     assert tensors["blk.2.ffn_down_exps.weight.counts"][1].sum() == 2 * TOKENS
     assert report["imatrix"]["layers"] == [0, 1, 2, 3]
-    assert report["imatrix"]["tensors_per_layer"] == covered_tensors("qwen3_moe")
+    assert report["imatrix"]["tensors_per_layer"] == covered_tensors(Qwen3MoeAdapter({}))
     assert not list(tmp_path.glob(".*tmp"))
 
 

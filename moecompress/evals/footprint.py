@@ -7,8 +7,9 @@ are). ``weights`` counts logical (dequantised) weights, so a class's bits per we
 ``bitmap_raw_bytes`` what a plain one-bit-per-position bitmap would have cost) and their bf16 values
 (``salient_value_bytes``), all inside ``metadata_bytes``.
 
-Understood layouts: plain float checkpoints, the native moecompress format, gpt-oss MXFP4
-(``*_blocks``/``*_scales``) and compressed-tensors (``weight_packed`` and companions).
+Understood layouts: plain float checkpoints and every registered output format (the native moecompress format,
+gpt-oss MXFP4 ``*_blocks``/``*_scales``, compressed-tensors ``weight_packed`` and companions), which counts its own
+stored tensors (``OutputFormat.logical_weights``).
 """
 
 from __future__ import annotations
@@ -20,20 +21,7 @@ from typing import Any
 from ..checkpoint import CheckpointReader
 from ..checkpoint.reader import TensorInfo
 from ..families import adapter_for
-from ..quantization.scheme import QuantScheme
-
-_DTYPE_BITS = {"U8": 8, "I8": 8, "I32": 32, "U32": 32, "I16": 16, "U16": 16}
-_QUANTIZED_PARAMS = ("weight", "gate_up_proj", "up_proj", "down_proj")
-_COMPRESSED_TENSORS_METADATA = (
-    "weight_scale",
-    "weight_zero_point",
-    "weight_shape",
-    "weight_global_scale",
-    "weight_g_idx",
-    "input_scale",
-    "input_global_scale",
-    "input_zero_point",
-)
+from ..quantization.formats import written_format
 
 
 @dataclass
@@ -106,49 +94,17 @@ def _logical_weights(
     key: str, info: TensorInfo, config: dict[str, Any], scales: TensorInfo | None = None
 ) -> int | None:
     """Logical weights a tensor stores, 0 for pure metadata, None for a plain float tensor (``scales``: the packed
-    weight's ``_scales`` entry, which tells apart layouts of equal packed width)."""
+    weight's ``_scales`` entry, which tells apart layouts of equal packed width): the output format the config
+    names counts them."""
     quantization = config.get("quantization_config") or {}
-    method = quantization.get("quant_method")
-    module, _, param = key.rpartition(".")
-    if method == "moecompress":
-        scheme_key = quantization.get("modules", {}).get(module)
-        if scheme_key is None:
-            return None
-        scheme = QuantScheme.from_dict(quantization["schemes"][scheme_key])
-        if param in _QUANTIZED_PARAMS:
-            packed_cols = info.shape[-1] if info.shape else 0
-            scales_cols = scales.shape[-1] if scales is not None and scales.shape else None
-            return 0 if not packed_cols else info.numel // packed_cols * scheme.logical_cols(packed_cols, scales_cols)
-        if param.endswith(("_scales", "_zeros", "_salient", "_salient_values")):
-            return 0
-        return None
-    if method == "mxfp4":
-        if key.endswith("_blocks"):
-            return info.numel * 2
-        if key.endswith("_scales"):
-            return 0
-        return None
-    if method == "compressed-tensors":
-        if param == "weight_packed":
-            bits = _compressed_tensors_bits(quantization)
-            return info.numel * _DTYPE_BITS.get(info.dtype, 8) // bits
-        if param in _COMPRESSED_TENSORS_METADATA:
-            return 0
-    return None
+    layout = written_format(quantization)
+    return None if layout is None else layout.logical_weights(key, info, quantization, scales)
 
 
 def _is_adapter(key: str, config: dict[str, Any]) -> bool:
-    """Low-rank error adapters of the native format: bytes of the class, no logical weights."""
-    quantization = config.get("quantization_config") or {}
-    return quantization.get("quant_method") == "moecompress" and ".lowrank." in key
-
-
-def _compressed_tensors_bits(quantization: dict[str, Any]) -> int:
-    groups = quantization.get("config_groups") or {}
-    bits = {int((group.get("weights") or {}).get("num_bits", 8)) for group in groups.values()}
-    if len(bits) != 1:
-        raise ValueError(f"compressed-tensors config with mixed weight widths {sorted(bits)} is not supported")
-    return bits.pop()
+    """Low-rank error adapters: bytes of the class, no logical weights."""
+    layout = written_format(config.get("quantization_config") or {})
+    return layout is not None and layout.is_adapter(key)
 
 
 def checkpoint_footprint(directory: Path) -> Footprint:

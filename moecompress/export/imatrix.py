@@ -37,14 +37,9 @@ from safetensors import safe_open
 
 from ..device import moe_on
 from ..errors import OptionError, UserInputError
-from ..families import FamilyAdapter, MoEWeights
+from ..families import FamilyAdapter, MoEWeights, families_declaring
 from ..files import DiskFullError, is_full, write_safetensors
 from ..vocabulary import named
-
-SHARED_EXPERT = {"qwen3_moe": False, "qwen2_moe": True, "olmoe": False, "mixtral": False}
-"""The families whose llama.cpp converter names the routed experts ``blk.N.ffn_{gate,up,down}_exps`` (stacked in
-the checkpoint's expert order, decoder layer N as ``blk.N``) and whose router and experts read the same input;
-True where the layer also has a shared expert (``ffn_{gate,up}_shexp``, reading that input too)."""
 
 ROUTED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 ATTENTION = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
@@ -60,9 +55,10 @@ DENSE = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.
 HEAD = "output.weight"
 
 
-def covered_tensors(family: str) -> list[str]:
-    """The tensors of each MoE layer the file covers (``blk.N.`` and ``.weight`` left out)."""
-    shared = list(SHARED) if SHARED_EXPERT.get(family) else []
+def covered_tensors(adapter: FamilyAdapter) -> list[str]:
+    """The tensors of each MoE layer the file covers (``blk.N.`` and ``.weight`` left out; which families have a
+    llama.cpp naming, and a shared expert in it: ``FamilyAdapter.llama_cpp_shared_expert``)."""
+    shared = list(SHARED) if adapter.llama_cpp_naming() else []
     return [*ATTENTION, *ROUTED, *shared]
 
 
@@ -76,7 +72,7 @@ def hooked_modules(adapter: FamilyAdapter, moe_layer: bool) -> dict[str, str]:
     modules = {name: f"{adapter.attention_module}.{module}" for name, module in ATTENTION.items()}
     if not moe_layer:
         return {**modules, **DENSE}
-    return {**modules, **SHARED} if SHARED_EXPERT.get(adapter.family) else modules
+    return {**modules, **SHARED} if adapter.llama_cpp_naming() else modules
 
 
 def check_outside_output(path: Path, out_dir: Path, owner: type) -> None:
@@ -100,10 +96,10 @@ def check_imatrix_target(
     label = named("imatrix_out", path)
     if out_dir is not None:
         check_outside_output(path, out_dir, owner)
-    if adapter.family not in SHARED_EXPERT:
+    if adapter.llama_cpp_naming() is None:
+        named_families = ", ".join(families_declaring("llama_cpp_shared_expert"))
         raise OptionError(
-            f"{label}: llama.cpp importance matrices are written for {', '.join(sorted(SHARED_EXPERT))}, not "
-            f"{adapter.family}",
+            f"{label}: llama.cpp importance matrices are written for {named_families}, not {adapter.family}",
             owner,
         )
     try:

@@ -174,6 +174,14 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
+
+
+def families_declaring(hook: str) -> list[str]:
+    """The families whose adapter class sets the class attribute ``hook`` itself (see ``FamilyAdapter._declared``),
+    sorted."""
+    return sorted(cls.family for cls in ADAPTERS if vars(cls).get(hook) is not None)
+
+
 REFUSED_FAMILIES: dict[str, str] = {
     "ernie4_5_vl_moe": (
         "ERNIE 4.5 VL's MoE layers hold two expert sets (text and vision) routed by each token's modality, which the "
@@ -259,4 +267,5 @@ __all__ = [
     "ModelShape",
     "RoutingRule",
     "adapter_for",
+    "families_declaring",
 ]

@@ -215,6 +215,18 @@ class FamilyAdapter:
     latent space before them and back after them (Nemotron 3 Super's ``moe_latent_size``); see
     :attr:`latent_experts`."""
 
+    # What other tools' layouts make of a family. A class declares these for its own family only: a subclass is
+    # another family whose stored layout was not checked, so :meth:`_declared` does not inherit them.
+    per_expert_linears: ClassVar[bool] = False
+    """Whether the family's checkpoints store one (gate, up, down) linear per routed expert: what compressed-tensors
+    quantises (it targets modules) and transformers 5 re-fuses on load."""
+    llama_cpp_shared_expert: ClassVar[bool | None] = None
+    """Set where llama.cpp's converter names the routed experts ``blk.N.ffn_{gate,up,down}_exps`` (stacked in the
+    checkpoint's expert order, decoder layer N as ``blk.N``) and the router and experts read the same input: whether
+    the layer also has a shared expert (``ffn_{gate,up}_shexp``) reading that input too. None: no known naming."""
+    own_release_format: ClassVar[str | None] = None
+    """The output format that is this family's own release layout (GPT-OSS's ``gpt-oss``), if any."""
+
     def __init__(self, config: dict[str, Any]):
         self.config = config
 
@@ -321,6 +333,29 @@ class FamilyAdapter:
         families whose activation differs per layer (a clamp limit per layer) override this, and :meth:`activation`
         stays the family's unclamped one."""
         return self.activation
+
+    def fused_kernel_activation(self) -> tuple[Any, ...] | None:
+        """The fused MoE kernel's activation computing :meth:`activation` (its name, then its constants, as
+        :class:`~moecompress.kernels.triton_moe.Activation` takes them), or None where the kernel has none."""
+        if type(self).activation is FamilyAdapter.activation and self.text_config.get("hidden_act", "silu") in (
+            "silu",
+            "swish",
+        ):
+            return ("silu",)
+        return None
+
+    def _declared(self, name: str) -> Any:
+        return vars(type(self)).get(name, getattr(FamilyAdapter, name))
+
+    def per_expert_linears_on_disk(self) -> bool:
+        return self._declared("per_expert_linears")
+
+    def llama_cpp_naming(self) -> bool | None:
+        """:attr:`llama_cpp_shared_expert` as this family declares it."""
+        return self._declared("llama_cpp_shared_expert")
+
+    def release_format(self) -> str | None:
+        return self._declared("own_release_format")
 
     def activation_varies(self) -> bool:
         """Whether the experts' activation differs from :meth:`activation` in some layer (what an output format

@@ -34,6 +34,7 @@ class _DeepseekAdapter(FamilyAdapter):
 class DeepseekV2Adapter(_DeepseekAdapter):
     family = "deepseek_v2"
     model_types = ("deepseek_v2",)
+    per_expert_linears = True
 
     def routing_rule(self) -> RoutingRule:
         cfg = self.text_config
@@ -51,6 +52,7 @@ class DeepseekV2Adapter(_DeepseekAdapter):
 class DeepseekV3Adapter(_DeepseekAdapter):
     family = "deepseek_v3"
     model_types = ("deepseek_v3",)
+    per_expert_linears = True
     has_correction_bias = True
 
     def routing_rule(self) -> RoutingRule:

@@ -14,6 +14,7 @@ from .routing import RoutingRule
 class GptOssAdapter(FamilyAdapter):
     family = "gpt_oss"
     model_types = ("gpt_oss",)
+    own_release_format = "gpt-oss"
     router_module = "mlp.router"
     router_key = "router"
     num_experts_keys = ("num_local_experts", "num_experts")
@@ -27,6 +28,12 @@ class GptOssAdapter(FamilyAdapter):
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+    def fused_kernel_activation(self) -> tuple[str, float, float] | None:
+        if type(self).activation is not GptOssAdapter.activation:
+            return None
+        config = self.text_config
+        return ("gpt_oss", float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
 
     def detect_layout(self, layer: int, keys) -> Layout:
         if self._fused_key(layer, "gate_up_proj") in keys:

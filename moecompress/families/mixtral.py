@@ -8,6 +8,8 @@ from .base import FamilyAdapter
 class MixtralAdapter(FamilyAdapter):
     family = "mixtral"
     model_types = ("mixtral",)
+    per_expert_linears = True
+    llama_cpp_shared_expert = False
     moe_disk_prefix = "block_sparse_moe."
     expert_names = ("w1", "w3", "w2")
     num_experts_keys = ("num_local_experts", "num_experts")

@@ -25,12 +25,16 @@ class _QwenStyleAdapter(FamilyAdapter):
 class Qwen2MoeAdapter(_QwenStyleAdapter):
     family = "qwen2_moe"
     model_types = ("qwen2_moe",)
+    per_expert_linears = True
+    llama_cpp_shared_expert = True
     head_pruning = True
 
 
 class Qwen3MoeAdapter(_QwenStyleAdapter):
     family = "qwen3_moe"
     model_types = ("qwen3_moe",)
+    per_expert_linears = True
+    llama_cpp_shared_expert = False
     head_pruning = True
     qk_norm = "per_head"
 
@@ -38,6 +42,8 @@ class Qwen3MoeAdapter(_QwenStyleAdapter):
 class OlmoeAdapter(FamilyAdapter):
     family = "olmoe"
     model_types = ("olmoe",)
+    per_expert_linears = True
+    llama_cpp_shared_expert = False
     head_pruning = True
     qk_norm = "per_projection"
 

@@ -241,8 +241,11 @@ def _tags(chain: Sequence[dict[str, Any]]) -> list[str]:
             scheme = (report.get("scheme") or {}).get("name") or (report.get("config") or {}).get("scheme")
             tags += ["quantized", *([str(scheme)] if scheme else [])]
             settings = report.get("quantize_config") if name == "qat" else report.get("config")
-            if (settings or {}).get("format") == "compressed-tensors":
-                tags.append("compressed-tensors")
+            from ..quantization.formats import OUTPUT_FORMATS
+
+            layout = OUTPUT_FORMATS.get((settings or {}).get("format"))
+            if layout is not None and layout.card_tag:
+                tags.append(layout.card_tag)
         if name == "qat":
             tags.append("qat")
         if name == "prune_experts":
@@ -475,8 +478,11 @@ def _usage(
     else:
         lines.append("This checkpoint loads in stock transformers.")
     quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") == "compressed-tensors":
-        lines.append("It is stored in the compressed-tensors format (needs the `compressed-tensors` package).")
+    from ..quantization.formats import written_format
+
+    layout = written_format(quantization)
+    if layout is not None and layout.card_note:
+        lines.append(layout.card_note)
     code = ["```python"]
     if plugin:
         code.append("import moecompress  # noqa: F401  (registers the format with transformers)")

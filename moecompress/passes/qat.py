@@ -31,6 +31,7 @@ from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluate_windows
 from ..loading import load_adapter, load_model, load_tokenizer
+from ..quantization.formats import format_of
 from ..quantization.formats.native import ADAPTER_DTYPE
 from ..training.loop import TrainingConfig, prepare_student, round_adapters_to, train_adapters
 from ..training.replay import REPLAY_WEIGHTS, ReplaySchedule
@@ -98,7 +99,7 @@ class QATConfig:
 
         check_declared(self)
         self.quantize.validate()
-        if self.quantize.format != "native":
+        if not format_of(self.quantize.format).holds_adapters:
             raise refuse(
                 f"{named('format', self.quantize.format)}: QAT writes the native format (its adapters live there)",
                 QuantizeConfig,

@@ -31,7 +31,7 @@ from ..loading import load_adapter
 from ..preflight import data_paths
 from ..quantization.compensation import LayerErrors, layer_errors
 from ..quantization.experts import QuantizedMoE, quantize_experts_calibrated, quantize_experts_rtn
-from ..quantization.formats import gpt_oss, native
+from ..quantization.formats import FORMATS, format_of, native
 from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
 from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
@@ -45,7 +45,6 @@ from .options import When, check_declared, option, recipe_only
 from .prune_experts import calibration_batches, update_report
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
-FORMATS: tuple[str, ...] = ("native", "gpt-oss", "compressed-tensors")
 METHODS: tuple[str, ...] = ("rtn", "gptq")
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 
@@ -281,14 +280,15 @@ class QuantizeConfig:
             )
         if self.lowrank_rank and self.lowrank_budget:
             raise refuse(f"give either {named('lowrank_rank')} or {named('lowrank_budget')}, not both")
-        if self.salient_fraction and self.format != "native":
+        layout = format_of(self.format)
+        if self.salient_fraction and not layout.holds_salient:
             raise refuse(
                 f"{named('salient_fraction')}: salient weights are stored in the native format only, "
                 f"not {named('format', self.format)}"
             )
         if self.imatrix_out is not None and not self.imatrix_out.strip():
             raise refuse(f"{named('imatrix_out', self.imatrix_out)}: name a file")
-        if (self.lowrank_budget or self.lowrank_rank) and self.format != "native":
+        if (self.lowrank_budget or self.lowrank_rank) and not layout.holds_adapters:
             raise refuse(
                 f"{named('lowrank_budget') if self.lowrank_budget else named('lowrank_rank')}: low-rank adapters are "
                 f"stored in the native format only, not {named('format', self.format)}"
@@ -296,18 +296,8 @@ class QuantizeConfig:
         self.quant_scheme()
 
 
-def _format_module(name: str):
-    if name == "native":
-        return native
-    if name == "gpt-oss":
-        return gpt_oss
-    from ..quantization.formats import compressed_tensors
-
-    return compressed_tensors
-
-
 def _check_format(adapter: FamilyAdapter, config: QuantizeConfig, scheme: QuantScheme) -> None:
-    reason = _format_module(config.format).unsupported(adapter, scheme, tuple(config.targets))
+    reason = format_of(config.format).unsupported(adapter, scheme, tuple(config.targets))
     if reason:
         raise OptionError(reason, QuantizeConfig)
 
@@ -491,7 +481,7 @@ def quantize_checkpoint(
     _refuse_quantized_input(adapter.config, model_dir)
     scheme = config.quant_scheme()
     _check_format(adapter, config, scheme)
-    layout = _format_module(config.format)
+    layout = format_of(config.format)
     tensors = _TensorQuantizer(adapter, scheme, config.targets)
     quantizer = _ExpertQuantizer(adapter, scheme, config)
     lowrank = config.lowrank_budget > 0 or config.lowrank_rank > 0
@@ -724,7 +714,7 @@ class QuantizedLayers:
             report["imatrix"] = {
                 "path": str(Path(self.quantizer.config.imatrix_out).absolute()),
                 "layers": self.imatrix.layers,
-                "tensors_per_layer": covered_tensors(self.quantizer.adapter.family),
+                "tensors_per_layer": covered_tensors(self.quantizer.adapter),
                 "tensors_per_dense_layer": dense_tensors(),
                 "output": self.imatrix.has(HEAD),
                 **self._imatrix_metadata(),

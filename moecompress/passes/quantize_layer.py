@@ -14,6 +14,7 @@ from ..checkpoint.mtp import quantize_mtp_plan, without_mtp
 from ..evals.footprint import checkpoint_footprint
 from ..export.imatrix import ImatrixCollector, check_imatrix_target
 from ..preflight import data_paths
+from ..quantization.formats import format_of
 from ..quantization.sensitivity import stored_layer_sensitivity
 from ..sweep_state import LayerResult
 from .base import LayerPass, Needs, PassContext
@@ -23,7 +24,6 @@ from .quantize import (
     _allocate_ranks,
     _check_format,
     _ExpertQuantizer,
-    _format_module,
     _refuse_quantized_input,
     _TensorQuantizer,
     measure_layer,
@@ -75,7 +75,7 @@ class QuantizePass(LayerPass):
         _refuse_quantized_input(adapter.config, context.model_dir)
         self.scheme = config.quant_scheme()
         _check_format(adapter, config, self.scheme)
-        self.layout = _format_module(config.format)
+        self.layout = format_of(config.format)
         self.tensors = _TensorQuantizer(adapter, self.scheme, config.targets)
         self.quantizer = _ExpertQuantizer(adapter, self.scheme, config)
         self._source = str(context.model_dir)

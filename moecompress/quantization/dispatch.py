@@ -64,7 +64,6 @@ def kernel_activation(activation) -> Any:
     """The kernels' :class:`~moecompress.kernels.triton_moe.Activation` for a family adapter's ``activation``
     method (or an ``Activation`` itself); None for anything else."""
     from ..families.base import FamilyAdapter
-    from ..families.gpt_oss import GptOssAdapter
     from ..families.swiglu_clamp import ClampedSwiGLU
     from ..kernels.triton_moe import Activation
 
@@ -73,11 +72,9 @@ def kernel_activation(activation) -> Any:
     if isinstance(activation, ClampedSwiGLU):
         return Activation("silu") if activation.limit is None else None
     owner, function = getattr(activation, "__self__", None), getattr(activation, "__func__", None)
-    if function is FamilyAdapter.activation and owner.text_config.get("hidden_act", "silu") in ("silu", "swish"):
-        return Activation("silu")
-    if function is GptOssAdapter.activation:
-        config = owner.text_config
-        return Activation("gpt_oss", float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
+    if isinstance(owner, FamilyAdapter) and function is type(owner).activation:
+        found = owner.fused_kernel_activation()
+        return None if found is None else Activation(*found)
     return None
 
 

@@ -47,6 +47,7 @@ from ...kernels.packing import pack_codes
 from ...vocabulary import named
 from ..experts import QuantizedMoE
 from ..scheme import QuantizedTensor, QuantScheme
+from .base import OutputFormat, register
 
 NAME = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
@@ -55,9 +56,6 @@ INT_QUANTIZED = "int-quantized"
 MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
 WORD_BITS = 32
 
-# Families whose checkpoints store one (gate, up, down) linear per routed expert, which is what compressed-tensors
-# quantises (it targets modules) and what transformers 5 re-fuses on load.
-PER_EXPERT_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 # vLLM looks up a fused MoE layer's scheme under ``<experts>.0.gate_proj``/``up_proj``/``down_proj`` whatever the
 # checkpoint calls them (Mixtral's w1/w3/w2), so the expert target must match those names too.
 _VLLM_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -235,9 +233,9 @@ def linear_tensors(
 
 def fused_experts_problem(adapter: FamilyAdapter) -> str | None:
     """Why ``adapter``'s routed experts cannot be written here (they are fused on disk), or None."""
-    if adapter.family in PER_EXPERT_FAMILIES:
+    if adapter.per_expert_linears_on_disk():
         return None
-    alternative = "native or gpt-oss" if adapter.family == "gpt_oss" else "native"
+    alternative = " or ".join(["native", *filter(None, [adapter.release_format()])])
     return (
         f"{named('format', 'compressed-tensors')} writes routed experts as per-expert linears; {adapter.family} "
         f"stores them fused and stock transformers has no per-expert loader for it (use {named('format')} "
@@ -336,3 +334,47 @@ def config_for(
     every other quantised linear by its exact on-disk module name."""
     targets = expert_targets(adapter) + [key.removesuffix(".weight") for key in weight_keys]
     return quantization_config(scheme, targets, ignore=[])
+
+
+_DTYPE_BITS = {"U8": 8, "I8": 8, "I32": 32, "U32": 32, "I16": 16, "U16": 16}
+_METADATA = (
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_global_scale",
+    "weight_g_idx",
+    "input_scale",
+    "input_global_scale",
+    "input_zero_point",
+)
+
+
+def _weight_bits(quantization: dict[str, Any]) -> int:
+    groups = quantization.get("config_groups") or {}
+    bits = {int((group.get("weights") or {}).get("num_bits", 8)) for group in groups.values()}
+    if len(bits) != 1:
+        raise ValueError(f"compressed-tensors config with mixed weight widths {sorted(bits)} is not supported")
+    return bits.pop()
+
+
+def logical_weights(key: str, info, quantization: dict[str, Any], scales) -> int | None:
+    """``weight_packed`` words count the codes they pack; scales, zero points and shapes are metadata."""
+    param = key.rpartition(".")[2]
+    if param == "weight_packed":
+        return info.numel * _DTYPE_BITS.get(info.dtype, 8) // _weight_bits(quantization)
+    if param in _METADATA:
+        return 0
+    return None
+
+
+@register
+class CompressedTensors(OutputFormat):
+    name = NAME
+    quant_method = QUANT_METHOD
+    card_tag = "compressed-tensors"
+    card_note = "It is stored in the compressed-tensors format (needs the `compressed-tensors` package)."
+    unsupported = staticmethod(unsupported)
+    layer_tensors = staticmethod(layer_tensors)
+    outside_tensors = staticmethod(outside_tensors)
+    config_for = staticmethod(config_for)
+    logical_weights = staticmethod(logical_weights)

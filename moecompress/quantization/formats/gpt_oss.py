@@ -13,15 +13,17 @@ from ...families import FamilyAdapter
 from ...vocabulary import named
 from ..experts import QuantizedMoE
 from ..scheme import QuantizedTensor, QuantScheme
+from .base import OutputFormat, register
 from .native import experts_module
 
 NAME = "gpt-oss"
+QUANT_METHOD = "mxfp4"
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
     """Why this export cannot hold the request, or None."""
-    if adapter.family != "gpt_oss":
+    if adapter.release_format() != NAME:
         return f"{named('format', 'gpt-oss')} is the GPT-OSS family's own layout; this model is {adapter.family}"
     if NAME not in scheme.kind.formats:
         return f"{named('format', 'gpt-oss')} holds MXFP4 only, not {named('scheme', scheme.name)}"
@@ -77,4 +79,24 @@ def config_for(
     lowrank=None,
     salient=None,
 ) -> dict[str, Any]:
-    return {"quant_method": "mxfp4", "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
+    return {"quant_method": QUANT_METHOD, "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
+
+
+def logical_weights(key: str, info, quantization: dict[str, Any], scales) -> int | None:
+    """Two E2M1 weights a byte of ``*_blocks``; the E8M0 ``*_scales`` are metadata."""
+    if key.endswith("_blocks"):
+        return info.numel * 2
+    if key.endswith("_scales"):
+        return 0
+    return None
+
+
+@register
+class GptOss(OutputFormat):
+    name = NAME
+    quant_method = QUANT_METHOD
+    unsupported = staticmethod(unsupported)
+    layer_tensors = staticmethod(layer_tensors)
+    outside_tensors = staticmethod(outside_tensors)
+    config_for = staticmethod(config_for)
+    logical_weights = staticmethod(logical_weights)

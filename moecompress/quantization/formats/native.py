@@ -14,9 +14,12 @@ from ...families import FamilyAdapter
 from ..experts import QuantizedMoE
 from ..hf_quantizer import MoecompressConfig
 from ..scheme import QuantizedTensor, QuantScheme
+from .base import OutputFormat, register
 
 NAME = "native"
+QUANT_METHOD = "moecompress"
 ADAPTER_DTYPE = torch.bfloat16
+QUANTIZED_PARAMS = ("weight", "gate_up_proj", "up_proj", "down_proj")
 
 
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
@@ -111,3 +114,36 @@ def salient_sizes(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, list[
             module, _, param = key.removesuffix("_salient").rpartition(".")
             sizes.setdefault(module, {})[param] = [bitmap.numel(), tensors[f"{key}_values"].numel()]
     return sizes
+
+
+def logical_weights(key: str, info, quantization: dict[str, Any], scales) -> int | None:
+    """Packed codes count the weights they decode to (the scheme tells the width from the packed and scale
+    columns); scales, zero points and salient weights are metadata."""
+    module, _, param = key.rpartition(".")
+    scheme_key = quantization.get("modules", {}).get(module)
+    if scheme_key is None:
+        return None
+    scheme = QuantScheme.from_dict(quantization["schemes"][scheme_key])
+    if param in QUANTIZED_PARAMS:
+        packed_cols = info.shape[-1] if info.shape else 0
+        scales_cols = scales.shape[-1] if scales is not None and scales.shape else None
+        return 0 if not packed_cols else info.numel // packed_cols * scheme.logical_cols(packed_cols, scales_cols)
+    if param.endswith(("_scales", "_zeros", "_salient", "_salient_values")):
+        return 0
+    return None
+
+
+@register
+class Native(OutputFormat):
+    name = NAME
+    quant_method = QUANT_METHOD
+    holds_salient = True
+    holds_adapters = True
+    unsupported = staticmethod(unsupported)
+    layer_tensors = staticmethod(layer_tensors)
+    outside_tensors = staticmethod(outside_tensors)
+    config_for = staticmethod(config_for)
+    logical_weights = staticmethod(logical_weights)
+
+    def is_adapter(self, key: str) -> bool:
+        return ".lowrank." in key

@@ -205,22 +205,26 @@ def kind_of(name: str) -> SchemeKind:
 
 
 class RegisteredNames(Sequence):
-    """The registered scheme names, read on each use (so option choices include schemes registered later)."""
+    """The names in a registry (default: the schemes), read on each use (so option choices include names
+    registered later)."""
+
+    def __init__(self, registry: dict[str, Any] | None = None) -> None:
+        self._registry = SCHEME_KINDS if registry is None else registry
 
     def _names(self) -> tuple[str, ...]:
-        return tuple(SCHEME_KINDS)
+        return tuple(self._registry)
 
     def __getitem__(self, index):
         return self._names()[index]
 
     def __len__(self) -> int:
-        return len(SCHEME_KINDS)
+        return len(self._registry)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
 
     def __contains__(self, name: object) -> bool:
-        return name in SCHEME_KINDS
+        return name in self._registry
 
     def __repr__(self) -> str:
         return repr(self._names())
