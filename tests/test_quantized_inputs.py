@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from moecompress.checkpoint import CheckpointReader
-from moecompress.checkpoint.decode import dequantize_block_fp8, unpack_int32_codes
+from moecompress.checkpoint.decoders.compressed_tensors import unpack_int32_codes
+from moecompress.checkpoint.decoders.fp8 import dequantize_block_fp8
 from moecompress.synthetic import TINY_CONFIGS, save_tiny_model
 from moecompress.synthetic_quantized import add_mtp_layer, convert_to_block_fp8, quantize_block_fp8
 

@@ -21,7 +21,8 @@ from ..errors import OptionError, UserInputError
 from ..kernels.finite import all_finite
 from ..vocabulary import named
 from .consistency import DTYPE_BYTES, MAX_HEADER_BYTES, check_config_types, check_header
-from .decode import Encoded, InputFormat, plan_decoding, target_dtype
+from .decode import plan_decoding, target_dtype
+from .decoders import Encoded, InputFormat
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
