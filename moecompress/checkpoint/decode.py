@@ -51,14 +51,22 @@ def native_refusal(config: dict[str, Any], source: str) -> None:
         raise UserInputError(f"{source}: already quantised by moecompress (native format); use the original checkpoint")
 
 
+def _written_here(method: str) -> bool:
+    """Whether ``method`` is that of a registered output format (the native one among them): a checkpoint in a
+    format of ours that no decoder reads is read as stored."""
+    from ..quantization.formats import OUTPUT_FORMATS
+
+    return any(layout.quant_method == method for layout in OUTPUT_FORMATS.values())
+
+
 def plan_decoding(config: dict[str, Any], shapes: Shapes, read_small: ReadSmall) -> InputFormat | None:
     """The decoding plan of a checkpoint (``shapes``: raw key → (shape, safetensors dtype name); ``read_small``
     reads a small raw tensor such as ``weight_shape``), or None for a plain one (no ``quantization_config``, or
-    one that only moecompress's native plugin reads)."""
+    one in an output format of ours that no decoder reads, such as the native one, which the plugin reads)."""
     method = quant_method(config)
-    if method is None or method == NATIVE_METHOD:
-        return None
     decoder = INPUT_DECODERS.get(method)
+    if method is None or (decoder is None and _written_here(method)):
+        return None
     if decoder is None:
         raise UserInputError(
             f"quantization_config.quant_method {method!r} is not a layout moecompress reads "

@@ -31,7 +31,7 @@ from ..loading import load_adapter
 from ..preflight import data_paths
 from ..quantization.compensation import LayerErrors, layer_errors
 from ..quantization.experts import QuantizedMoE, quantize_experts_calibrated, quantize_experts_rtn
-from ..quantization.formats import FORMATS, format_of, native
+from ..quantization.formats import FORMATS, OUTPUT_FORMATS, format_of, native
 from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, allocate
 from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
@@ -283,17 +283,22 @@ class QuantizeConfig:
         layout = format_of(self.format)
         if self.salient_fraction and not layout.holds_salient:
             raise refuse(
-                f"{named('salient_fraction')}: salient weights are stored in the native format only, "
-                f"not {named('format', self.format)}"
+                f"{named('salient_fraction')}: salient weights are stored in the {_holding('holds_salient')} format "
+                f"only, not {named('format', self.format)}"
             )
         if self.imatrix_out is not None and not self.imatrix_out.strip():
             raise refuse(f"{named('imatrix_out', self.imatrix_out)}: name a file")
         if (self.lowrank_budget or self.lowrank_rank) and not layout.holds_adapters:
             raise refuse(
                 f"{named('lowrank_budget') if self.lowrank_budget else named('lowrank_rank')}: low-rank adapters are "
-                f"stored in the native format only, not {named('format', self.format)}"
+                f"stored in the {_holding('holds_adapters')} format only, not {named('format', self.format)}"
             )
         self.quant_scheme()
+
+
+def _holding(place: str) -> str:
+    """The formats with ``place`` (an :class:`OutputFormat` flag), for a refusal."""
+    return _either([name for name, layout in OUTPUT_FORMATS.items() if getattr(layout, place)])
 
 
 def _check_format(adapter: FamilyAdapter, config: QuantizeConfig, scheme: QuantScheme) -> None:
