@@ -12,6 +12,7 @@ from .checkpoint import CheckpointReader
 from .checkpoint.consistency import check_against_config
 from .evals.footprint import checkpoint_footprint
 from .families import PARAM_CLASSES, adapter_for
+from .quantization.formats import written_format
 
 
 def summarize(directory: Path) -> dict[str, Any]:
@@ -47,8 +48,9 @@ def summarize(directory: Path) -> dict[str, Any]:
 def _needs_plugin(quantization: str | None, expert_counts: set[int], heads: set[tuple[int, int]]) -> str | None:
     """Why stock transformers cannot load the model (it refuses with a size mismatch that names neither cause),
     or None: moecompress's native format, or per-layer expert or head counts."""
-    if quantization == "moecompress":
-        return "moecompress's native quantised format"
+    layout = written_format({"quant_method": quantization})
+    if layout is not None and layout.needs_plugin:
+        return f"moecompress's {layout.name} quantised format"
     if len(expert_counts) > 1:
         return "expert counts that differ by layer"
     if len(heads) > 1:

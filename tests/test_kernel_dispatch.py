@@ -87,7 +87,7 @@ def test_kernel_activation_recognises_the_family_activations_only():
     assert dispatch.kernel_activation(_Family({"hidden_act": "silu"}).activation) == Activation("silu")
     assert dispatch.kernel_activation(_Family({"hidden_act": "gelu"}).activation) is None
     oss = dispatch.kernel_activation(_GptOss({"swiglu_limit": 5.0}).activation)
-    assert oss == Activation("gpt_oss", 1.702, 5.0)
+    assert oss == Activation("swigluoai", 1.702, 5.0)
     assert dispatch.kernel_activation(lambda gate, up: gate * up) is None
     gate, up = torch.randn(4, 8) * 4, torch.randn(4, 8) * 4
     torch.testing.assert_close(oss(gate, up), _GptOss({"swiglu_limit": 5.0}).activation(gate, up))

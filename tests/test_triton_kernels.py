@@ -177,7 +177,7 @@ def test_fused_moe_matches_reference(k, tokens, dtype):
     weights = torch.rand(tokens, 2)
     hidden = torch.randn(tokens, 64).to(dtype)
     hidden, ids, weights = on(hidden, ids, weights)
-    for activation in (k.moe.Activation("silu"), k.moe.Activation("gpt_oss", alpha=1.702, limit=0.5)):
+    for activation in (k.moe.Activation("silu"), k.moe.Activation("swigluoai", alpha=1.702, limit=0.5)):
         expected = k.moe.fused_moe_reference(hidden, ids, weights, experts, activation)
         assert_matches(k.moe.fused_moe_mxfp4(hidden, ids, weights, experts, activation), expected)
 

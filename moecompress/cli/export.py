@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -12,12 +13,110 @@ from .common_options import overwrite_option
 from .numbers import human_bytes as _human_bytes
 
 
+def _export_gguf(
+    source: Path,
+    out: Path,
+    *,
+    llama_cpp: str | None,
+    fold: bool,
+    lora_out: Path | None,
+    target_size: str | None,
+    target_bpw: float | None,
+    imatrix: Path | None,
+    tensor_types: tuple[str, ...],
+    base_type: str,
+    overwrite: bool,
+    quiet: bool,
+) -> None:
+    """One .gguf file for llama.cpp, and its report beside it."""
+    from ..errors import UserInputError
+    from ..export.gguf_retype import Request
+    from ..export.gguf_types import parse_pins, parse_size
+    from ..export.to_gguf import export_gguf, report_path
+
+    if target_size is not None and target_bpw is not None:
+        raise UserInputError("--target-size and --target-bpw: give one budget, not both")
+    types = Request(
+        pins=parse_pins(tensor_types),
+        default_type=base_type,
+        target_bytes=None if target_size is None else parse_size(target_size),
+        target_bpw=target_bpw,
+        imatrix=None if imatrix is None else Path(os.path.abspath(imatrix)),
+    )
+    report = export_gguf(
+        source,
+        out,
+        llama_cpp=llama_cpp,
+        fold=fold,
+        lora_out=lora_out,
+        overwrite=overwrite,
+        types=types,
+        progress=not quiet,
+    )
+    experts = report["experts"]
+    kinds = experts["written_as"]
+    line = f"wrote {out} ({_human_bytes(report['bytes'])})"
+    if isinstance(kinds, list):
+        exact = "exact" if experts["all_exact"] else "within the stated bounds, see the report"
+        line += f"; experts as {', '.join(kinds) or 'bf16 (folded)'} ({exact})"
+    click.echo(line)
+    retyped = report.get("tensor_types")
+    if retyped:
+        counts: dict[str, int] = {}
+        for entry in retyped["tensors"].values():
+            counts[entry["type"]] = counts.get(entry["type"], 0) + 1
+        kinds_line = ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items()))
+        click.echo(f"other tensors: {kinds_line}" + (" (allocated to the budget)" if "spent" in retyped else ""))
+    lora = report.get("lora")
+    if lora:
+        click.echo(
+            f"wrote {lora['path']} ({_human_bytes(lora['bytes'])}): the low-rank adapters of "
+            f"{len(lora['tensors'])} expert tensors as a llama.cpp LoRA; run with -m {out} --lora {lora['path']}"
+        )
+    click.echo(f"report: {report_path(Path(os.path.abspath(out)))}")
+
+
+def _export_bf16(
+    source: Path,
+    out: Path,
+    *,
+    llama_cpp: str | None,
+    fold: bool,
+    lora_out: Path | None,
+    target_size: str | None,
+    target_bpw: float | None,
+    imatrix: Path | None,
+    tensor_types: tuple[str, ...],
+    base_type: str,
+    overwrite: bool,
+    quiet: bool,
+) -> None:
+    """A plain dequantised Hugging Face checkpoint, adapters folded in."""
+    from ..errors import UserInputError
+    from ..export.to_bf16 import export_bf16
+
+    gguf_only = [target_size, target_bpw, imatrix, tensor_types or None, None if base_type == "Q8_0" else base_type]
+    if llama_cpp is not None or fold or lora_out is not None or any(value is not None for value in gguf_only):
+        raise UserInputError(
+            "--llama-cpp, --fold, --lora-out, --target-size, --target-bpw, --imatrix, --tensor-type and --base-type "
+            "apply to --format gguf only (bf16 always folds adapters)"
+        )
+    report = export_bf16(source, out, overwrite=overwrite, progress=not quiet)
+    folded = report["folded"]["layers"]
+    click.echo(f"wrote {out}" + (f" (adapters folded in {len(folded)} layers)" if folded else ""))
+
+
+EXPORT_FORMATS: dict[str, Callable[..., None]] = {"gguf": _export_gguf, "bf16": _export_bf16}
+"""``--format``'s choices: each writes its export from the command's options (the options of another format
+refused in one line)."""
+
+
 @click.command("export")
 @click.argument("model")
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["gguf", "bf16"]),
+    type=click.Choice(list(EXPORT_FORMATS)),
     required=True,
     help="gguf: one .gguf file for llama.cpp, MXFP4 experts as GGML MXFP4 and q2_k..q6_k experts as GGML's own "
     "k-quant blocks (Q4_0/Q5_0/Q5_1/Q8_0 at widths not a multiple of 256) (exact), integer experts as Q4_0/Q4_1 "
@@ -117,7 +216,6 @@ def export_command(
     """
     from .. import run_lock
     from ..checkpoint import resolve_model
-    from ..errors import UserInputError
     from ..preflight import check_not_in_inputs
 
     source = resolve_model(model)
@@ -126,60 +224,17 @@ def export_command(
         check_not_in_inputs(lora_out, [source], f"--lora-out {lora_out}")
     run_lock.acquire(out, label=f"--out {out}")
     click.get_current_context().call_on_close(lambda: run_lock.release(out))
-    if fmt == "gguf":
-        from ..export.gguf_retype import Request
-        from ..export.gguf_types import parse_pins, parse_size
-        from ..export.to_gguf import export_gguf, report_path
-
-        if target_size is not None and target_bpw is not None:
-            raise UserInputError("--target-size and --target-bpw: give one budget, not both")
-        types = Request(
-            pins=parse_pins(tensor_types),
-            default_type=base_type,
-            target_bytes=None if target_size is None else parse_size(target_size),
-            target_bpw=target_bpw,
-            imatrix=None if imatrix is None else Path(os.path.abspath(imatrix)),
-        )
-        report = export_gguf(
-            source,
-            out,
-            llama_cpp=llama_cpp,
-            fold=fold,
-            lora_out=lora_out,
-            overwrite=overwrite,
-            types=types,
-            progress=not quiet,
-        )
-        experts = report["experts"]
-        kinds = experts["written_as"]
-        line = f"wrote {out} ({_human_bytes(report['bytes'])})"
-        if isinstance(kinds, list):
-            exact = "exact" if experts["all_exact"] else "within the stated bounds, see the report"
-            line += f"; experts as {', '.join(kinds) or 'bf16 (folded)'} ({exact})"
-        click.echo(line)
-        retyped = report.get("tensor_types")
-        if retyped:
-            counts: dict[str, int] = {}
-            for entry in retyped["tensors"].values():
-                counts[entry["type"]] = counts.get(entry["type"], 0) + 1
-            kinds_line = ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items()))
-            click.echo(f"other tensors: {kinds_line}" + (" (allocated to the budget)" if "spent" in retyped else ""))
-        lora = report.get("lora")
-        if lora:
-            click.echo(
-                f"wrote {lora['path']} ({_human_bytes(lora['bytes'])}): the low-rank adapters of "
-                f"{len(lora['tensors'])} expert tensors as a llama.cpp LoRA; run with -m {out} --lora {lora['path']}"
-            )
-        click.echo(f"report: {report_path(Path(os.path.abspath(out)))}")
-        return
-    gguf_only = [target_size, target_bpw, imatrix, tensor_types or None, None if base_type == "Q8_0" else base_type]
-    if llama_cpp is not None or fold or lora_out is not None or any(value is not None for value in gguf_only):
-        raise UserInputError(
-            "--llama-cpp, --fold, --lora-out, --target-size, --target-bpw, --imatrix, --tensor-type and --base-type "
-            "apply to --format gguf only (bf16 always folds adapters)"
-        )
-    from ..export.to_bf16 import export_bf16
-
-    report = export_bf16(source, out, overwrite=overwrite, progress=not quiet)
-    folded = report["folded"]["layers"]
-    click.echo(f"wrote {out}" + (f" (adapters folded in {len(folded)} layers)" if folded else ""))
+    EXPORT_FORMATS[fmt](
+        source,
+        out,
+        llama_cpp=llama_cpp,
+        fold=fold,
+        lora_out=lora_out,
+        target_size=target_size,
+        target_bpw=target_bpw,
+        imatrix=imatrix,
+        tensor_types=tensor_types,
+        base_type=base_type,
+        overwrite=overwrite,
+        quiet=quiet,
+    )

@@ -18,8 +18,7 @@ from ..checkpoint import CheckpointReader, group_keys_by_layer
 from ..errors import UserInputError
 from ..families import FamilyAdapter, MoEWeights
 from ..families.base import FamilyAdapter as BaseAdapter
-from ..quantization.formats.native import experts_module
-from ..quantization.hf_quantizer import QUANT_METHOD
+from ..quantization.formats.native import experts_module, written_in
 from ..quantization.salient import SalientWeights, decode_positions
 from ..quantization.scheme import QuantizedTensor, QuantScheme
 
@@ -69,7 +68,7 @@ class SourceLayer:
 
 def quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
     qc = config.get("quantization_config")
-    return qc if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
+    return qc if written_in(qc) else None
 
 
 def check_exportable(adapter: FamilyAdapter) -> None:

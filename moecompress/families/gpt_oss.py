@@ -33,7 +33,7 @@ class GptOssAdapter(FamilyAdapter):
         if type(self).activation is not GptOssAdapter.activation:
             return None
         config = self.text_config
-        return ("gpt_oss", float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
+        return ("swigluoai", float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
 
     def detect_layout(self, layer: int, keys) -> Layout:
         if self._fused_key(layer, "gate_up_proj") in keys:

@@ -438,8 +438,10 @@ def _measured(report: dict[str, Any]) -> list[str]:
 
 def _needs_moecompress(chain: Sequence[dict[str, Any]], config: dict[str, Any]) -> bool:
     """Whether stock transformers needs ``import moecompress`` first (native quantised format, uneven layers)."""
-    quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") == "moecompress":
+    from ..quantization.formats import written_format
+
+    layout = written_format(config.get("quantization_config") or {})
+    if layout is not None and layout.needs_plugin:
         return True
     return any(report.get("uniform") is False or report.get("stock_loadable") is False for report in chain)
 

@@ -25,13 +25,14 @@ from .mxfp4 import dequantize_mxfp4
 from .triton_mxfp4 import mxfp4_tile, round_to_bf16
 from .triton_support import dot_dtype
 
-ACTIVATIONS = ("silu", "gpt_oss")
+ACTIVATIONS = ("silu", "swigluoai")
 MIN_RANK = 16
 
 
 @dataclass(frozen=True)
 class Activation:
-    """The gated activation: ``silu(gate)·up``, or GPT-OSS's clamped ``(up + 1)·gate·sigmoid(alpha·gate)``."""
+    """The gated activation: ``silu(gate)·up``, or ``swigluoai`` (vLLM's name for GPT-OSS's clamped
+    ``(up + 1)·gate·sigmoid(alpha·gate)``)."""
 
     kind: str = "silu"
     alpha: float = 1.702

@@ -37,6 +37,8 @@ class OutputFormat:
     """Whether salient (sparse bf16) weights have a place in it."""
     holds_adapters: ClassVar[bool] = False
     """Whether low-rank error adapters have a place in it."""
+    needs_plugin: ClassVar[bool] = False
+    """Whether stock transformers loads it only after ``import moecompress`` (the plugin registers it)."""
     card_tag: ClassVar[str | None] = None
     """A Hub tag for a model card of an output in this format."""
     card_note: ClassVar[str | None] = None

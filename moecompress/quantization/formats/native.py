@@ -12,12 +12,11 @@ import torch
 
 from ...families import FamilyAdapter
 from ..experts import QuantizedMoE
-from ..hf_quantizer import MoecompressConfig
+from ..hf_quantizer import QUANT_METHOD, MoecompressConfig
 from ..scheme import QuantizedTensor, QuantScheme
 from .base import OutputFormat, register
 
 NAME = "native"
-QUANT_METHOD = "moecompress"
 ADAPTER_DTYPE = torch.bfloat16
 QUANTIZED_PARAMS = ("weight", "gate_up_proj", "up_proj", "down_proj")
 
@@ -32,6 +31,11 @@ def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str,
             "load; quantising them is not supported (quantise the experts, shared experts or lm_head)"
         )
     return None
+
+
+def written_in(quantization: Any) -> bool:
+    """Whether a ``quantization_config`` is this format's."""
+    return isinstance(quantization, dict) and quantization.get("quant_method") == QUANT_METHOD
 
 
 def experts_module(adapter: FamilyAdapter, layer: int) -> str:
@@ -139,6 +143,7 @@ class Native(OutputFormat):
     quant_method = QUANT_METHOD
     holds_salient = True
     holds_adapters = True
+    needs_plugin = True
     unsupported = staticmethod(unsupported)
     layer_tensors = staticmethod(layer_tensors)
     outside_tensors = staticmethod(outside_tensors)
