@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -13,45 +14,47 @@ from .common_options import overwrite_option
 from .numbers import human_bytes as _human_bytes
 
 
-def _export_gguf(
-    source: Path,
-    out: Path,
-    *,
-    llama_cpp: str | None,
-    fold: bool,
-    lora_out: Path | None,
-    target_size: str | None,
-    target_bpw: float | None,
-    imatrix: Path | None,
-    tensor_types: tuple[str, ...],
-    base_type: str,
-    overwrite: bool,
-    quiet: bool,
-) -> None:
+@dataclass(frozen=True)
+class _Options:
+    """The command's options besides the model and ``--out`` (most of them ``gguf``'s)."""
+
+    llama_cpp: str | None
+    fold: bool
+    lora_out: Path | None
+    target_size: str | None
+    target_bpw: float | None
+    imatrix: Path | None
+    tensor_types: tuple[str, ...]
+    base_type: str
+    overwrite: bool
+    quiet: bool
+
+
+def _export_gguf(source: Path, out: Path, options: _Options) -> None:
     """One .gguf file for llama.cpp, and its report beside it."""
     from ..errors import UserInputError
     from ..export.gguf_retype import Request
     from ..export.gguf_types import parse_pins, parse_size
     from ..export.to_gguf import export_gguf, report_path
 
-    if target_size is not None and target_bpw is not None:
+    if options.target_size is not None and options.target_bpw is not None:
         raise UserInputError("--target-size and --target-bpw: give one budget, not both")
     types = Request(
-        pins=parse_pins(tensor_types),
-        default_type=base_type,
-        target_bytes=None if target_size is None else parse_size(target_size),
-        target_bpw=target_bpw,
-        imatrix=None if imatrix is None else Path(os.path.abspath(imatrix)),
+        pins=parse_pins(options.tensor_types),
+        default_type=options.base_type,
+        target_bytes=None if options.target_size is None else parse_size(options.target_size),
+        target_bpw=options.target_bpw,
+        imatrix=None if options.imatrix is None else Path(os.path.abspath(options.imatrix)),
     )
     report = export_gguf(
         source,
         out,
-        llama_cpp=llama_cpp,
-        fold=fold,
-        lora_out=lora_out,
-        overwrite=overwrite,
+        llama_cpp=options.llama_cpp,
+        fold=options.fold,
+        lora_out=options.lora_out,
+        overwrite=options.overwrite,
         types=types,
-        progress=not quiet,
+        progress=not options.quiet,
     )
     experts = report["experts"]
     kinds = experts["written_as"]
@@ -76,32 +79,29 @@ def _export_gguf(
     click.echo(f"report: {report_path(Path(os.path.abspath(out)))}")
 
 
-def _export_bf16(
-    source: Path,
-    out: Path,
-    *,
-    llama_cpp: str | None,
-    fold: bool,
-    lora_out: Path | None,
-    target_size: str | None,
-    target_bpw: float | None,
-    imatrix: Path | None,
-    tensor_types: tuple[str, ...],
-    base_type: str,
-    overwrite: bool,
-    quiet: bool,
-) -> None:
+def _export_bf16(source: Path, out: Path, options: _Options) -> None:
     """A plain dequantised Hugging Face checkpoint, adapters folded in."""
     from ..errors import UserInputError
     from ..export.to_bf16 import export_bf16
 
-    gguf_only = [target_size, target_bpw, imatrix, tensor_types or None, None if base_type == "Q8_0" else base_type]
-    if llama_cpp is not None or fold or lora_out is not None or any(value is not None for value in gguf_only):
+    gguf_only = [
+        options.target_size,
+        options.target_bpw,
+        options.imatrix,
+        options.tensor_types or None,
+        None if options.base_type == "Q8_0" else options.base_type,
+    ]
+    if (
+        options.llama_cpp is not None
+        or options.fold
+        or options.lora_out is not None
+        or any(value is not None for value in gguf_only)
+    ):
         raise UserInputError(
             "--llama-cpp, --fold, --lora-out, --target-size, --target-bpw, --imatrix, --tensor-type and --base-type "
             "apply to --format gguf only (bf16 always folds adapters)"
         )
-    report = export_bf16(source, out, overwrite=overwrite, progress=not quiet)
+    report = export_bf16(source, out, overwrite=options.overwrite, progress=not options.quiet)
     folded = report["folded"]["layers"]
     click.echo(f"wrote {out}" + (f" (adapters folded in {len(folded)} layers)" if folded else ""))
 
@@ -224,9 +224,7 @@ def export_command(
         check_not_in_inputs(lora_out, [source], f"--lora-out {lora_out}")
     run_lock.acquire(out, label=f"--out {out}")
     click.get_current_context().call_on_close(lambda: run_lock.release(out))
-    EXPORT_FORMATS[fmt](
-        source,
-        out,
+    options = _Options(
         llama_cpp=llama_cpp,
         fold=fold,
         lora_out=lora_out,
@@ -238,3 +236,4 @@ def export_command(
         overwrite=overwrite,
         quiet=quiet,
     )
+    EXPORT_FORMATS[fmt](source, out, options)
