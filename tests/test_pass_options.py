@@ -334,3 +334,38 @@ def test_the_flag_finder_finds_a_flag_in_a_refusal(tmp_path):
         '"""--docstring-flag is not a message."""\n'
     )
     assert _flags_in_refusals(source) == {"--out", "--help"}
+
+
+def _named_outside_option_errors(path: Path) -> list[int]:
+    """Lines of ``path`` where an error other than OptionError is built with named(): its placeholder would be
+    printed as it is (``{format=bf16}``), since only an OptionError renders it."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        plain = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith("Error")
+        if plain and node.func.id != "OptionError":
+            calls = (n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
+            if any(call.func.id == "named" for call in calls):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_an_option_error_names_options():
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "moecompress").rglob("*.py"))
+        if (lines := _named_outside_option_errors(path))
+    }
+    assert not found, found
+
+
+def test_the_named_finder_finds_a_placeholder_in_a_plain_error(tmp_path):
+    source = tmp_path / "plain.py"
+    source.write_text(
+        "def f(x):\n"
+        "    raise UserInputError(f\"{x}: use {named('format', 'bf16')}\")\n"
+        "def g(x):\n"
+        "    raise OptionError(f\"{x}: use {named('format', 'bf16')}\")\n"
+    )
+    assert _named_outside_option_errors(source) == [2]

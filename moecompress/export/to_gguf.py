@@ -294,7 +294,7 @@ def check_ggml_form(native: NativeSource, source: Path) -> None:
         for param in ("gate_up_proj", "down_proj"):
             cols = native.logical_shape(experts, param)[-1]
             if scheme.kind.ggml_block_type(scheme, native.has_zeros(experts, param), cols) is None:
-                raise UserInputError(
+                raise OptionError(
                     f"{source}: the routed experts' scheme {scheme.name} has no GGML block type (GGUF holds "
                     f"mxfp4, int4/int2/binary/w4a8 as Q4_0/Q4_1, and q2_k..q6_k); export {named('format', 'bf16')} "
                     "instead"
