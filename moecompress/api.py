@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from .defaults import CALIBRATION_LEAST, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 
 if TYPE_CHECKING:
     from .evals.perplexity import EvalResult
@@ -232,12 +232,15 @@ def evaluate(
     if not given_tokens:
         max_tokens = DEFAULT_EVAL_TOKENS
     try:
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
-            raise OptionError(f"{named('calibration.seq_len', repr(seq_len))} must be an integer of at least 2")
+        least = CALIBRATION_LEAST["seq_len"]
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < least:
+            raise OptionError(f"{named('calibration.seq_len', repr(seq_len))} must be an integer of at least {least}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
             raise OptionError(f"{named('evaluation.tokens', repr(max_tokens))} must be an integer or None (all)")
         if not isinstance(data, str):
-            raise OptionError(f"{named('evaluation.data')} must be a source name such as builtin:prose, got {data!r}")
+            raise OptionError(
+                f"{named('evaluation.data')} must be a source name such as {DEFAULT_EVAL_DATA}, got {data!r}"
+            )
         compute = parse_device(device, "evaluate(): device")
         with _trust(trust_remote_code, allow_pickle), _quiet(not progress), using_device(compute):
             model_dir = _resolve(model)
@@ -363,6 +366,7 @@ def _run(
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) overrides the recipe's ``device:``."""
     from . import run_lock
     from .device import parse_device
+    from .errors import OptionError
     from .preflight import check_output, discard_partial_work
     from .recipes import check_recipe, run_recipe
 
@@ -371,7 +375,10 @@ def _run(
         recipe = dataclasses.replace(recipe, device=str(device))
     out_dir = Path(out).absolute()
     with _trust(trust_remote_code, allow_pickle), _quiet(not progress), run_lock.releasing(out_dir):
-        check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False, api=True)
+        try:
+            check_output(out_dir, model_dir, overwrite=overwrite, resume=resume, restart=restart, discard=False)
+        except OptionError as error:
+            raise (error if recipe.vocabulary is None else recipe.vocabulary.bind(error)) from None
         check_recipe(recipe, model_dir)
         if restart:
             discard_partial_work(out_dir)

@@ -14,17 +14,17 @@ from collections.abc import Iterator
 
 import torch
 
+from .defaults import DEVICE_CHOICES
 from .errors import UserInputError
 
-DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
 HOST = torch.device("cpu")
 
 _current: torch.device = HOST
 
 
-def parse_device(spec: str | torch.device | None, where: str = "--device") -> torch.device:
+def parse_device(spec: str | torch.device | None, where: str = "device") -> torch.device:
     """``auto`` (CUDA when torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; anything else, or CUDA
-    where torch sees none, is a :class:`UserInputError` naming ``where``."""
+    where torch sees none, is a :class:`UserInputError` naming ``where``, the option as its caller spells it."""
     if isinstance(spec, torch.device):
         spec = str(spec)
     text = "auto" if spec is None else str(spec).strip().lower()

@@ -22,7 +22,7 @@ from .defaults import DEFAULT_EVAL_TOKENS
 from .errors import OptionError, UserInputError
 from .vocabulary import named
 
-RESTART_HINT = "continue it with --resume, or discard it with --restart"
+RESTART_HINT = f"continue it with {named('run.resume', True)}, or discard it with {named('run.restart', True)}"
 
 
 def _with_value(option: str, value: Any) -> str:
@@ -313,10 +313,10 @@ def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:
     it, ``restart`` has it removed (by :func:`discard_partial_work`, once every other check passed); neither
     refuses, since discarding hours of work must be asked for."""
     if resume and restart:
-        raise UserInputError("--resume and --restart exclude each other")
+        raise OptionError(f"{named('run.resume')} and {named('run.restart')} exclude each other")
     found = partial_work(out_dir)
     if found and not resume and not restart:
-        raise UserInputError(f"{found[0]}: partial work of an interrupted run into {out_dir}; {RESTART_HINT}")
+        raise OptionError(f"{found[0]}: partial work of an interrupted run into {out_dir}; {RESTART_HINT}")
 
 
 def discard_partial_work(out_dir: Path) -> None:
@@ -339,7 +339,6 @@ def check_output(
     resume: bool,
     restart: bool,
     discard: bool = True,
-    api: bool = False,
 ) -> None:
     """The output-side checks every writing command (and the Python API) makes before any work: ``out_dir`` is not
     the input nor inside it, can be created, is not there already (unless ``overwrite``), and no interrupted run's
@@ -349,8 +348,8 @@ def check_output(
     allows.
 
     The output's lock (:mod:`~moecompress.run_lock`) is taken before the partial work is looked at and held until
-    the caller releases it or the process ends, so a run still going into ``out_dir`` refuses this one. ``api``:
-    messages name the Python API's arguments (``out=``), not the flags.
+    the caller releases it or the process ends, so a run still going into ``out_dir`` refuses this one. Refusals
+    are :class:`~moecompress.errors.OptionError`: the caller's layer spells ``out`` and ``overwrite``.
 
     Under ``torchrun`` rank 0 alone looks at the output, since it alone writes there, and its verdict (or error)
     reaches every rank: a slower rank would otherwise find the partial work rank 0 has already started for the
@@ -358,23 +357,22 @@ def check_output(
     from .calibration import distributed
 
     distributed.init_from_environment()
-    checks = dict(overwrite=overwrite, resume=resume, restart=restart, discard=discard, api=api)
+    checks = dict(overwrite=overwrite, resume=resume, restart=restart, discard=discard)
     distributed.on_writer(lambda: _check_output(Path(out_dir), Path(model_dir), **checks), share=False)
 
 
 def _check_output(
-    out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool, api: bool
+    out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool
 ) -> None:
     from . import run_lock
     from .checkpoint.stream import check_output_is_not_input
 
     check_output_is_not_input(model_dir, out_dir)
-    label = f"out={out_dir}" if api else f"--out {out_dir}"
+    label = named("run.out", out_dir)
     if out_dir.exists() or out_dir.is_symlink():
         if not overwrite:
-            flag = "overwrite=True" if api else "--overwrite"
-            raise UserInputError(f"{out_dir}: output directory exists (pass {flag} to replace it)")
-        check_replaceable(out_dir, label=label, api=api)
+            raise OptionError(f"{out_dir}: output directory exists (pass {named('run.overwrite', True)} to replace it)")
+        check_replaceable(out_dir, label=label)
     check_writable(out_dir, label=label)
     run_lock.acquire(out_dir, label=label)
     try:
@@ -390,25 +388,25 @@ OUTPUT_MARKERS = ("moecompress_report.json", "moecompress_export.json", INCOMPLE
 """Files that make a directory moecompress's output: a run's report, an export's report, the unfinished mark."""
 
 
-def check_replaceable(out_dir: Path, *, label: str | None = None, api: bool = False) -> None:
+def check_replaceable(out_dir: Path, *, label: str | None = None) -> None:
     """``--overwrite`` replaces (deletes, then writes anew) only an empty directory or one moecompress wrote
     (:data:`OUTPUT_MARKERS`), never the working directory or one above it, a link or a file: a mistyped
-    ``--out`` must not delete someone's files."""
-    flag = "overwrite=True" if api else "--overwrite"
-    label = label or (f"out={out_dir}" if api else f"--out {out_dir}")
+    ``--out`` must not delete someone's files. ``label``: how the refusal begins (:func:`named`'s ``run.out``)."""
+    flag = named("run.overwrite", True)
+    label = label or named("run.out", out_dir)
     path = Path(out_dir).absolute()
     here = Path.cwd().resolve()
     if path.is_symlink():
-        raise UserInputError(f"{label}: a symbolic link; {flag} replaces only a directory moecompress wrote")
+        raise OptionError(f"{label}: a symbolic link; {flag} replaces only a directory moecompress wrote")
     if not path.is_dir():
-        raise UserInputError(f"{label}: a file, not a directory; {flag} replaces only a directory moecompress wrote")
+        raise OptionError(f"{label}: a file, not a directory; {flag} replaces only a directory moecompress wrote")
     if path.resolve() == here or path.resolve() in here.parents:
-        raise UserInputError(
+        raise OptionError(
             f"{label}: the working directory{'' if path.resolve() == here else ' or one above it'}; "
             f"{flag} never replaces it (name a new directory)"
         )
     if any(path.iterdir()) and not any((path / name).is_file() for name in OUTPUT_MARKERS):
-        raise UserInputError(
+        raise OptionError(
             f"{label}: not a moecompress output (no moecompress_report.json) and not empty; {flag} replaces only "
             "those, so nothing was deleted"
         )
@@ -473,14 +471,14 @@ def check_writable(out_dir: Path, label: str | None = None) -> None:
     if int(os.environ.get("RANK", "0") or 0) > 0:
         return
     out_dir = Path(out_dir).absolute()
-    label = label or f"--out {out_dir}"
+    label = label or named("run.out", out_dir)
     ancestor = out_dir.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise UserInputError(f"{label}: {ancestor} is not a directory")
+        raise OptionError(f"{label}: {ancestor} is not a directory")
     try:
         probe = tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".probe", dir=ancestor)
     except OSError as error:
-        raise UserInputError(f"{label}: cannot write in {ancestor} ({error.strerror})") from None
+        raise OptionError(f"{label}: cannot write in {ancestor} ({error.strerror})") from None
     os.rmdir(probe)

@@ -41,7 +41,17 @@ from . import recipe_yaml
 from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
 from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256, output_exists
-from .defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from .defaults import (
+    CALIBRATION_LEAST,
+    DEFAULT_CALIB_TOKENS,
+    DEFAULT_DATA,
+    DEFAULT_EVAL_DATA,
+    DEFAULT_EVAL_TOKENS,
+    DEFAULT_IMAGE_SIZE,
+    DEFAULT_SEQ_LEN,
+    DEVICE_CHOICES,
+    EVAL_TOKENS_LEAST,
+)
 from .errors import OptionError, UserInputError
 from .files import DiskFullError, is_full, write_json, write_text
 from .passes.options import KINDS, refuse_unused
@@ -71,7 +81,7 @@ class Calibration:
     seq_len: int = DEFAULT_SEQ_LEN
     seed: int = 0
     """The seed of the calibration windows (and of every pass that does not set its own)."""
-    image_size: int = 224
+    image_size: int = DEFAULT_IMAGE_SIZE
     """Side in pixels of calibration images (image+caption sources of vision-language models)."""
 
 
@@ -179,7 +189,7 @@ def _validated(config: Any, path: str) -> None:
 
 
 def _check_calibration(calibration: Calibration) -> None:
-    for key, least in (("tokens", 1), ("seq_len", 2), ("image_size", 8), ("seed", 0)):
+    for key, least in CALIBRATION_LEAST.items():
         value = getattr(calibration, key)
         if value < least:
             raise OptionError(f"{named('calibration.' + key, value)} must be at least {least}")
@@ -191,8 +201,10 @@ def _check_calibration(calibration: Calibration) -> None:
 
 
 def _check_evaluation(evaluation: Evaluation) -> None:
-    if evaluation.tokens is not None and evaluation.tokens < 2:
-        raise OptionError(f"{named('evaluation.tokens', evaluation.tokens)} must be at least 2 (or null: all)")
+    if evaluation.tokens is not None and evaluation.tokens < EVAL_TOKENS_LEAST:
+        raise OptionError(
+            f"{named('evaluation.tokens', evaluation.tokens)} must be at least {EVAL_TOKENS_LEAST} (or null: all)"
+        )
 
 
 IMAGE_SOURCES = ("builtin:shapes", "builtin:stripes", "hf:")
@@ -231,7 +243,7 @@ def parse_recipe(document: Any, source: str = "recipe") -> Recipe:
         from .device import parse_device
 
         if not isinstance(device, str):
-            raise UserInputError(f"device: expected auto, cpu, cuda or cuda:N, got {_short(device)}")
+            raise UserInputError(f"device: expected {DEVICE_CHOICES}, got {_short(device)}")
         parse_device(device, "device")
     model = document.get("model")
     if model is not None and not isinstance(model, str):

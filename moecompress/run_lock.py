@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import UserInputError
+from .errors import OptionError
 
 _held: dict[Path, tuple[int, list[Path]]] = {}
 """This process's locks: output directory -> (descriptor, parent directories made for the lock file)."""
@@ -62,7 +62,7 @@ def _made_parents(directory: Path) -> list[Path]:
 
 def acquire(out_dir: str | os.PathLike[str], *, label: str | None = None) -> None:
     """Take the lock on ``out_dir`` for this process (again: nothing to do), or refuse naming its holder.
-    ``label`` begins the refusal (``--out DIR``, ``out=DIR``)."""
+    ``label`` begins the refusal (a :func:`~moecompress.vocabulary.named` ``run.out``, as each caller spells it)."""
     out_dir = Path(out_dir).absolute()
     if out_dir in _held:
         return
@@ -70,20 +70,20 @@ def acquire(out_dir: str | os.PathLike[str], *, label: str | None = None) -> Non
     try:
         made = _made_parents(path.parent)
     except OSError as error:
-        raise UserInputError(f"{label or out_dir}: cannot write in {error.filename} ({error.strerror})") from None
+        raise OptionError(f"{label or out_dir}: cannot write in {error.filename} ({error.strerror})") from None
     while True:
         try:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as error:
             _remove_empty(made)
-            raise UserInputError(f"{label or out_dir}: cannot write in {path.parent} ({error.strerror})") from None
+            raise OptionError(f"{label or out_dir}: cannot write in {path.parent} ({error.strerror})") from None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(descriptor)
             os.close(descriptor)
             _remove_empty(made)
-            raise UserInputError(
+            raise OptionError(
                 f"{label or out_dir}: another moecompress run ({holder}) is writing this output; "
                 "wait for it to end (or stop it) before starting or resuming a run here"
             ) from None

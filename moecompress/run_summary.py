@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointReader
-from .errors import UserInputError
+from .errors import OptionError, UserInputError
 from .evals.footprint import checkpoint_footprint
 from .families import adapter_for
 from .files import write_bytes
+from .vocabulary import named
 
 REPORT_NAME = "moecompress_report.json"
 
@@ -145,10 +146,10 @@ def draw_runs(runs: list[tuple[str, dict[str, Any]]]) -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserInputError("--plot needs matplotlib (pip install 'moecompress[plots]')") from None
+        raise OptionError(f"{named('plot')} needs matplotlib (pip install 'moecompress[plots]')") from None
     evaluated = [(name, outcome) for name, outcome in runs if "perplexity" in outcome]
     if not evaluated:
-        raise UserInputError("--plot: none of the runs was evaluated (no perplexity in their reports)")
+        raise OptionError(f"{named('plot')}: none of the runs was evaluated (no perplexity in their reports)")
     figure, axes = plt.subplots(figsize=(8.4, 4.2))
     inputs = {(outcome["bytes"][0], outcome["perplexity"][0]) for _, outcome in evaluated}
     for number, (size, perplexity) in enumerate(sorted(inputs)):

@@ -74,6 +74,8 @@ CALIBRATION_FLAGS = {
     "image_size": "--image-size",
 }
 EVALUATION_FLAGS = {"data": "--eval-data", "tokens": "--eval-tokens"}
+"""The command line's flags for the run's calibration and evaluation settings: the commands declare their options
+with these (:mod:`moecompress.cli.common_options`), and messages name them so."""
 
 
 class CommandLine(Vocabulary):

@@ -90,10 +90,12 @@ def test_overwrite_replaces_an_earlier_output_and_an_empty_directory(tmp_path, m
 def test_the_api_names_its_arguments_and_keeps_the_files(tmp_path):
     _project(tmp_path / "proj")
     before = _files(tmp_path)
-    with pytest.raises(UserInputError, match=r"^out=.*proj: not a moecompress output.*overwrite=True"):
+    with pytest.raises(UserInputError, match=r"^quantize\(\): out='.*proj': not a moecompress output.*overwrite=True"):
         moecompress.quantize(TINY, tmp_path / "proj", overwrite=True, evaluation=None)
     (tmp_path / "done").mkdir()
-    with pytest.raises(UserInputError, match=r"pass overwrite=True to replace it"):
+    with pytest.raises(
+        UserInputError, match=r"^quantize\(\): .*done: output directory exists \(pass overwrite=True to replace it\)$"
+    ):
         moecompress.quantize(TINY, tmp_path / "done", evaluation=None)
     assert _files(tmp_path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "proj"]
@@ -170,7 +172,9 @@ def test_a_live_run_refuses_a_second_run_a_resume_and_a_restart_then_a_kill_free
             outcome = table.run_case(["quantize", TINY, "--out", "out", *QUICK, *extra])
             _refused(outcome, f"another moecompress run (pid {holder.pid}: python -c")
             assert _files(tmp_path) == before and (tmp_path / ".out.run").is_dir()
-        with pytest.raises(UserInputError, match=rf"^out=.*out: another moecompress run \(pid {holder.pid}"):
+        with pytest.raises(
+            UserInputError, match=rf"^quantize\(\): out='.*out': another moecompress run \(pid {holder.pid}"
+        ):
             moecompress.quantize(TINY, tmp_path / "out", resume=True, evaluation=None)
     finally:
         holder.send_signal(signal.SIGKILL)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..defaults import CALIBRATION_LEAST
 from ..errors import OptionError
 from ..vocabulary import named
 from .documents import Document
@@ -64,8 +65,8 @@ def tokenize_documents(documents: Sequence[Document], tokenizer) -> TokenStream:
 def consecutive_windows(stream: TokenStream, seq_len: int, max_tokens: int | None = None) -> TokenWindows:
     """Consecutive non-overlapping windows of ``seq_len`` tokens from the start (a partial last window is dropped),
     at most ``max_tokens`` tokens in all."""
-    if seq_len < 2:
-        raise OptionError(f"{named('calibration.seq_len', seq_len)} must be at least 2")
+    if seq_len < CALIBRATION_LEAST["seq_len"]:
+        raise OptionError(f"{named('calibration.seq_len', seq_len)} must be at least {CALIBRATION_LEAST['seq_len']}")
     count = len(stream) // seq_len
     if max_tokens is not None:
         count = min(count, max_tokens // seq_len)

@@ -11,7 +11,17 @@ from typing import Any
 
 import click
 
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from ..defaults import (
+    CALIBRATION_LEAST,
+    DEFAULT_CALIB_TOKENS,
+    DEFAULT_DATA,
+    DEFAULT_EVAL_DATA,
+    DEFAULT_EVAL_TOKENS,
+    DEFAULT_SEQ_LEN,
+    DEVICE_CHOICES,
+    EVAL_TOKENS_LEAST,
+)
+from ..vocabulary import CALIBRATION_FLAGS, EVALUATION_FLAGS
 
 
 class RenamedOption(click.Option):
@@ -42,7 +52,7 @@ class RenamedOption(click.Option):
 
 
 class EvalTokens(click.ParamType):
-    """A token count of at least 2, or ``all``."""
+    """A token count of at least :data:`~moecompress.defaults.EVAL_TOKENS_LEAST`, or ``all``."""
 
     name = "N|all"
 
@@ -53,8 +63,8 @@ class EvalTokens(click.ParamType):
             number = int(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a whole number or 'all'", param, ctx)
-        if number < 2:
-            self.fail(f"{number} is less than 2", param, ctx)
+        if number < EVAL_TOKENS_LEAST:
+            self.fail(f"{number} is less than {EVAL_TOKENS_LEAST}", param, ctx)
         return number
 
 
@@ -77,19 +87,31 @@ def overwrite_option(help: str = "Replace an existing output directory.") -> Cal
 
 
 def calib_option(help: str, default: str = DEFAULT_DATA, old: tuple[str, ...] = ()) -> Callable:
-    return click.option("--calib", "calib", cls=RenamedOption, old=old, default=default, show_default=True, help=help)
+    return click.option(
+        CALIBRATION_FLAGS["source"], "calib", cls=RenamedOption, old=old, default=default, show_default=True, help=help
+    )
 
 
 def calib_tokens_option(
     help: str = "Calibration tokens (whole windows of --seq-len, sampled with --seed).",
 ) -> Callable:
     return click.option(
-        "--calib-tokens", type=click.IntRange(min=1), default=DEFAULT_CALIB_TOKENS, show_default=True, help=help
+        CALIBRATION_FLAGS["tokens"],
+        type=click.IntRange(min=CALIBRATION_LEAST["tokens"]),
+        default=DEFAULT_CALIB_TOKENS,
+        show_default=True,
+        help=help,
     )
 
 
 def seq_len_option(help: str = "Tokens per window of calibration, training and evaluation.") -> Callable:
-    return click.option("--seq-len", type=click.IntRange(min=2), default=DEFAULT_SEQ_LEN, show_default=True, help=help)
+    return click.option(
+        CALIBRATION_FLAGS["seq_len"],
+        type=click.IntRange(min=CALIBRATION_LEAST["seq_len"]),
+        default=DEFAULT_SEQ_LEN,
+        show_default=True,
+        help=help,
+    )
 
 
 def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:
@@ -102,13 +124,15 @@ def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:
             help=no_eval_help or "Skip the evaluation (a forward of the output and of the input, one layer at a time).",
         )(command)
         command = click.option(
-            "--eval-tokens",
+            EVALUATION_FLAGS["tokens"],
             type=EvalTokens(),
             default=str(DEFAULT_EVAL_TOKENS),
             show_default=True,
             help=EVAL_TOKENS_HELP,
         )(command)
-        return click.option("--eval-data", default=DEFAULT_EVAL_DATA, show_default=True, help=data_help)(command)
+        return click.option(EVALUATION_FLAGS["data"], default=DEFAULT_EVAL_DATA, show_default=True, help=data_help)(
+            command
+        )
 
     return apply
 
@@ -129,7 +153,7 @@ def device_option(command: Callable) -> Callable:
     return click.option(
         "--device",
         default=None,
-        metavar="auto|cpu|cuda|cuda:N",
+        metavar=DEVICE_CHOICES,
         expose_value=False,
         callback=_check_device,
         help="Where each layer's calibration and the passes' math run: auto (the default: CUDA when torch sees "

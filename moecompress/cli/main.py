@@ -14,9 +14,10 @@ from typing import Any
 import click
 
 from .. import __version__
-from ..defaults import DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS
+from ..defaults import CALIBRATION_LEAST, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_IMAGE_SIZE
 from ..errors import UserInputError
 from ..files import DiskFullError, is_full
+from ..vocabulary import CALIBRATION_FLAGS, EVALUATION_FLAGS
 from .bench import bench_group
 from .common_options import (
     EVAL_TOKENS_HELP,
@@ -117,7 +118,7 @@ def inspect_command(model: str, as_json: bool) -> None:
 @trust_options
 @click.argument("model")
 @click.option(
-    "--eval-data",
+    EVALUATION_FLAGS["data"],
     "data",
     cls=RenamedOption,
     old=("--data",),
@@ -128,7 +129,7 @@ def inspect_command(model: str, as_json: bool) -> None:
 )
 @seq_len_option("Tokens per window; windows are consecutive and do not overlap.")
 @click.option(
-    "--eval-tokens",
+    EVALUATION_FLAGS["tokens"],
     "max_tokens",
     cls=RenamedOption,
     old=("--max-tokens",),
@@ -214,9 +215,9 @@ def eval_command(
 )
 @calib_tokens_option("Calibration tokens for text sources (image sources: builtin:shapes:N takes N images).")
 @click.option(
-    "--image-size",
-    type=click.IntRange(min=8),
-    default=224,
+    CALIBRATION_FLAGS["image_size"],
+    type=click.IntRange(min=CALIBRATION_LEAST["image_size"]),
+    default=DEFAULT_IMAGE_SIZE,
     show_default=True,
     help="Side in pixels that calibration images are drawn or resized to.",
 )

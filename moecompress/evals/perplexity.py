@@ -23,6 +23,7 @@ from ..calibration.batches import TokenWindows, consecutive_windows, tokenize_do
 from ..calibration.sources import load_documents
 from ..calibration.span_corruption import TARGETS, Seq2SeqWindows, model_inputs, seq2seq_windows
 from ..checkpoint.stock_model import stock_config
+from ..defaults import DEFAULT_SEQ_LEN
 from ..device import compute_device
 from ..errors import UserInputError
 from ..families import FamilyAdapter
@@ -220,7 +221,7 @@ def evaluate(
     model_dir: Path,
     data: str,
     *,
-    seq_len: int = 256,
+    seq_len: int = DEFAULT_SEQ_LEN,
     max_tokens: int | None = None,
     reference_dir: Path | None = None,
     progress: bool = True,
@@ -263,7 +264,7 @@ def evaluation_report(
     model_dir: Path,
     data: str,
     *,
-    seq_len: int = 256,
+    seq_len: int = DEFAULT_SEQ_LEN,
     max_tokens: int | None = None,
     reference_dir: Path | None = None,
     progress: bool = True,

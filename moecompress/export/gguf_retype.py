@@ -33,10 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UserInputError
+from ..errors import OptionError
 from ..files import write_chunk
 from ..progress import bar as progress_bar
 from ..quantization.schemes.ggml_blocks import FORMATS, ggml_bytes, split
+from ..vocabulary import named
 from . import gguf_types
 from .allocation import Option, allocate, smallest
 
@@ -80,10 +81,10 @@ def read_imatrix(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     try:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError) as error:
-        raise UserInputError(f"--imatrix {path}: not a GGUF importance matrix ({error})") from None
+        raise OptionError(f"{named('imatrix', path)}: not a GGUF importance matrix ({error})") from None
     kind = reader.fields.get("general.type")
     if kind is None or kind.contents() != "imatrix":
-        raise UserInputError(f"--imatrix {path}: not a GGUF importance matrix (general.type is not imatrix)")
+        raise OptionError(f"{named('imatrix', path)}: not a GGUF importance matrix (general.type is not imatrix)")
     sums = {t.name[: -len(".in_sum2")]: np.array(t.data) for t in reader.tensors if t.name.endswith(".in_sum2")}
     counts = {t.name[: -len(".counts")]: np.array(t.data) for t in reader.tensors if t.name.endswith(".counts")}
     return {name: (sums[name], counts[name].reshape(-1)) for name in sums if name in counts}
@@ -326,8 +327,8 @@ class Retyper:
         if pinned is not None:
             stored = gguf_types.stored_type(pinned, shape[-1])
             if stored is None:
-                raise UserInputError(
-                    f"--tensor-type: {tensor.name} rows are {shape[-1]} wide, which {pinned} cannot hold"
+                raise OptionError(
+                    f"{named('tensor_type')}: {tensor.name} rows are {shape[-1]} wide, which {pinned} cannot hold"
                 )
             entry.type_name, entry.why = stored, f"pinned {pinned}"
         else:
@@ -376,11 +377,11 @@ class Retyper:
         least = smallest({e.name: e.options for e in choosing})
         if budget < least:
             asked = (
-                f"--target-size {self.request.target_bytes}"
+                named("target_size", self.request.target_bytes)
                 if self.request.target_bytes is not None
-                else f"--target-bpw {self.request.target_bpw}"
+                else named("target_bpw", self.request.target_bpw)
             )
-            raise UserInputError(
+            raise OptionError(
                 f"{asked}: too small: the fixed part takes {self._fixed_bytes() + self._overhead()} bytes and the "
                 f"smallest types {least} more"
             )

@@ -13,7 +13,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import UserInputError
+from ..errors import OptionError
+from ..vocabulary import named
 
 KEPT_SUBSTRINGS = (
     "_norm.weight",
@@ -88,19 +89,23 @@ class Pin:
         return self.pattern.search(name) is not None
 
 
-def parse_pins(values: tuple[str, ...] | list[str], option: str = "--tensor-type") -> list[Pin]:
+def parse_pins(values: tuple[str, ...] | list[str]) -> list[Pin]:
     pins = []
     for value in values:
         pattern, sep, type_name = value.rpartition("=")
         if not sep or not pattern:
-            raise UserInputError(f"{option} {value}: expected PATTERN=TYPE, e.g. 'attn_v=Q6_K' or 'output=Q8_0'")
+            raise OptionError(
+                f"{named('tensor_type', value)}: expected PATTERN=TYPE, e.g. 'attn_v=Q6_K' or 'output=Q8_0'"
+            )
         canonical = type_name if type_name == "keep" else type_name.upper()
         if canonical not in PINNABLE:
-            raise UserInputError(f"{option} {value}: type {type_name} is not one of {', '.join(PINNABLE)}")
+            raise OptionError(f"{named('tensor_type', value)}: type {type_name} is not one of {', '.join(PINNABLE)}")
         try:
             compiled = re.compile(pattern)
         except re.error as error:
-            raise UserInputError(f"{option} {value}: {pattern!r} is not a regular expression ({error})") from None
+            raise OptionError(
+                f"{named('tensor_type', value)}: {pattern!r} is not a regular expression ({error})"
+            ) from None
         pins.append(Pin(compiled, canonical))
     return pins
 
@@ -117,14 +122,14 @@ def pinned_type(pins: list[Pin], name: str) -> str | None:
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 
 
-def parse_size(text: str, option: str = "--target-size") -> int:
+def parse_size(text: str) -> int:
     """``123456``, ``5.2MB`` (10^6), ``1.5GiB`` (2^30) → bytes."""
     match = _SIZE.match(str(text))
     if not match:
-        raise UserInputError(f"{option} {text}: expected bytes or a size such as 5.2MB or 17GiB")
+        raise OptionError(f"{named('target_size', text)}: expected bytes or a size such as 5.2MB or 17GiB")
     number, prefix, binary = match.groups()
     power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
     value = float(number) * (1024 if binary else 1000) ** power
     if value < 1:
-        raise UserInputError(f"{option} {text}: must be at least one byte")
+        raise OptionError(f"{named('target_size', text)}: must be at least one byte")
     return int(value)

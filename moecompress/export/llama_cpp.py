@@ -12,8 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..files import write_text
+from ..vocabulary import named
 from . import converter_scope
 
 ENV_VAR = "MOECOMPRESS_LLAMA_CPP"
@@ -26,9 +27,9 @@ def find_converter(option: str | os.PathLike[str] | None) -> Path:
     environment: a llama.cpp checkout, or an unpacked llama-cpp-python sdist (``vendor/llama.cpp``)."""
     given = option if option is not None else os.environ.get(ENV_VAR)
     if not given:
-        raise UserInputError(
-            f"no llama.cpp converter: pass --llama-cpp DIR (a llama.cpp checkout or an unpacked llama-cpp-python "
-            f"sdist) or set {ENV_VAR}"
+        raise OptionError(
+            f"no llama.cpp converter: pass {named('llama_cpp', 'DIR')} (a llama.cpp checkout or an unpacked "
+            f"llama-cpp-python sdist) or set {ENV_VAR}"
         )
     root = Path(given).expanduser()
     for candidate in (root, root / "vendor" / "llama.cpp"):

@@ -13,12 +13,13 @@ import torch
 
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import OUTSIDE_UNIT, check_output_is_not_input, layer_unit
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..families import adapter_for
 from ..files import DiskFullError
 from ..memory import release_freed_memory
 from ..preflight import check_replaceable
 from ..progress import bar as progress_bar
+from ..vocabulary import named
 from .source import NativeSource, SourceLayer, check_exportable, fold, quant_config
 
 DTYPE = torch.bfloat16
@@ -45,9 +46,9 @@ def fold_error(folded: dict[str, torch.Tensor]) -> float:
 def open_native(source: Path) -> tuple[CheckpointReader, NativeSource]:
     reader = CheckpointReader(source)
     if quant_config(reader.config) is None:
-        raise UserInputError(
+        raise OptionError(
             f"{source}: not a moecompress native-format checkpoint (no quantization_config with quant_method "
-            "'moecompress'); --format bf16 dequantises those"
+            f"'moecompress'); {named('format', 'bf16')} dequantises those"
         )
     adapter = adapter_for(reader.config, source=str(source))
     check_exportable(adapter)

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointReader
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter, adapter_for
 from ..files import DiskFullError, is_full, write_json
 from ..memory import release_freed_memory
 from ..progress import bar as progress_bar
 from ..quantization.scheme import QuantizedTensor, QuantScheme
+from ..vocabulary import named
 from . import ggml_blocks, gguf_lora
 from .gguf_retype import KeptBlocks, Request, Retyper
 from .gguf_types import Pin
@@ -74,18 +75,18 @@ def check_scope(adapter: FamilyAdapter, source: Path) -> None:
     """GGUF holds one routed-expert count per model; global-scope pruning leaves layers with different counts."""
     counts = {adapter.experts_in_layer(layer) for layer in adapter.moe_layers()}
     if len(counts) > 1 or (counts and counts != {adapter.num_experts}):
-        raise UserInputError(
+        raise OptionError(
             f"{source}: routed experts per layer differ ({min(counts)} to {max(counts)}, global-scope pruning); "
-            "GGUF and llama.cpp hold one expert count per model: prune with --scope layer"
+            f"GGUF and llama.cpp hold one expert count per model: prune with {named('scope', 'layer')}"
         )
 
 
 def check_one_activation(adapter: FamilyAdapter, source: Path) -> None:
     """llama.cpp's converter writes one expert activation per model; a clamp limit per layer would be lost."""
     if adapter.activation_varies():
-        raise UserInputError(
+        raise OptionError(
             f"{source}: {adapter.family}'s experts clamp their SwiGLU with a limit per layer, which the GGUF export "
-            "(llama.cpp's converter) does not write; export --format gguf is not supported for it"
+            f"(llama.cpp's converter) does not write; export {named('format', 'gguf')} is not supported for it"
         )
 
 
@@ -95,9 +96,10 @@ def check_foldable(config: dict[str, Any], source: Path, fold: bool) -> list[str
     qc = quant_config(config) or {}
     needs = [name for name in ("lowrank", "salient") if qc.get(name)]
     if "salient" in needs and not fold:
-        raise UserInputError(
-            f"{source}: has salient weights, which GGML cannot express; pass --fold to fold them into dense bf16 "
-            "expert tensors for the layers that have them (those lose their 4-bit form), or quantize without them"
+        raise OptionError(
+            f"{source}: has salient weights, which GGML cannot express; pass {named('fold')} to fold them into "
+            "dense bf16 expert tensors for the layers that have them (those lose their 4-bit form), or quantize "
+            "without them"
         )
     return needs if fold else []
 
@@ -108,17 +110,17 @@ def lora_path(
     """Where the adapters' LoRA file goes: the checkpoint has low-rank adapters and ``fold`` is not given."""
     lowrank = bool((quant_config(config) or {}).get("lowrank"))
     if lora_out is not None and (fold or not lowrank):
-        why = "--fold folds the adapters into the GGUF" if fold else f"{source} has no low-rank adapters"
-        raise UserInputError(f"--lora-out {lora_out}: {why}")
+        why = f"{named('fold')} folds the adapters into the GGUF" if fold else f"{source} has no low-rank adapters"
+        raise OptionError(f"{named('lora_out', lora_out)}: {why}")
     if not lowrank or fold:
         return None
     path = gguf_lora.default_path(out) if lora_out is None else Path(os.path.abspath(lora_out))
     if path == out:
-        raise UserInputError(f"--lora-out {lora_out}: is the base GGUF --out")
+        raise OptionError(f"{named('lora_out', lora_out)}: is the base GGUF {named('run.out')}")
     if path.is_dir():
         raise UserInputError(f"{path}: is a directory; the LoRA adapters are one file")
     if path.exists() and not overwrite:
-        raise UserInputError(f"{path}: exists (pass --overwrite to replace it)")
+        raise OptionError(f"{path}: exists (pass {named('run.overwrite', True)} to replace it)")
     return path
 
 
@@ -292,9 +294,10 @@ def check_ggml_form(native: NativeSource, source: Path) -> None:
         for param in ("gate_up_proj", "down_proj"):
             cols = native.logical_shape(experts, param)[-1]
             if scheme.kind.ggml_block_type(scheme, native.has_zeros(experts, param), cols) is None:
-                raise UserInputError(
+                raise OptionError(
                     f"{source}: the routed experts' scheme {scheme.name} has no GGML block type (GGUF holds "
-                    "mxfp4, int4/int2/binary/w4a8 as Q4_0/Q4_1, and q2_k..q6_k); export --format bf16 instead"
+                    f"mxfp4, int4/int2/binary/w4a8 as Q4_0/Q4_1, and q2_k..q6_k); export {named('format', 'bf16')} "
+                    "instead"
                 )
 
 
@@ -377,7 +380,7 @@ def _retype(partial: Path, request: Request, kept: KeptBlocks, progress: bool) -
         retyped.unlink(missing_ok=True)
     size = partial.stat().st_size
     if request.target_bytes is not None and size > request.target_bytes:
-        raise RuntimeError(f"the GGUF is {size} bytes, over --target-size {request.target_bytes}")
+        raise RuntimeError(f"the GGUF is {size} bytes, over the target size of {request.target_bytes} bytes")
     return {
         "request": {
             "target_bytes": request.target_bytes,
@@ -410,11 +413,11 @@ def export_gguf(
     or sets a budget."""
     out = Path(out).absolute()
     if out.exists() and not overwrite:
-        raise UserInputError(f"{out}: exists (pass --overwrite to replace it)")
+        raise OptionError(f"{out}: exists (pass {named('run.overwrite', True)} to replace it)")
     if out.is_dir():
-        raise UserInputError(f"{out}: is a directory; --format gguf writes one file")
+        raise OptionError(f"{out}: is a directory; {named('format', 'gguf')} writes one file")
     if types is not None and types.imatrix is not None and not types.imatrix.is_file():
-        raise UserInputError(f"--imatrix {types.imatrix}: no such file")
+        raise OptionError(f"{named('imatrix', types.imatrix)}: no such file")
     with CheckpointReader(source) as reader:
         config = reader.config
         outtype = source_outtype(reader)
@@ -431,9 +434,9 @@ def export_gguf(
     retype = types if types is not None else (Request() if native else None)
     if retype is not None and not native and not (retype.budgeted or retype.pins):
         if retype.imatrix is not None:
-            raise UserInputError(
-                f"--imatrix {retype.imatrix}: a plain checkpoint keeps the converter's types unless "
-                "--target-size, --target-bpw or --tensor-type asks for others"
+            raise OptionError(
+                f"{named('imatrix', retype.imatrix)}: a plain checkpoint keeps the converter's types unless "
+                f"{named('target_size')}, {named('target_bpw')} or {named('tensor_type')} asks for others"
             )
         retype = None
     converter = find_converter(llama_cpp)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import INCOMPLETE_MARKER
-from ..errors import UserInputError
+from ..errors import OptionError, UserInputError
+from ..vocabulary import named
 from .card import CardInfo, build_card, load_report
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -39,11 +40,11 @@ def check_repo_id(repo_id: str) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if not _REPO_ID.match(repo_id) or ".." in repo_id or "--" in repo_id or repo_id.endswith((".git", ".")):
-        raise UserInputError(f"--repo-id {repo_id!r}: expected ORG/NAME (letters, digits, '-', '_', '.')")
+        raise OptionError(f"{named('repo_id', repr(repo_id))}: expected ORG/NAME (letters, digits, '-', '_', '.')")
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise UserInputError(f"--repo-id {repo_id!r}: {str(error).splitlines()[0]}") from None
+        raise OptionError(f"{named('repo_id', repr(repo_id))}: {str(error).splitlines()[0]}") from None
 
 
 def check_output(directory: Path) -> dict:
@@ -82,7 +83,7 @@ def plan_push(directory: Path, repo_id: str, *, base_model: str | None = None) -
         try:
             check_repo_id(base_model)
         except UserInputError:
-            raise UserInputError(f"--base-model {base_model!r}: expected a Hub id ORG/NAME") from None
+            raise OptionError(f"{named('base_model', repr(base_model))}: expected a Hub id ORG/NAME") from None
     directory = Path(directory)
     report = check_output(directory)
     card = build_card(directory, report, repo_id=repo_id, base_model=base_model)

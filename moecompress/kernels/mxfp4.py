@@ -17,7 +17,7 @@ This module is the definition: the GPU kernels and every export are tested again
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -26,7 +26,7 @@ from .packing import pack_codes, unpack_codes
 BLOCK_SIZE = 32
 E8M0_BIAS = 127
 ScaleRule = Literal["floor", "ceil"]
-SCALE_RULES: tuple[str, ...] = ("floor", "ceil")
+SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=torch.float32)

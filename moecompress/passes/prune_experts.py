@@ -41,7 +41,7 @@ from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
 from ..checkpoint.mtp import MTP_MODES, plan_stored_prune
 from ..checkpoint.stream import check_output_is_not_input
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_IMAGE_SIZE, DEFAULT_SEQ_LEN
 from ..errors import OptionError, UserInputError
 from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter
@@ -637,7 +637,7 @@ def prune_experts(
     calib_tokens: int = DEFAULT_CALIB_TOKENS,
     seq_len: int = DEFAULT_SEQ_LEN,
     batch_size: int = 8,
-    image_size: int = 224,
+    image_size: int = DEFAULT_IMAGE_SIZE,
     eval_data: str | None = None,
     eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
     overwrite: bool = False,

@@ -81,7 +81,7 @@ class PruneHeadsConfig:
             choices=SCOPES,
         ),
     )
-    steps: int = field(default=200, metadata=option("Gate-training steps.", min=0, applies=LEARNED))
+    steps: int = field(default=200, metadata=option("Gate-training steps.", min=1, applies=LEARNED))
     lr: float = field(
         default=10.0,
         metadata=option("Gate learning rate (plain SGD on the gate logits).", min=0, min_open=True, applies=LEARNED),
@@ -152,8 +152,6 @@ class PruneHeadsConfig:
         check_declared(self)
         if self.scope == "global" and self.unit != "kv-group":
             raise refuse(f"{named('scope', 'global')} ranks KV groups; query-head units are pruned per layer")
-        if self.method == "learned" and self.steps < 1:
-            raise refuse(f"{named('steps', self.steps)} must be at least 1 for learned gates")
 
 
 def head_layouts(adapter: FamilyAdapter, unit: str) -> list[HeadLayout]:

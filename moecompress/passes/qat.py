@@ -25,7 +25,14 @@ from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import check_output_is_not_input
 from ..checkpoint.writer import output_exists
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from ..defaults import (
+    CALIBRATION_LEAST,
+    DEFAULT_CALIB_TOKENS,
+    DEFAULT_DATA,
+    DEFAULT_EVAL_DATA,
+    DEFAULT_EVAL_TOKENS,
+    DEFAULT_SEQ_LEN,
+)
 from ..device import compute_device, device_map_for
 from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
@@ -83,7 +90,10 @@ class QATConfig:
     steps: int = field(default=200, metadata=option("Optimiser steps.", min=1))
     lr: float = field(default=1e-3, metadata=option("Learning rate of the adapters (AdamW).", min=0, min_open=True))
     batch_size: int = field(default=8, metadata=option("Windows per step.", min=1))
-    seq_len: int = field(default=DEFAULT_SEQ_LEN, metadata=option("Tokens per training window.", min=1, shared=True))
+    seq_len: int = field(
+        default=DEFAULT_SEQ_LEN,
+        metadata=option("Tokens per training window.", min=CALIBRATION_LEAST["seq_len"], shared=True),
+    )
     train_tokens: int = field(
         default=65536,
         metadata=option("Tokens of --calib (random whole windows) that training cycles through.", min=2),

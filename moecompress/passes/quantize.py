@@ -20,7 +20,7 @@ from ..checkpoint import CheckpointWriter, rewrite_checkpoint
 from ..checkpoint.decode import describe_input, native_refusal
 from ..checkpoint.mtp import MTP_MODES, quantize_mtp_plan
 from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_IMAGE_SIZE, DEFAULT_SEQ_LEN
 from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluation_report
@@ -498,7 +498,7 @@ def quantize_checkpoint(
     calibration: dict[str, Any] | None = None
     if needs_calibration:
         batches, tags, tag_names = calibration_batches(
-            adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, 224
+            adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, DEFAULT_IMAGE_SIZE
         )
         calibration = {"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len, "seed": config.seed}
         calibration_inputs = (batches, tags, tag_names)
