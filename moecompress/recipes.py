@@ -580,21 +580,16 @@ def _check_ranks(recipe: Recipe, resume: bool) -> None:
 def _run_recipe(
     recipe: Recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, progress: bool, resume: bool, chained: bool
 ) -> dict[str, Any]:
-    from .passes.prune_experts import prune_experts
+    from .pipeline import run_layer_passes
 
     ranks = distributed.world_size()
     state = distributed.on_writer(lambda: _start_run(recipe, model_dir, out_dir, overwrite, resume), share=False)
-    calib = recipe.calibration
-    common = dict(calib=calib.source, calib_tokens=calib.tokens, seq_len=calib.seq_len, eval_data=None)
     if not distributed.is_writer():
-        _, config = recipe.passes[0]
         target = RunState.step_of(RunState.directory_of(out_dir), 0)
-        prune_experts(
-            model_dir, target, config, **common, overwrite=True, progress=progress, image_size=calib.image_size
-        )
+        run_layer_passes(model_dir, target, recipe.passes, recipe.calibration, overwrite=True, progress=progress)
         return distributed.on_writer(lambda: None)
     options = dict(progress=progress, resume=resume, chained=chained or ranks > 1)
-    return distributed.on_writer(lambda: _run_passes(recipe, model_dir, out_dir, state, common, **options))
+    return distributed.on_writer(lambda: _run_passes(recipe, model_dir, out_dir, state, **options))
 
 
 def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, resume: bool) -> RunState:
@@ -617,17 +612,13 @@ def _run_passes(
     model_dir: Path,
     out_dir: Path,
     state: RunState,
-    common: dict[str, Any],
     *,
     progress: bool,
     resume: bool,
     chained: bool = False,
 ) -> dict[str, Any]:
     from .evals.perplexity import evaluate
-    from .passes.prune_experts import prune_experts, update_report
-    from .passes.prune_heads import prune_heads
-    from .passes.qat import qat_checkpoint
-    from .passes.quantize import quantize_checkpoint
+    from .passes.prune_experts import update_report
     from .pipeline import plan_stages, run_layer_passes
     from .run_summary import attribute_to_input, load_report, measure_outcome
 
@@ -654,20 +645,13 @@ def _run_passes(
                     state="start",
                     starting=True,
                 )
-            options = dict(overwrite=True, progress=progress)
-            if len(stage.passes) > 1:
-                report = run_layer_passes(source, target, stage.passes, calib, **options, resume=resume)
-            elif name == "prune_experts":
-                report = prune_experts(
-                    source, target, config, **common, **options, image_size=calib.image_size, resume=resume
+            if stage.kind == "layer":
+                report = run_layer_passes(
+                    source, target, stage.passes, calib, overwrite=True, progress=progress, resume=resume
                 )
-            elif name == "prune_heads":
-                report = prune_heads(source, target, config, **common, **options)
-            elif name == "quantize":
-                report = quantize_checkpoint(source, target, config, **common, **options, resume=resume)
             else:
-                report = qat_checkpoint(
-                    source, target, config, data=calib.source, calib_tokens=calib.tokens, eval_data=None, **options
+                report = PASSES[name].run_whole_model(
+                    source, target, config, calibration=calib, options=dict(overwrite=True, progress=progress)
                 )
             seconds = time.monotonic() - started
             for pass_name in stage.names:
