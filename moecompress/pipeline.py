@@ -16,10 +16,12 @@ budget is therefore spent on spectra and loads measured before pruning; the spec
 are dropped at decision time and the budget counts the kept experts only. The rewriting sweep recomputes each
 kept expert's spectrum on the pruned, sequentially calibrated block and keeps the ranks it was given.
 
-A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result. A stage of
-one layer pass is run by that pass's own driver (``prune_experts``, ``quantize_checkpoint``: the same sweeps, and
-what the pipeline does not cover yet: torchrun, a quantised release's experts copied as stored); the pipeline
-writes the same tensors for it (tests/test_pipeline.py).
+A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result through
+its registry entry (:attr:`~moecompress.passes.base.PassEntry.run_whole_model`). Every layer pass runs here, one or
+many: the ``prune`` and ``quantize`` commands, their API calls and library functions (``prune_experts``,
+``quantize_checkpoint``) are one-pass stages. Under torchrun the ranks share the measuring sweep
+(:func:`run_layer_passes`); a quantised release pruned without calibration keeps its kept experts as stored
+(:meth:`~moecompress.passes.base.LayerPass.stored_rewrite`).
 :func:`plan_stages` groups a recipe; :func:`describe_plan` is what ``moecompress run --dry-run`` prints.
 """
 
@@ -135,11 +137,8 @@ def describe_plan(recipe) -> list[str]:
             lines.append(f"  measuring sweep (original weights): {measured}; reads it once; then the passes decide")
         calibration = "calibrated, sequential" if sweeps.sequential else "calibrated" if sweeps.calibrated else "plain"
         steps = " -> ".join(f"{p.name}: {p.needs().rewrites}" if p.needs().rewrites else p.name for p in passes)
-        # A one-pass stage runs the pass's own driver, whose calibrated rewriting sweep reads each layer twice.
-        twice = len(passes) == 1 and sweeps.calibrated
-        read = "twice (the sweep and the writer)" if twice else "once"
-        lines.append(f"  rewriting sweep ({calibration}): per layer {steps}; reads it {read}, writes {writes} once")
-        reads += sweeps.reads + twice
+        lines.append(f"  rewriting sweep ({calibration}): per layer {steps}; reads it once, writes {writes} once")
+        reads += sweeps.reads
     if recipe.evaluation is not None:
         lines.append(
             f"evaluation: {recipe.evaluation.data}, {recipe.evaluation.tokens} tokens, "

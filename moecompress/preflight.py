@@ -227,10 +227,15 @@ def _check_passes(
 
 
 def _calibrates(name: str, config: Any) -> bool:
-    """Whether the pass reads calibration windows (plain RTN quantisation reads none)."""
-    from .passes.quantize import CALIBRATED
+    """Whether the pass reads calibration windows (a whole-model pass always; a layer pass where it measures,
+    calibrates or asks for a sensitivity: plain RTN quantisation reads none)."""
+    from .passes.registry import PASSES
 
-    return name != "quantize" or CALIBRATED.test(config)
+    entry = PASSES[name]
+    if entry.layer_pass is None:
+        return True
+    needs = entry.layer_pass(config).needs()
+    return bool(needs.measuring or needs.calibration or needs.sensitivity)
 
 
 def _check_pass(

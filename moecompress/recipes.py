@@ -52,7 +52,6 @@ from .progress import end_of_command, event
 from .threads import check_resume_threads, thread_count
 from .vocabulary import RecipeKeys, named
 
-CONFIGS: dict[str, type] = {name: entry.config for name, entry in PASSES.items()}
 LOWRANK_KEYS = (
     "lowrank_budget",
     "lowrank_rank",
@@ -61,7 +60,12 @@ LOWRANK_KEYS = (
     "sensitivity",
     "lowrank_min_tokens",
 )
-PASS_NAMES = (*CONFIGS, "lowrank", "eval")
+
+
+def pass_names() -> tuple[str, ...]:
+    """What a recipe step may name: the registered passes (:data:`~moecompress.passes.registry.PASSES`, read at
+    parse time, so a pass registered later is known), ``lowrank`` and ``eval``."""
+    return (*PASSES, "lowrank", "eval")
 
 
 @dataclass(frozen=True)
@@ -272,8 +276,8 @@ def _parse_step(recipe: Recipe, steps: list[Any], index: int, given: list[set[st
         raise UserInputError(f"{where}: each pass is a mapping with one key, the pass name")
     ((name, params),) = step.items()
     path = f"{where}.{name}"
-    if name not in PASS_NAMES:
-        raise UserInputError(f"{where}.{_short(name)}: unknown pass; choose from {', '.join(PASS_NAMES)}")
+    if name not in pass_names():
+        raise UserInputError(f"{where}.{_short(name)}: unknown pass; choose from {', '.join(pass_names())}")
     if recipe.evaluation is not None:
         raise UserInputError(f"{path}: eval must be the last pass")
     if name == "eval":
@@ -304,11 +308,11 @@ def _parse_step(recipe: Recipe, steps: list[Any], index: int, given: list[set[st
         raise UserInputError(f"{path}: pruning must come before quantisation ({quantized_at})")
     if name in ("quantize", "qat") and quantized_at:
         raise UserInputError(f"{path}: the model is already quantised by {quantized_at}")
-    sections: dict[Any, str] = {CONFIGS[name]: path}
+    sections: dict[Any, str] = {PASSES[name].config: path}
     if name == "qat":
         sections[QuantizeConfig] = f"{path}.quantize"
     keys.passes.append(sections)
-    config = _dataclass(CONFIGS[name], params, path)
+    config = _dataclass(PASSES[name].config, params, path)
     if "seed" not in (params or {}) and any(f.name == "seed" for f in dataclasses.fields(config)):
         config = dataclasses.replace(config, seed=recipe.calibration.seed)
     _validated(config, path)
