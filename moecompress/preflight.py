@@ -308,9 +308,10 @@ def scheme_bits_per_weight(scheme: Any) -> float:
 
 def partial_work(out_dir: Path) -> list[Path]:
     """The hidden directories an interrupted run into ``out_dir`` leaves beside it."""
-    out_dir = Path(out_dir).absolute()
-    names = (f".{out_dir.name}.run", f".{out_dir.name}.incomplete")
-    return [out_dir.parent / name for name in names if (out_dir.parent / name).exists()]
+    from .checkpoint.writer import PARTIAL_WORK, hidden_dir
+
+    found = [hidden_dir(Path(out_dir).absolute(), kind) for kind in PARTIAL_WORK]
+    return [path for path in found if path.exists()]
 
 
 def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:

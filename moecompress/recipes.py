@@ -40,7 +40,7 @@ import yaml
 from . import recipe_yaml
 from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
-from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256, output_exists
+from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256, hidden_dir, output_exists
 from .defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from .errors import OptionError, UserInputError
 from .files import DiskFullError, is_full, write_json, write_text
@@ -449,7 +449,7 @@ class RunState:
 
     @staticmethod
     def directory_of(out_dir: Path) -> Path:
-        return out_dir.parent / f".{out_dir.name}.run"
+        return hidden_dir(out_dir, "run")
 
     def _read_manifest(self) -> dict[str, Any] | None:
         try:
@@ -715,7 +715,7 @@ def _run_passes(
 
 def _move_into_place(final: Path, out_dir: Path) -> None:
     if out_dir.exists():
-        backup = out_dir.parent / f".{out_dir.name}.replaced"
+        backup = hidden_dir(out_dir, "replaced")
         os.replace(out_dir, backup)
         os.replace(final, out_dir)
         shutil.rmtree(backup)
