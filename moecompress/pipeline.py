@@ -383,6 +383,8 @@ def run_layer_passes(
     from .loading import load_adapter
     from .passes.prune_experts import calibration_batches, update_report
 
+    for _, config in passes:
+        config.validate()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
     distributed.init_from_environment()
