@@ -597,7 +597,8 @@ class QuantizedLayers:
 
     def final_report(self) -> dict[str, Any]:
         report = self.report
-        if self.imatrix is not None:
+        if self.imatrix is not None and "imatrix" not in report:
+            # Taken once, while the collector's directory (in the writer's work directory) still exists.
             self.imatrix.finish()
             report["imatrix"] = {
                 "path": str(Path(self.quantizer.config.imatrix_out).absolute()),
