@@ -266,10 +266,11 @@ def _one_pass(
     """The one-pass recipe the CLI command builds, validated by the recipe parser (names, types, values), with
     error messages naming the API's argument instead of the recipe's key path."""
     from .errors import OptionError, UserInputError
-    from .recipes import CONFIGS, parse_recipe
+    from .passes.registry import PASSES
+    from .recipes import parse_recipe
     from .vocabulary import Arguments
 
-    names = [f.name for f in dataclasses.fields(CONFIGS[pass_name])]
+    names = [f.name for f in dataclasses.fields(PASSES[pass_name].config)]
     unknown = sorted(set(options) - set(names))
     if unknown:
         raise TypeError(f"{caller}() got an unknown option {unknown[0]!r}; it takes {', '.join(names)}")

@@ -16,10 +16,12 @@ budget is therefore spent on spectra and loads measured before pruning; the spec
 are dropped at decision time and the budget counts the kept experts only. The rewriting sweep recomputes each
 kept expert's spectrum on the pruned, sequentially calibrated block and keeps the ranks it was given.
 
-A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result. A stage of
-one layer pass is run by that pass's own driver (``prune_experts``, ``quantize_checkpoint``: the same sweeps, and
-what the pipeline does not cover yet: torchrun, a quantised release's experts copied as stored); the pipeline
-writes the same tensors for it (tests/test_pipeline.py).
+A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result through
+its registry entry (:attr:`~moecompress.passes.base.PassEntry.run_whole_model`). Every layer pass runs here, one or
+many: the ``prune`` and ``quantize`` commands, their API calls and library functions (``prune_experts``,
+``quantize_checkpoint``) are one-pass stages. Under torchrun the ranks share the measuring sweep
+(:func:`run_layer_passes`); a quantised release pruned without calibration keeps its kept experts as stored
+(:meth:`~moecompress.passes.base.LayerPass.stored_rewrite`).
 :func:`plan_stages` groups a recipe; :func:`describe_plan` is what ``moecompress run --dry-run`` prints.
 """
 
@@ -31,9 +33,10 @@ from typing import Any
 
 import torch
 
+from .calibration import distributed
 from .checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
 from .checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
-from .errors import UserInputError
+from .errors import OptionError, UserInputError
 from .families import FamilyAdapter, MoEWeights
 from .memory import release_freed_memory
 from .passes.base import CalibrationData, LayerPass, PassContext
@@ -42,6 +45,7 @@ from .progress import bar as progress_bar
 from .sweep import CalibrationSweep
 from .sweep_state import LayerResult, SweepState
 from .view_experts import ExpertSource
+from .vocabulary import named
 
 CALIBRATION_BATCH = 8
 
@@ -133,11 +137,8 @@ def describe_plan(recipe) -> list[str]:
             lines.append(f"  measuring sweep (original weights): {measured}; reads it once; then the passes decide")
         calibration = "calibrated, sequential" if sweeps.sequential else "calibrated" if sweeps.calibrated else "plain"
         steps = " -> ".join(f"{p.name}: {p.needs().rewrites}" if p.needs().rewrites else p.name for p in passes)
-        # A one-pass stage runs the pass's own driver, whose calibrated rewriting sweep reads each layer twice.
-        twice = len(passes) == 1 and sweeps.calibrated
-        read = "twice (the sweep and the writer)" if twice else "once"
-        lines.append(f"  rewriting sweep ({calibration}): per layer {steps}; reads it {read}, writes {writes} once")
-        reads += sweeps.reads + twice
+        lines.append(f"  rewriting sweep ({calibration}): per layer {steps}; reads it once, writes {writes} once")
+        reads += sweeps.reads
     if recipe.evaluation is not None:
         lines.append(
             f"evaluation: {recipe.evaluation.data}, {recipe.evaluation.tokens} tokens, "
@@ -158,24 +159,30 @@ def _part(result: LayerResult, index: int) -> LayerResult:
     return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}, meta[str(index)]
 
 
+def _sweep(context: PassContext, batches, tags, **options) -> CalibrationSweep:
+    """The one place a calibration sweep of the pipeline is built."""
+    data = context.calibration
+    return CalibrationSweep(context.model_dir, batches, tags, data.tag_names, progress=context.progress, **options)
+
+
 def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
+    """Every pass measures each layer; under torchrun each rank sweeps its share of the batches (the passes add
+    their statistics over ranks) and only a single process keeps a resumable state."""
     needs = [p.needs() for p in passes]
     measuring = [(index, p) for index, (p, n) in enumerate(zip(passes, needs, strict=True)) if n.measuring]
     if not measuring:
         return
-    state = SweepState(context.state_dir / "measure")
-    for layer, result in sorted(state.results().items()):
+    state = None if context.state_dir is None else SweepState(context.state_dir / "measure")
+    for layer, result in sorted(state.results().items()) if state is not None else ():
         for index, p in measuring:
             p.absorb(layer, _part(result, index))
-    data = context.calibration
-    sweep = CalibrationSweep(
-        context.model_dir,
-        data.batches,
-        data.tags,
-        data.tag_names,
+    shard = distributed.shard_calibration(context.calibration.batches, context.calibration.tags)
+    sweep = _sweep(
+        context,
+        shard.batches,
+        shard.tags,
         capture_attention=any(needs[index].attention for index, _ in measuring),
         moe_in_compute_dtype=all(needs[index].weights_only for index, _ in measuring),
-        progress=context.progress,
     )
     for capture in sweep.run(state, label="measuring"):
         parts = {}
@@ -187,7 +194,7 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
     if mtp_scorers:
         from .mtp_sweep import mtp_captures
 
-        for capture in mtp_captures(sweep, data.batches):
+        for capture in mtp_captures(sweep, shard.batches):
             for p in mtp_scorers:
                 p.absorb(capture.layer, p.measure(capture))
 
@@ -265,15 +272,34 @@ class _LayerWriter:
             tensors = self.layout_pass.write_layer(layer, block, rest)
         else:
             tensors = self.adapter.join_layer(layer, block, rest, layout)
+        self.stored(layer, tensors)
+        return block
+
+    def stored(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         unit = layer_unit(layer)
         self.writer.add(tensors, unit=unit, meta=self._meta(unit))
-        return block
+
+
+def _stored_rewrite(passes: list[LayerPass], sweeps: Sweeps):
+    """One function rewriting a layer as stored, where the stage reads no calibration and every pass gives one
+    (pruning a quantised release copies its kept experts' codes and scales); else None."""
+    functions = [p.stored_rewrite() for p in passes]
+    if sweeps.calibrated or not all(functions):
+        return None
+
+    def rewrite(layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for function in functions:
+            tensors = function(layer, tensors)
+        return tensors
+
+    return rewrite
 
 
 def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: FamilyAdapter, writer) -> None:
     sweeps = plan_sweeps(passes)
     write = _LayerWriter(passes, adapter, writer)
-    with CheckpointReader(context.model_dir) as reader:
+    stored = _stored_rewrite(passes, sweeps)
+    with CheckpointReader(context.model_dir, decode=stored is None) as reader:
         layers, outside = group_keys_by_layer(reader, adapter)
         state = None
         if sweeps.calibrated:
@@ -285,14 +311,7 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
             write.outside(reader.read([key for key in outside if key not in dropped_keys]))
         if state is not None:
             data = context.calibration
-            sweep = CalibrationSweep(
-                context.model_dir,
-                data.batches,
-                data.tags,
-                data.tag_names,
-                keep_tensors=True,
-                progress=context.progress,
-            )
+            sweep = _sweep(context, data.batches, data.tags, keep_tensors=True)
             for layer_pass in passes:
                 layer_pass.attach_sweep(sweep)
             for capture in sweep.run(state, label="rewriting"):
@@ -307,6 +326,9 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
             _write_mtp_layers(sweep, write, writer, dropped, data.batches)
         remaining = [layer for layer in layers if layer_unit(layer) not in writer.units and layer not in dropped]
         for layer in progress_bar(remaining, desc="writing", unit="layer", disable=not context.progress):
+            if stored is not None:
+                write.stored(layer, stored(layer, reader.read_raw(layers[layer])))
+                continue
             moe, rest, layout = adapter.split_layer(layer, reader.pending(layers[layer]), consume=True)
             write.layer(layer, moe, rest, layout, None)
             del moe, rest
@@ -343,6 +365,7 @@ def run_layer_passes(
     overwrite: bool = False,
     progress: bool = True,
     resume: bool = False,
+    evaluation=None,
 ) -> dict[str, Any]:
     """Run one stage of layer passes on ``model_dir`` into ``out_dir``; returns the last pass's report, with the
     earlier passes' reports under ``previous_passes`` (also saved as moecompress_report.json).
@@ -350,15 +373,25 @@ def run_layer_passes(
     ``calibration`` is the recipe's :class:`~moecompress.recipes.Calibration`; its windows are drawn with the first
     pass's seed (the recipe's unless the pass sets its own), and every sweep shares them. With ``resume`` a killed
     run continues: the sensitivity, the measured layers and the written layers are kept, and the output is
-    byte-identical to an uninterrupted run's."""
+    byte-identical to an uninterrupted run's. With ``evaluation`` (a :class:`~moecompress.recipes.Evaluation`) the
+    output is evaluated against the input and the result joins the report as ``eval``.
+
+    Under ``torchrun`` (``WORLD_SIZE`` above 1) the ranks share the measuring sweep's batches; rank 0 alone creates
+    ``out_dir``, decides, writes and evaluates, the others wait for it and return the same report. The output is
+    byte-identical to a single-process run's; a stage whose rewriting sweep calibrates, and ``resume``, need a
+    single process."""
     from .loading import load_adapter
     from .passes.prune_experts import calibration_batches, update_report
 
+    for _, config in passes:
+        config.validate()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
-    adapter = load_adapter(model_dir)
+    distributed.init_from_environment()
     layer_passes = _layer_passes(passes)
     sweeps = plan_sweeps(layer_passes)
+    _check_ranks(layer_passes, sweeps, resume)
+    adapter = load_adapter(model_dir)
     data = None
     if sweeps.measuring or sweeps.calibrated:
         seed = getattr(passes[0][1], "seed", calibration.seed)
@@ -373,29 +406,74 @@ def run_layer_passes(
             calibration.image_size,
         )
         data = CalibrationData(batches, tags, tag_names, calibration.source, calibration.seq_len, seed)
-    writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
-    context = PassContext(model_dir, adapter, data, writer.state_dir, progress)
+    writer = distributed.on_writer(lambda: CheckpointWriter(out_dir, overwrite=overwrite, resume=resume), share=False)
+    context = PassContext(
+        model_dir,
+        adapter,
+        data,
+        None if writer is None else writer.state_dir,
+        progress and distributed.is_writer(),
+        out_dir=out_dir,
+        sensitivities={p.name: p.needs().sensitivity for p in layer_passes if p.needs().sensitivity},
+    )
     try:
-        for p in layer_passes:
-            p.prepare(context)
-        _measuring_sweep(layer_passes, context)
-        for p in layer_passes:
-            p.decide(context)
-        _rewriting_sweep(layer_passes, context, adapter, writer)
-        writer.copy_side_files(model_dir)
-        writer.write_json("moecompress_report.json", _stage_report(layer_passes))
-        config = dict(adapter.config)
-        for p in layer_passes:
-            config = p.finish_config(config)
-        writer.finish(config)
+        with distributed.collective_phase():
+            for p in layer_passes:
+                p.prepare(context)
+            _measuring_sweep(layer_passes, context)
     except (UserInputError, OSError):
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
-    for p in layer_passes:
-        p.finished(out_dir)
-    report = _stage_report(layer_passes)
-    update_report(out_dir, report)
-    return report
+
+    def write() -> dict[str, Any]:
+        try:
+            for p in layer_passes:
+                p.decide(context)
+            _rewriting_sweep(layer_passes, context, adapter, writer)
+            writer.copy_side_files(model_dir)
+            writer.write_json("moecompress_report.json", _stage_report(layer_passes))
+            config = dict(adapter.config)
+            for p in layer_passes:
+                config = p.finish_config(config)
+            writer.finish(config)
+        except (UserInputError, OSError):
+            writer.abort()
+            raise
+        for p in layer_passes:
+            p.finished(out_dir)
+        report = _stage_report(layer_passes)
+        if evaluation is not None:
+            from .evals.perplexity import evaluation_report
+
+            report["eval"] = evaluation_report(
+                out_dir,
+                evaluation.data,
+                seq_len=calibration.seq_len,
+                max_tokens=evaluation.tokens,
+                reference_dir=model_dir,
+                progress=progress,
+            )
+        update_report(out_dir, report)
+        return report
+
+    return distributed.on_writer(write)
+
+
+def _check_ranks(passes: list[LayerPass], sweeps: Sweeps, resume: bool) -> None:
+    ranks = distributed.world_size()
+    if ranks <= 1:
+        return
+    if resume:
+        raise OptionError(
+            f"{named('run.resume', True)} needs a single process, not {ranks} ranks; run it without torchrun"
+        )
+    if sweeps.calibrated:
+        steps = "; ".join(p.needs().rewrites for p in passes)
+        raise UserInputError(
+            f"with {ranks} ranks only the measuring sweep is shared, and this stage calibrates its rewriting sweep "
+            f"({steps}); run it in a single process, without torchrun"
+        )
 
 
 def _stage_report(passes: list[LayerPass]) -> dict[str, Any]:

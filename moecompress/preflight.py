@@ -227,10 +227,15 @@ def _check_passes(
 
 
 def _calibrates(name: str, config: Any) -> bool:
-    """Whether the pass reads calibration windows (plain RTN quantisation reads none)."""
-    from .passes.quantize import CALIBRATED
+    """Whether the pass reads calibration windows (a whole-model pass always; a layer pass where it measures,
+    calibrates or asks for a sensitivity: plain RTN quantisation reads none)."""
+    from .passes.registry import PASSES
 
-    return name != "quantize" or CALIBRATED.test(config)
+    entry = PASSES[name]
+    if entry.layer_pass is None:
+        return True
+    needs = entry.layer_pass(config).needs()
+    return bool(needs.measuring or needs.calibration or needs.sensitivity)
 
 
 def _check_pass(
@@ -303,9 +308,10 @@ def scheme_bits_per_weight(scheme: Any) -> float:
 
 def partial_work(out_dir: Path) -> list[Path]:
     """The hidden directories an interrupted run into ``out_dir`` leaves beside it."""
-    out_dir = Path(out_dir).absolute()
-    names = (f".{out_dir.name}.run", f".{out_dir.name}.incomplete")
-    return [out_dir.parent / name for name in names if (out_dir.parent / name).exists()]
+    from .checkpoint.writer import PARTIAL_WORK, hidden_dir
+
+    found = [hidden_dir(Path(out_dir).absolute(), kind) for kind in PARTIAL_WORK]
+    return [path for path in found if path.exists()]
 
 
 def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:

@@ -40,7 +40,7 @@ import yaml
 from . import recipe_yaml
 from .calibration import distributed
 from .checkpoint.stream import check_output_is_not_input
-from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256, output_exists
+from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256, hidden_dir, output_exists
 from .defaults import (
     CALIBRATION_LEAST,
     DEFAULT_CALIB_TOKENS,
@@ -62,7 +62,6 @@ from .progress import end_of_command, event
 from .threads import check_resume_threads, thread_count
 from .vocabulary import RecipeKeys, named
 
-CONFIGS: dict[str, type] = {name: entry.config for name, entry in PASSES.items()}
 LOWRANK_KEYS = (
     "lowrank_budget",
     "lowrank_rank",
@@ -71,7 +70,12 @@ LOWRANK_KEYS = (
     "sensitivity",
     "lowrank_min_tokens",
 )
-PASS_NAMES = (*CONFIGS, "lowrank", "eval")
+
+
+def pass_names() -> tuple[str, ...]:
+    """What a recipe step may name: the registered passes (:data:`~moecompress.passes.registry.PASSES`, read at
+    parse time, so a pass registered later is known), ``lowrank`` and ``eval``."""
+    return (*PASSES, "lowrank", "eval")
 
 
 @dataclass(frozen=True)
@@ -284,8 +288,8 @@ def _parse_step(recipe: Recipe, steps: list[Any], index: int, given: list[set[st
         raise UserInputError(f"{where}: each pass is a mapping with one key, the pass name")
     ((name, params),) = step.items()
     path = f"{where}.{name}"
-    if name not in PASS_NAMES:
-        raise UserInputError(f"{where}.{_short(name)}: unknown pass; choose from {', '.join(PASS_NAMES)}")
+    if name not in pass_names():
+        raise UserInputError(f"{where}.{_short(name)}: unknown pass; choose from {', '.join(pass_names())}")
     if recipe.evaluation is not None:
         raise UserInputError(f"{path}: eval must be the last pass")
     if name == "eval":
@@ -316,11 +320,11 @@ def _parse_step(recipe: Recipe, steps: list[Any], index: int, given: list[set[st
         raise UserInputError(f"{path}: pruning must come before quantisation ({quantized_at})")
     if name in ("quantize", "qat") and quantized_at:
         raise UserInputError(f"{path}: the model is already quantised by {quantized_at}")
-    sections: dict[Any, str] = {CONFIGS[name]: path}
+    sections: dict[Any, str] = {PASSES[name].config: path}
     if name == "qat":
         sections[QuantizeConfig] = f"{path}.quantize"
     keys.passes.append(sections)
-    config = _dataclass(CONFIGS[name], params, path)
+    config = _dataclass(PASSES[name].config, params, path)
     if "seed" not in (params or {}) and any(f.name == "seed" for f in dataclasses.fields(config)):
         config = dataclasses.replace(config, seed=recipe.calibration.seed)
     _validated(config, path)
@@ -457,7 +461,7 @@ class RunState:
 
     @staticmethod
     def directory_of(out_dir: Path) -> Path:
-        return out_dir.parent / f".{out_dir.name}.run"
+        return hidden_dir(out_dir, "run")
 
     def _read_manifest(self) -> dict[str, Any] | None:
         try:
@@ -592,21 +596,16 @@ def _check_ranks(recipe: Recipe, resume: bool) -> None:
 def _run_recipe(
     recipe: Recipe, model_dir: Path, out_dir: Path, *, overwrite: bool, progress: bool, resume: bool, chained: bool
 ) -> dict[str, Any]:
-    from .passes.prune_experts import prune_experts
+    from .pipeline import run_layer_passes
 
     ranks = distributed.world_size()
     state = distributed.on_writer(lambda: _start_run(recipe, model_dir, out_dir, overwrite, resume), share=False)
-    calib = recipe.calibration
-    common = dict(calib=calib.source, calib_tokens=calib.tokens, seq_len=calib.seq_len, eval_data=None)
     if not distributed.is_writer():
-        _, config = recipe.passes[0]
         target = RunState.step_of(RunState.directory_of(out_dir), 0)
-        prune_experts(
-            model_dir, target, config, **common, overwrite=True, progress=progress, image_size=calib.image_size
-        )
+        run_layer_passes(model_dir, target, recipe.passes, recipe.calibration, overwrite=True, progress=progress)
         return distributed.on_writer(lambda: None)
     options = dict(progress=progress, resume=resume, chained=chained or ranks > 1)
-    return distributed.on_writer(lambda: _run_passes(recipe, model_dir, out_dir, state, common, **options))
+    return distributed.on_writer(lambda: _run_passes(recipe, model_dir, out_dir, state, **options))
 
 
 def _start_run(recipe: Recipe, model_dir: Path, out_dir: Path, overwrite: bool, resume: bool) -> RunState:
@@ -629,17 +628,13 @@ def _run_passes(
     model_dir: Path,
     out_dir: Path,
     state: RunState,
-    common: dict[str, Any],
     *,
     progress: bool,
     resume: bool,
     chained: bool = False,
 ) -> dict[str, Any]:
     from .evals.perplexity import evaluate
-    from .passes.prune_experts import prune_experts, update_report
-    from .passes.prune_heads import prune_heads
-    from .passes.qat import qat_checkpoint
-    from .passes.quantize import quantize_checkpoint
+    from .passes.prune_experts import update_report
     from .pipeline import plan_stages, run_layer_passes
     from .run_summary import attribute_to_input, load_report, measure_outcome
 
@@ -666,20 +661,13 @@ def _run_passes(
                     state="start",
                     starting=True,
                 )
-            options = dict(overwrite=True, progress=progress)
-            if len(stage.passes) > 1:
-                report = run_layer_passes(source, target, stage.passes, calib, **options, resume=resume)
-            elif name == "prune_experts":
-                report = prune_experts(
-                    source, target, config, **common, **options, image_size=calib.image_size, resume=resume
+            if stage.kind == "layer":
+                report = run_layer_passes(
+                    source, target, stage.passes, calib, overwrite=True, progress=progress, resume=resume
                 )
-            elif name == "prune_heads":
-                report = prune_heads(source, target, config, **common, **options)
-            elif name == "quantize":
-                report = quantize_checkpoint(source, target, config, **common, **options, resume=resume)
             else:
-                report = qat_checkpoint(
-                    source, target, config, data=calib.source, calib_tokens=calib.tokens, eval_data=None, **options
+                report = PASSES[name].run_whole_model(
+                    source, target, config, calibration=calib, options=dict(overwrite=True, progress=progress)
                 )
             seconds = time.monotonic() - started
             for pass_name in stage.names:
@@ -739,7 +727,7 @@ def _run_passes(
 
 def _move_into_place(final: Path, out_dir: Path) -> None:
     if out_dir.exists():
-        backup = out_dir.parent / f".{out_dir.name}.replaced"
+        backup = hidden_dir(out_dir, "replaced")
         os.replace(out_dir, backup)
         os.replace(final, out_dir)
         shutil.rmtree(backup)

@@ -24,8 +24,9 @@ _held: dict[Path, tuple[int, list[Path]]] = {}
 
 
 def lock_path(out_dir: str | os.PathLike[str]) -> Path:
-    out_dir = Path(out_dir).absolute()
-    return out_dir.parent / f".{out_dir.name}.lock"
+    from .checkpoint.writer import hidden_dir
+
+    return hidden_dir(Path(out_dir).absolute(), "lock")
 
 
 def _command() -> str:

@@ -69,6 +69,7 @@ def ours_on_chunks(work: Path, target: Path, windows: int) -> None:
     """Our importance matrix from llama-imatrix's chunks of ``calib.txt`` (the first ``windows`` of CTX tokens)."""
     import torch
 
+    import moecompress.passes.prune_experts as sampling
     import moecompress.passes.quantize as quantize
     from moecompress.checkpoint import resolve_model
     from moecompress.loading import load_tokenizer
@@ -81,14 +82,14 @@ def ours_on_chunks(work: Path, target: Path, windows: int) -> None:
         batches = [{"input_ids": chunks[start : start + batch_size]} for start in range(0, windows, batch_size)]
         return batches, torch.zeros(chunks.numel(), dtype=torch.long), ["calib.txt"]
 
-    sampler, quantize.calibration_batches = quantize.calibration_batches, llama_imatrix_chunks
+    sampler, sampling.calibration_batches = sampling.calibration_batches, llama_imatrix_chunks
     try:
         config = quantize.QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
         quantize.quantize_checkpoint(
             model, work / "q-chunks", config, calib_tokens=chunks.numel(), seq_len=CTX, overwrite=True, progress=False
         )
     finally:
-        quantize.calibration_batches = sampler
+        sampling.calibration_batches = sampler
 
 
 def agreement(ours: Path, theirs: Path) -> dict[str, float]:

@@ -2,9 +2,9 @@
 
 Run: python scripts/maep_token_weight.py [--model builtin:tiny-moe] [--out docs/maep_token_weight_results.json]
 
-One measuring sweep per MAEP weighting (``token_weight`` none and fisher) on the same calibration tokens; frequency
-and REAP come from the same sweep. Every selection is written as a pruned checkpoint and evaluated on held-out prose
-and code (perplexity and KL to the original), as docs/pruning.md reports.
+One prune per method and ratio (frequency, REAP, MAEP with ``token_weight`` none and fisher) on the same calibration
+tokens, each a one-pass pipeline run (:func:`~moecompress.passes.prune_experts.prune_experts`). Every selection is
+evaluated on held-out prose and code (perplexity and KL to the original), as docs/pruning.md reports.
 """
 
 from __future__ import annotations
@@ -13,20 +13,21 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from moecompress.checkpoint import resolve_model
 from moecompress.evals.perplexity import evaluate
-from moecompress.loading import load_adapter, quiet_transformers
-from moecompress.passes.prune_experts import (
-    PruneExpertsConfig,
-    calibration_batches,
-    measure_experts,
-    write_pruned,
-)
+from moecompress.loading import quiet_transformers
+from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
+
+METHODS = {
+    "frequency": {"method": "frequency"},
+    "reap": {"method": "reap"},
+    "maep (unweighted)": {"method": "maep", "token_weight": "none"},
+    "maep (fisher token weight)": {"method": "maep", "token_weight": "fisher"},
+}
 
 
 def main() -> None:
@@ -43,22 +44,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quiet_transformers()
     model_dir = resolve_model(args.model)
-    adapter = load_adapter(model_dir)
-    batches, tags, tag_names = calibration_batches(adapter, model_dir, args.calib, args.calib_tokens, 256, 8, 0, 224)
-    calibration = {"source": args.calib, "tokens": int(tags.numel()), "seq_len": 256, "seed": 0, "tags": tag_names}
-    measured, seconds = {}, {}
-    for weight in ("none", "fisher"):
-        start = time.time()
-        config = PruneExpertsConfig(token_weight=weight)
-        measured[weight] = measure_experts(model_dir, adapter, batches, tags, tag_names, config, progress=False)
-        seconds[weight] = time.time() - start
-    plain = measured["none"]
-    candidates = {
-        "frequency": [replace(s, score=s.frequency) for s in plain],
-        "reap": [replace(s, score=s.reap) for s in plain],
-        "maep (unweighted)": plain,
-        "maep (fisher token weight)": measured["fisher"],
-    }
     base = {
         "prose": evaluate(model_dir, "builtin:prose:heldout", max_tokens=args.prose_tokens, progress=False),
         "code": evaluate(model_dir, "builtin:code:heldout", max_tokens=args.code_tokens, progress=False),
@@ -66,10 +51,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ratio in map(float, args.ratios.split(",")):
-            for name, scores in candidates.items():
+            for name, options in METHODS.items():
                 out = Path(tmp) / f"{name}-{ratio}".replace(" ", "_")
-                config = PruneExpertsConfig(ratio=ratio)
-                report = write_pruned(model_dir, out, adapter, scores, config, calibration=calibration, progress=False)
+                config = PruneExpertsConfig(ratio=ratio, **options)
+                start = time.time()
+                report = prune_experts(
+                    model_dir, out, config, calib=args.calib, calib_tokens=args.calib_tokens, progress=False
+                )
+                seconds = time.time() - start
                 prose = evaluate(
                     out, "builtin:prose:heldout", max_tokens=args.prose_tokens, reference_dir=model_dir, progress=False
                 )
@@ -79,6 +68,7 @@ def main() -> None:
                 row = {
                     "method": name,
                     "ratio": ratio,
+                    "prune_seconds": round(seconds, 1),
                     "prose_perplexity": prose.perplexity,
                     "code_perplexity": code.perplexity,
                     "prose_kl": prose.kl,
@@ -93,10 +83,9 @@ def main() -> None:
                 )
     results = {
         "model": args.model,
-        "calibration": calibration,
+        "calibration": report["calibration"],
         "eval_tokens": {"prose": base["prose"].tokens, "code": base["code"].tokens},
         "baseline": {"prose_perplexity": base["prose"].perplexity, "code_perplexity": base["code"].perplexity},
-        "measuring_seconds": seconds,
         "torch": torch.__version__,
         "rows": rows,
     }

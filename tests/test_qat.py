@@ -183,3 +183,24 @@ def test_qat_refuses_bad_configs_before_writing(tiny_with_tokenizer, tmp_path, c
     with pytest.raises(UserInputError, match=message):
         qat_checkpoint(tiny_with_tokenizer["qwen3_moe"], tmp_path / "q", config, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_ptq_intermediate_is_partial_work_of_the_output_and_is_removed(tiny_with_tokenizer, tmp_path, monkeypatch):
+    """While qat trains, its PTQ checkpoint lies in the output's hidden run directory, which the partial-work check
+    (``--resume``/``--restart``) knows; a finished run leaves nothing beside the output."""
+    from moecompress.passes import qat
+    from moecompress.preflight import partial_work
+
+    out, seen = tmp_path / "q", []
+    real = qat.train_adapters
+
+    def train(*args, **kwargs):
+        seen.append((partial_work(out), sorted(p.name for p in (tmp_path / ".q.run").iterdir())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qat, "train_adapters", train)
+    quantize = QuantizeConfig(scheme="int2", lowrank_rank=2)
+    config = QATConfig(quantize=quantize, steps=1, batch_size=2, seq_len=32, train_tokens=128)
+    qat_checkpoint(tiny_with_tokenizer["qwen3_moe"], out, config, calib_tokens=256, eval_data=None, progress=False)
+    assert seen == [([tmp_path / ".q.run"], ["qat-ptq"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]

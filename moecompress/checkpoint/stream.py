@@ -21,8 +21,6 @@ LayerFn = Callable[[int, MoEWeights], MoEWeights]
 LayerWriter = Callable[
     [int, "MoEWeights | None", dict[str, "torch.Tensor"], "Layout | None"], dict[str, "torch.Tensor"]
 ]
-TensorsFn = Callable[[dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
-RawLayerFn = Callable[[int, dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
 
 
 def group_keys_by_layer(reader: CheckpointReader, adapter: FamilyAdapter) -> tuple[dict[int, list[str]], list[str]]:
@@ -69,85 +67,41 @@ def rewrite_checkpoint(
     layer_fn: LayerFn | None = None,
     *,
     layer_writer: LayerWriter | None = None,
-    outside_fn: TensorsFn | None = None,
-    config: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    config: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
-    extra_json: dict[str, dict[str, Any]] | Callable[[], dict[str, dict[str, Any]]] | None = None,
-    writer: CheckpointWriter | None = None,
-    unit_meta: Callable[[str], Any] | None = None,
-    restore_unit: Callable[[str, Any], None] | None = None,
-    raw_layer_fn: RawLayerFn | None = None,
-    drop_layers: frozenset[int] = frozenset(),
-    drop_keys: frozenset[str] = frozenset(),
+    extra_json: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout.
+    """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout (the writer
+    of a whole-model pass; layer passes write through :mod:`moecompress.pipeline`).
 
     ``layer_fn`` receives each MoE layer's view and returns its replacement; ``layer_writer`` (default: the
-    adapter's ``join_layer``) turns a layer's view and other tensors into the tensors to write, and
-    ``outside_fn`` rewrites the tensors outside the decoder layers (embeddings, head); ``config`` (or a function
-    returning it, called once every layer is written) replaces the source's config.json; ``extra_json`` files
-    (a report), or a function returning them, are written inside the same atomic finish.
-    Peak memory is one layer's tensors.
-
-    ``writer`` is an open (possibly resumed) :class:`CheckpointWriter` for ``out_dir``; layers it already holds
-    are not read or rewritten again: ``restore_unit(unit, meta)`` gets the ``unit_meta(unit)`` journalled with
-    each of them instead (units: :data:`OUTSIDE_UNIT`, then :func:`layer_unit` of each layer), so the caller can
-    rebuild what it accumulates as it goes.
-
-    With ``raw_layer_fn`` the checkpoint is streamed as stored (a quantised release's codes and scales, not
-    decoded): each layer's stored tensors go to ``raw_layer_fn(layer, tensors)`` and what it returns is written.
-    Layers in ``drop_layers`` (an MTP layer the user drops) are not written, nor are the tensors outside the layers
-    named in ``drop_keys`` (a top-level MTP module's).
-    A failure that resuming cannot mend (bad input, a full disk) removes the work directory; any other
-    interruption leaves it, marked incomplete, for ``resume``.
+    adapter's ``join_layer``) turns a layer's view and other tensors into the tensors to write; ``config``
+    replaces the source's config.json; ``extra_json`` files (a report) are written inside the same atomic finish.
+    Peak memory is one layer's tensors. A failure removes the work directory.
     """
     source = Path(source)
     check_output_is_not_input(source, Path(out_dir))
-    with CheckpointReader(source, decode=raw_layer_fn is None) as reader:
+    with CheckpointReader(source) as reader:
         adapter = adapter_for(reader.config, source=str(source))
         layers, outside = group_keys_by_layer(reader, adapter)
-        outside = [key for key in outside if key not in drop_keys]
-        if writer is None:
-            writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+        writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
         try:
-
-            def add(unit: str, tensors: dict[str, torch.Tensor]) -> None:
-                writer.add(tensors, unit=unit, meta=unit_meta(unit) if unit_meta is not None else None)
-
-            if OUTSIDE_UNIT in writer.units:
-                if restore_unit is not None:
-                    restore_unit(OUTSIDE_UNIT, writer.units[OUTSIDE_UNIT].meta)
-            else:
-                outside_tensors = reader.read(outside)
-                add(OUTSIDE_UNIT, outside_fn(outside_tensors) if outside_fn is not None else outside_tensors)
+            writer.add(reader.read(outside), unit=OUTSIDE_UNIT)
             join = layer_writer if layer_writer is not None else adapter.join_layer
             for layer, keys in progress_bar(layers.items(), desc="writing", unit="layer", disable=not progress):
-                unit = layer_unit(layer)
-                if layer in drop_layers:
-                    continue
-                if raw_layer_fn is not None:
-                    if unit not in writer.units:
-                        add(unit, raw_layer_fn(layer, reader.read_raw(keys)))
-                    continue
-                if unit in writer.units:
-                    if restore_unit is not None:
-                        restore_unit(unit, writer.units[unit].meta)
-                    continue
                 moe, rest, layout = adapter.split_layer(layer, reader.pending(keys), consume=True)
                 if moe is not None and layer_fn is not None:
                     moe = layer_fn(layer, moe)
                 written = join(layer, moe, rest, layout)
-                add(unit, written)
+                writer.add(written, unit=layer_unit(layer))
                 del moe, rest, written
                 release_freed_memory()
             writer.copy_side_files(source)
-            files = extra_json() if callable(extra_json) else extra_json
-            for name, content in (files or {}).items():
+            for name, content in (extra_json or {}).items():
                 writer.write_json(name, content)
-            final_config = config() if callable(config) else config
-            return writer.finish(final_config if final_config is not None else reader.config)
+            return writer.finish(config if config is not None else reader.config)
         except (UserInputError, OSError):
             writer.abort()
             raise

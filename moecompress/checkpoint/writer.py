@@ -42,6 +42,18 @@ from ..vocabulary import named
 from .reader import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 
 INCOMPLETE_MARKER = "MOECOMPRESS_INCOMPLETE"
+PARTIAL_WORK = ("run", "incomplete")
+"""The hidden siblings an interrupted run into OUT leaves: ``.OUT.run`` (a recipe run's stages, a whole-model
+pass's intermediate checkpoint) and ``.OUT.incomplete`` (a writer's work directory)."""
+
+
+def hidden_dir(out_dir: Path, kind: str) -> Path:
+    """The hidden sibling ``.OUT.KIND`` of ``out_dir``: the one place these names are made (``run`` and
+    ``incomplete``, :data:`PARTIAL_WORK`; ``replaced``, an output being replaced; ``lock``, the run lock)."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f".{out_dir.name}.{kind}"
+
+
 JOURNAL_NAME = "journal.jsonl"
 STATE_DIR = "state"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -232,7 +244,7 @@ class CheckpointWriter:
         if self.out_dir.exists() and not overwrite:
             raise output_exists(self.out_dir)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.work_dir = self.out_dir.parent / f".{self.out_dir.name}.incomplete"
+        self.work_dir = hidden_dir(self.out_dir, "incomplete")
         self.max_shard_bytes = max_shard_bytes
         self.units: dict[str, _Unit] = {}
         self._plan = _ShardPlan(max_shard_bytes)
@@ -430,7 +442,7 @@ class CheckpointWriter:
         (self.work_dir / JOURNAL_NAME).unlink()
         (self.work_dir / INCOMPLETE_MARKER).unlink()
         if self.out_dir.exists():
-            backup = self.out_dir.parent / f".{self.out_dir.name}.replaced"
+            backup = hidden_dir(self.out_dir, "replaced")
             os.replace(self.out_dir, backup)
             os.replace(self.work_dir, self.out_dir)
             shutil.rmtree(backup)

@@ -74,8 +74,13 @@ class PassContext:
     model_dir: Path
     adapter: FamilyAdapter
     calibration: CalibrationData | None
-    state_dir: Path
+    state_dir: Path | None
+    """The run's resumable state (None on a torchrun rank other than 0, which keeps none)."""
     progress: bool = True
+    out_dir: Path | None = None
+    sensitivities: dict[str, str] = field(default_factory=dict)
+    """Per pass of the stage, the downstream sensitivity it asks for (:attr:`Needs.sensitivity`), so that passes
+    needing the same one share it."""
     kept_positions: dict[int, list[int]] | None = None
     """Per MoE layer, the positions (in the input's block) of the experts that survive pruning."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -116,6 +121,11 @@ class LayerPass:
 
     def write_layer(self, layer: int, block: Any, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{self.name} does not lay layers out")
+
+    def stored_rewrite(self) -> Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+        """A function rewriting a layer's tensors as stored (a quantised release's codes and scales, not decoded),
+        where the pass can: an uncalibrated stage whose passes all give one copies the input as stored."""
+        return None
 
     def write_outside(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return tensors

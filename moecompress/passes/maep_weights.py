@@ -45,28 +45,25 @@ def maep_token_weights(
     return stored_per_layer(Path(state_dir) / _STORED, key, compute)
 
 
-def token_weights_for(
-    config: Any, model_dir: Path, batches: list[dict[str, torch.Tensor]], state_dir: Path | None, progress: bool
-) -> dict[int, torch.Tensor]:
-    """:func:`maep_token_weights` where ``config`` (a :class:`~.prune_experts.PruneExpertsConfig`) asks for them,
-    else nothing (every token weighs 1). Layers without weights (multi-token-prediction modules, which the
-    backward sweep does not reach) are scored unweighted."""
-    if config.method != "maep" or config.token_weight == "none":
-        return {}
-    return maep_token_weights(model_dir, batches, state_dir, progress and distributed.is_writer())
-
-
 def pipeline_token_weights(config: Any, context: Any) -> dict[int, torch.Tensor]:
-    """The weights for the pipeline's prune pass (``context`` a :class:`~.base.PassContext`): the quantize pass's
-    ``fisher-token`` sensitivity, kept in the same file of the run's state, so that a recipe with both computes
-    it once. It is s_t divided by one constant (the mean over all layers and tokens), which ranks every layer's
-    experts as :func:`maep_token_weights` does."""
+    """The weights for the pipeline's prune pass (``context`` a :class:`~.base.PassContext`). Where another pass
+    of the stage asks for the ``fisher-token`` sensitivity (the quantize pass's low-rank budget), the pass shares
+    it, kept in the same file of the run's state, so that it is computed once: s_t divided by one constant (the
+    mean over all layers and tokens), which ranks every layer's experts as the raw s_t do. Otherwise the raw s_t of
+    this process's share of the batches (:func:`maep_token_weights`; under torchrun each rank computes its own)."""
     if config.method != "maep" or config.token_weight == "none":
         return {}
-    return stored_layer_sensitivity(
-        context.state_dir / "sensitivity.safetensors",
-        context.model_dir,
-        context.calibration.batches,
-        "fisher-token",
-        context.progress,
-    )
+    data = context.calibration
+    shared = [
+        name for name, mode in context.sensitivities.items() if mode == "fisher-token" and name != "prune_experts"
+    ]
+    if shared:
+        return stored_layer_sensitivity(
+            context.state_dir / "sensitivity.safetensors",
+            context.model_dir,
+            data.batches,
+            "fisher-token",
+            context.progress,
+        )
+    batches = distributed.shard_calibration(data.batches, data.tags).batches
+    return maep_token_weights(context.model_dir, batches, context.state_dir, context.progress)

@@ -37,21 +37,17 @@ from ..calibration.batches import sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
 from ..calibration.span_corruption import seq2seq_batches
 from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
-from ..checkpoint import CheckpointWriter, rewrite_checkpoint
-from ..checkpoint.decode import describe_input, native_refusal
-from ..checkpoint.mtp import MTP_MODES, plan_stored_prune
-from ..checkpoint.stream import check_output_is_not_input
+from ..checkpoint.mtp import MTP_MODES
 from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_IMAGE_SIZE, DEFAULT_SEQ_LEN
 from ..errors import OptionError, UserInputError
-from ..evals.perplexity import evaluation_report
 from ..families import FamilyAdapter
 from ..files import write_json
-from ..loading import load_adapter, load_tokenizer
-from ..sweep import CalibrationSweep, LayerCapture
-from ..sweep_state import LayerResult, SweepState
+from ..loading import load_tokenizer
+from ..sweep import LayerCapture
+from ..sweep_state import LayerResult
 from ..vocabulary import named
 from .expert_scores import layer_expert_stats
-from .maep_weights import TOKEN_WEIGHTS, token_weights_for
+from .maep_weights import TOKEN_WEIGHTS
 from .options import When, check_declared, option, recipe_only
 
 METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random", "merge")
@@ -584,50 +580,6 @@ def calibration_batches(
     return batches, windows.tags.reshape(-1), windows.tag_names
 
 
-def measure_experts(
-    model_dir: Path,
-    adapter: FamilyAdapter,
-    batches: list[dict[str, torch.Tensor]],
-    tags: torch.Tensor,
-    tag_names: list[str],
-    config: PruneExpertsConfig,
-    *,
-    progress: bool = True,
-    state: SweepState | None = None,
-) -> list[LayerScores]:
-    """The measuring sweep. Under ``torch.distributed`` each rank sweeps its share of the batches and every rank
-    returns the scores of the whole calibration set. With a ``state`` (one process only) every layer's scores are
-    committed to it, and the layers a killed run finished are taken from it instead of being measured again."""
-    if state is not None and distributed.world_size() > 1:
-        raise RuntimeError("a sweep state is kept by a single process only")
-    shard = distributed.shard_calibration(batches, tags)
-    weights = token_weights_for(
-        config, model_dir, shard.batches, None if state is None else state.directory.parent, progress
-    )
-    sweep = CalibrationSweep(
-        model_dir,
-        shard.batches,
-        shard.tags,
-        tag_names,
-        capture_attention=config.method == "maep" and bool(config.prune_tags),
-        moe_in_compute_dtype=True,
-        progress=progress and distributed.is_writer(),
-    )
-    layer_scores = [] if state is None else [LayerScores.from_result(r) for _, r in sorted(state.results().items())]
-    for capture in sweep.run(state, label="scoring experts"):
-        scores = score_layer(adapter, capture, config, weights.get(capture.layer))
-        capture.result = scores.to_result()
-        layer_scores.append(scores)
-    if config.mtp == "keep":
-        from ..mtp_sweep import mtp_captures
-
-        layer_scores += [
-            score_layer(adapter, capture, config, weights.get(capture.layer))
-            for capture in mtp_captures(sweep, shard.batches)
-        ]
-    return layer_scores
-
-
 def prune_experts(
     model_dir: Path,
     out_dir: Path,
@@ -636,7 +588,6 @@ def prune_experts(
     calib: str = DEFAULT_DATA,
     calib_tokens: int = DEFAULT_CALIB_TOKENS,
     seq_len: int = DEFAULT_SEQ_LEN,
-    batch_size: int = 8,
     image_size: int = DEFAULT_IMAGE_SIZE,
     eval_data: str | None = None,
     eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
@@ -644,119 +595,21 @@ def prune_experts(
     progress: bool = True,
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Score, choose and write a pruned checkpoint; returns the report also saved as moecompress_report.json.
+    """Score, choose and write a pruned checkpoint (one prune_experts pass of the pipeline,
+    :mod:`moecompress.pipeline`); returns the report also saved as moecompress_report.json.
 
-    With ``eval_data`` the written checkpoint is evaluated against the input (perplexity, KL, routing
-    agreement) and the results join the report. With ``resume`` a run killed during the scoring sweep or the
-    writing continues from its last finished layer and writes the same bytes as an uninterrupted run.
-
-    Under ``torchrun`` (``WORLD_SIZE`` above 1) the ranks share the calibration batches; rank 0 alone creates
-    ``out_dir`` and writes the checkpoint, report and evaluation, the others wait for it and return the same
-    report. The output is byte-identical to a single-process run; ``resume`` needs a single process.
-    """
-    config.validate()
-    distributed.init_from_environment()
-    ranks = distributed.world_size()
-    if resume and ranks > 1:
-        raise OptionError(
-            f"{named('run.resume', True)} needs a single process, not {ranks} ranks; run it without torchrun"
-        )
-    check_output_is_not_input(Path(model_dir), Path(out_dir))
-    adapter = load_adapter(model_dir)
-    native_refusal(adapter.config, str(model_dir))
-    linear = [layer for layer in adapter.moe_layers() if not adapter.softmax_attention(layer)]
-    if config.method == "maep" and config.prune_tags and linear:
-        raise OptionError(
-            f"{model_dir}: {named('prune_tags')} needs the attention each token receives, and MoE layers {linear} of "
-            f"this {adapter.family} model use linear attention; use {named('preserve_tags')} alone",
-            PruneExpertsConfig,
-        )
-    if config.rewrites_from_calibration:
-        return _prune_in_pipeline(
-            Path(model_dir),
-            Path(out_dir),
-            config,
-            calib=calib,
-            calib_tokens=calib_tokens,
-            seq_len=seq_len,
-            image_size=image_size,
-            eval_data=eval_data,
-            eval_tokens=eval_tokens,
-            overwrite=overwrite,
-            progress=progress,
-            resume=resume,
-        )
-    batches, tags, tag_names = calibration_batches(
-        adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, image_size
-    )
-    writer = distributed.on_writer(lambda: CheckpointWriter(out_dir, overwrite=overwrite, resume=resume), share=False)
-    try:
-        with distributed.collective_phase():
-            state = SweepState(writer.state_dir / "prune-scores") if ranks == 1 else None
-            layer_scores = measure_experts(
-                model_dir, adapter, batches, tags, tag_names, config, progress=progress, state=state
-            )
-    except (UserInputError, OSError):
-        if writer is not None:
-            writer.abort()
-        raise
-    calibration = {
-        "source": calib,
-        "tokens": int(tags.numel()),
-        "seq_len": seq_len,
-        "seed": config.seed,
-        "tags": tag_names,
-        "tag_counts": torch.bincount(tags, minlength=len(tag_names)).tolist(),
-    }
-
-    def write() -> dict[str, Any]:
-        report = write_pruned(
-            model_dir, out_dir, adapter, layer_scores, config, writer=writer, progress=progress, calibration=calibration
-        )
-        if eval_data:
-            report["eval"] = evaluation_report(
-                Path(out_dir),
-                eval_data,
-                seq_len=seq_len,
-                max_tokens=eval_tokens,
-                reference_dir=model_dir,
-                progress=progress,
-            )
-            update_report(Path(out_dir), report)
-        return report
-
-    return distributed.on_writer(write)
-
-
-def _prune_in_pipeline(
-    model_dir: Path,
-    out_dir: Path,
-    config: PruneExpertsConfig,
-    *,
-    calib: str,
-    calib_tokens: int,
-    seq_len: int,
-    image_size: int,
-    eval_data: str | None,
-    eval_tokens: int | None,
-    overwrite: bool,
-    progress: bool,
-    resume: bool,
-) -> dict[str, Any]:
-    """Merging and router recalibration compute weights from each layer's calibration inputs: the pipeline's
-    measuring sweep scores, its calibrated rewriting sweep rewrites every layer on inputs that already went through
-    the rewritten layers before it."""
+    With ``eval_data`` the written checkpoint is evaluated against the input (perplexity, KL, routing agreement)
+    and the results join the report. With ``resume`` a killed run continues with the same bytes. Under
+    ``torchrun`` the ranks share the measuring sweep and rank 0 alone writes (:func:`~moecompress.pipeline.
+    run_layer_passes`)."""
     from ..pipeline import run_layer_passes
-    from ..recipes import Calibration
+    from ..recipes import Calibration, Evaluation
 
-    ranks = distributed.world_size()
-    if ranks > 1:
-        what = named("method", "merge") if config.method == "merge" else named("recalibrate_router", True)
-        raise OptionError(f"{what} runs in a single process, not {ranks} ranks; run it without torchrun")
     calibration = Calibration(
         source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed, image_size=image_size
     )
-    report = run_layer_passes(
+    evaluation = Evaluation(eval_data, eval_tokens) if eval_data else None
+    return run_layer_passes(
         model_dir,
         out_dir,
         [("prune_experts", config)],
@@ -764,60 +617,13 @@ def _prune_in_pipeline(
         overwrite=overwrite,
         progress=progress,
         resume=resume,
+        evaluation=evaluation,
     )
-    if eval_data:
-        report["eval"] = evaluation_report(
-            out_dir, eval_data, seq_len=seq_len, max_tokens=eval_tokens, reference_dir=model_dir, progress=progress
-        )
-        update_report(out_dir, report)
-    return report
 
 
 def update_report(out_dir: Path, report: dict[str, Any]) -> None:
     """Replace the output's moecompress_report.json in one step."""
     write_json(out_dir / "moecompress_report.json", report)
-
-
-def write_pruned(
-    model_dir: Path,
-    out_dir: Path,
-    adapter: FamilyAdapter,
-    layer_scores: list[LayerScores],
-    config: PruneExpertsConfig,
-    *,
-    calibration: dict[str, Any],
-    writer: CheckpointWriter | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Apply the selection to the checkpoint and write it (through ``writer`` when one is open) with its report."""
-    try:
-        plan = plan_pruning(model_dir, adapter, layer_scores, config, calibration)
-        stored = plan_stored_prune(
-            model_dir, adapter, plan.keep_positions, plan.config, config.mtp, group_limit(adapter)
-        )
-    except UserInputError:
-        if writer is not None:
-            writer.abort()
-        raise
-    keep_positions = stored.keep_positions
-    if stored.report:
-        plan.report["mtp"] = stored.report
-    plan.report["input_format"] = describe_input(model_dir)
-    rewrite_checkpoint(
-        model_dir,
-        out_dir,
-        lambda layer, moe: moe.select(keep_positions[layer]) if layer in keep_positions else moe,
-        config=stored.config,
-        overwrite=overwrite,
-        progress=progress,
-        extra_json={"moecompress_report.json": plan.report},
-        writer=writer,
-        raw_layer_fn=stored.raw_layer_fn,
-        drop_layers=stored.drop_layers,
-        drop_keys=stored.drop_keys,
-    )
-    return plan.report
 
 
 @dataclass

@@ -9,12 +9,14 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.decode import describe_input, quant_method
+from ..checkpoint.decode import describe_input, native_refusal, quant_method
 from ..checkpoint.mtp import plan_stored_prune
 from ..checkpoint.stream import layer_unit
+from ..errors import OptionError
 from ..families import FamilyAdapter, MoEWeights
 from ..sweep import LayerCapture
 from ..sweep_state import LayerResult
+from ..vocabulary import named
 from .base import LayerPass, Needs, PassContext
 from .maep_weights import pipeline_token_weights
 from .prune_experts import LayerScores, PruneExpertsConfig, PrunePlan, group_limit, plan_pruning, score_layer
@@ -34,6 +36,7 @@ class PruneExpertsPass(LayerPass):
         self.plan: PrunePlan | None = None
         self._adapter: FamilyAdapter | None = None
         self._token_weights: dict[int, torch.Tensor] = {}
+        self._stored = None
         self.rewrites: dict[str, dict[str, Any]] = {}
         """Per written unit, what merging and the router refit did there (the journal keeps it for a resume)."""
 
@@ -54,8 +57,19 @@ class PruneExpertsPass(LayerPass):
         )
 
     def prepare(self, context: PassContext) -> None:
-        self.config.validate()
-        self._adapter = context.adapter
+        config = self.config
+        config.validate()
+        adapter = context.adapter
+        native_refusal(adapter.config, str(context.model_dir))
+        linear = [layer for layer in adapter.moe_layers() if not adapter.softmax_attention(layer)]
+        if config.method == "maep" and config.prune_tags and linear:
+            raise OptionError(
+                f"{context.model_dir}: {named('prune_tags')} needs the attention each token receives, and MoE "
+                f"layers {linear} of this {adapter.family} model use linear attention; use {named('preserve_tags')} "
+                "alone",
+                PruneExpertsConfig,
+            )
+        self._adapter = adapter
         self._token_weights = pipeline_token_weights(self.config, context)
 
     def measure(self, capture: LayerCapture) -> LayerResult:
@@ -86,6 +100,7 @@ class PruneExpertsPass(LayerPass):
             group_limit(context.adapter),
         )
         self.plan.keep_positions, self.plan.config = stored.keep_positions, stored.config
+        self._stored = None if self.config.rewrites_from_calibration else stored.raw_layer_fn
         if stored.report:
             self.plan.report["mtp"] = stored.report
         self.plan.report["input_format"] = describe_input(context.model_dir)
@@ -138,12 +153,17 @@ class PruneExpertsPass(LayerPass):
     def restore(self, unit: str, entry: Any) -> None:
         self.rewrites[unit] = entry
 
+    def stored_rewrite(self):
+        """Plain removal from a quantised release: the kept experts' stored blocks, copied."""
+        return self._stored
+
     def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """The pruned config; a quantised release's ``quantization_config`` goes, because the pipeline writes every
-        tensor decoded (merged experts and refitted routers are new weights, not copies of stored blocks)."""
+        """The pruned config. A quantised release's ``quantization_config`` stays where its kept experts are copied
+        as stored, and goes where the pipeline writes every tensor decoded (merged experts and refitted routers are
+        new weights, not copies of stored blocks)."""
         pruned = copy.deepcopy(self.plan.config)
         method = quant_method(pruned)
-        if method is not None:
+        if method is not None and self._stored is None:
             for section in [pruned, *(v for v in pruned.values() if isinstance(v, dict))]:
                 section.pop("quantization_config", None)
             dtype = pruned.get("torch_dtype") or pruned.get("dtype") or "its compute dtype"

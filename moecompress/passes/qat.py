@@ -14,6 +14,7 @@ those adapters by distillation from the full-precision model with its routes rep
 from __future__ import annotations
 
 import shutil
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from ..calibration.batches import consecutive_windows, sampled_windows, tokenize
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader, CheckpointWriter
 from ..checkpoint.stream import check_output_is_not_input
-from ..checkpoint.writer import output_exists
+from ..checkpoint.writer import hidden_dir, output_exists
 from ..defaults import (
     CALIBRATION_LEAST,
     DEFAULT_CALIB_TOKENS,
@@ -206,7 +207,8 @@ def qat_checkpoint(
         eval_stream = tokenize_documents(load_documents(eval_data, default_part="heldout"), tokenizer)
         eval_windows = consecutive_windows(eval_stream, config.seq_len, eval_tokens)
 
-    ptq_dir = out_dir.absolute().parent / f".{out_dir.name}.qat-ptq"
+    run_dir = hidden_dir(out_dir.absolute(), "run")
+    ptq_dir = run_dir / "qat-ptq"
     try:
         ptq_report = quantize_checkpoint(
             model_dir,
@@ -259,6 +261,8 @@ def qat_checkpoint(
         write_with_adapters(ptq_dir, out_dir, student, report, overwrite)
     finally:
         shutil.rmtree(ptq_dir, ignore_errors=True)
+        with suppress(OSError):
+            run_dir.rmdir()
     report["footprint"] = checkpoint_footprint(out_dir).to_json()
     update_report(out_dir, report)
     return report

@@ -9,26 +9,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointWriter, rewrite_checkpoint
-from ..checkpoint.decode import describe_input, native_refusal
-from ..checkpoint.mtp import MTP_MODES, quantize_mtp_plan
-from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_IMAGE_SIZE, DEFAULT_SEQ_LEN
+from ..checkpoint.decode import native_refusal
+from ..checkpoint.mtp import MTP_MODES
+from ..checkpoint.stream import OUTSIDE_UNIT, layer_unit
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
 from ..errors import OptionError, UserInputError
-from ..evals.footprint import checkpoint_footprint
-from ..evals.perplexity import evaluation_report
-from ..export.imatrix import HEAD, ImatrixCollector, check_imatrix_target, covered_tensors, dense_tensors
+from ..export.imatrix import HEAD, ImatrixCollector, covered_tensors, dense_tensors
 from ..families import FamilyAdapter, MoEWeights
 from ..kernels.mxfp4 import ScaleRule
-from ..loading import load_adapter
-from ..preflight import data_paths
 from ..quantization.compensation import LayerErrors, layer_errors
 from ..quantization.experts import QuantizedMoE, quantize_experts_calibrated, quantize_experts_rtn
 from ..quantization.formats import FORMATS, OUTPUT_FORMATS, format_of, native
@@ -36,13 +30,11 @@ from ..quantization.lowrank import ADAPTER_BITS, ALLOCATIONS, LOAD_WEIGHTINGS, a
 from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
 from ..quantization.schemes import SCHEME_KINDS, kind_of
-from ..quantization.sensitivity import SENSITIVITIES, stored_layer_sensitivity
-from ..sweep import CalibrationSweep
-from ..sweep_state import LayerResult, SweepState
+from ..quantization.sensitivity import SENSITIVITIES
+from ..sweep_state import LayerResult
 from ..view_experts import ExpertSource
 from ..vocabulary import named
 from .options import When, check_declared, option, recipe_only
-from .prune_experts import calibration_batches, update_report
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
 METHODS: tuple[str, ...] = ("rtn", "gptq")
@@ -431,33 +423,6 @@ def measure_layer(quantizer: _ExpertQuantizer, capture) -> LayerResult:
     return tensors, meta
 
 
-def _measure_lowrank(
-    model_dir: Path, quantizer: _ExpertQuantizer, calibration_inputs, progress: bool, state: SweepState
-) -> tuple[dict, dict, list]:
-    """The measuring sweep: every expert matrix's σ² and load (no factors kept); resumable through ``state``."""
-    gains, loads, shapes = {}, {}, []
-
-    def absorb(layer: int, result) -> None:
-        tensors, meta = result
-        for expert, which, load in meta["loads"]:
-            gains[(layer, expert, which)] = tensors[f"{expert}.{which}"]
-            loads[(layer, expert, which)] = load
-        shapes.append(tuple(meta["shape"]))
-
-    for layer, result in sorted(state.results().items()):
-        absorb(layer, result)
-    sweep = CalibrationSweep(model_dir, *calibration_inputs, progress=progress)
-    for capture in sweep.run(state, label="measuring quantisation error"):
-        capture.result = measure_layer(quantizer, capture)
-        absorb(capture.layer, capture.result)
-    if quantizer.config.mtp == "keep":
-        from ..mtp_sweep import mtp_captures
-
-        for capture in mtp_captures(sweep, calibration_inputs[0]):
-            absorb(capture.layer, measure_layer(quantizer, capture))
-    return gains, loads, shapes
-
-
 def quantize_checkpoint(
     model_dir: Path,
     out_dir: Path,
@@ -466,117 +431,30 @@ def quantize_checkpoint(
     calib: str = DEFAULT_DATA,
     calib_tokens: int = DEFAULT_CALIB_TOKENS,
     seq_len: int = DEFAULT_SEQ_LEN,
-    batch_size: int = 8,
     eval_data: str | None = None,
     eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Quantise ``model_dir`` into ``out_dir``; returns the report also saved as moecompress_report.json.
+    """Quantise ``model_dir`` into ``out_dir`` (one quantize pass of the pipeline, :mod:`moecompress.pipeline`);
+    returns the report also saved as moecompress_report.json. With ``eval_data`` the output is evaluated against
+    the input; with ``resume`` a killed run continues with the same bytes."""
+    from ..pipeline import run_layer_passes
+    from ..recipes import Calibration, Evaluation
 
-    With a low-rank budget there are two sweeps over the calibration data: a measuring one (every expert
-    matrix's error spectrum and load, for the global allocation) and the rewriting one, which recomputes the
-    same quantisation and spectra, keeps the allocated components and writes the adapters. With ``resume`` a
-    killed run continues after the last layer both its sweep and its writer had finished, with the same bytes.
-    """
-    config.validate()
-    check_output_is_not_input(Path(model_dir), Path(out_dir))
-    adapter = load_adapter(model_dir)
-    _refuse_quantized_input(adapter.config, model_dir)
-    scheme = config.quant_scheme()
-    _check_format(adapter, config, scheme)
-    layout = format_of(config.format)
-    tensors = _TensorQuantizer(adapter, scheme, config.targets)
-    quantizer = _ExpertQuantizer(adapter, scheme, config)
-    lowrank = config.lowrank_budget > 0 or config.lowrank_rank > 0
-    needs_calibration = quantizer.calibrated or lowrank or config.imatrix_out is not None
-    if config.imatrix_out is not None:
-        inputs = [Path(model_dir), *data_paths(calib)]
-        check_imatrix_target(Path(config.imatrix_out), adapter, inputs, QuantizeConfig, Path(out_dir))
-    quantize_mtp_plan(model_dir, adapter, config.mtp, needs_calibration)
-    calibration: dict[str, Any] | None = None
-    if needs_calibration:
-        batches, tags, tag_names = calibration_batches(
-            adapter, model_dir, calib, calib_tokens, seq_len, batch_size, config.seed, DEFAULT_IMAGE_SIZE
-        )
-        calibration = {"source": calib, "tokens": int(tags.numel()), "seq_len": seq_len, "seed": config.seed}
-        calibration_inputs = (batches, tags, tag_names)
-
-    writer = CheckpointWriter(out_dir, overwrite=overwrite, resume=resume)
-    try:
-        ranks: dict = {}
-        lowrank_report: dict[str, Any] | None = None
-        if lowrank:
-            quantizer.sensitivity = stored_layer_sensitivity(
-                writer.state_dir / "sensitivity.safetensors", Path(model_dir), batches, config.sensitivity, progress
-            )
-            measure_state = SweepState(writer.state_dir / "lowrank-measure")
-            gains, loads, shapes = _measure_lowrank(model_dir, quantizer, calibration_inputs, progress, measure_state)
-            ranks, lowrank_report = _allocate_ranks(config, gains, loads, shapes)
-            lowrank_report["sensitivity"] = {
-                str(layer): float(s.double().mean()) for layer, s in quantizer.sensitivity.items()
-            } or None
-        captures = None
-        imatrix = None if config.imatrix_out is None else ImatrixCollector(writer.state_dir / "imatrix", adapter)
-        if needs_calibration:
-            rewrite_state = SweepState(writer.state_dir / "quantize-rewrite")
-            align_resumed_sweep(rewrite_state, writer)
-            from ..mtp_sweep import with_mtp_captures
-
-            sweep = CalibrationSweep(model_dir, *calibration_inputs, progress=progress)
-            captures = with_mtp_captures(
-                sweep, sweep.run(rewrite_state, label="calibrating"), calibration_inputs[0], config.mtp
-            )
-            if imatrix is not None:
-                imatrix.attach(sweep, drain=partial(_finish_sweep, captures))
-        report = {
-            "pass": "quantize",
-            "config": asdict(config),
-            "scheme": scheme.to_dict(),
-            "scheme_description": scheme.describe(),
-            "source": str(model_dir),
-            "input_format": describe_input(model_dir),
-            "family": adapter.family,
-            "calibration": calibration,
-        }
-        _write_quantized(
-            model_dir,
-            out_dir,
-            report,
-            lowrank_report,
-            layout,
-            tensors,
-            quantizer,
-            ranks,
-            captures,
-            writer,
-            progress,
-            imatrix,
-        )
-    except (UserInputError, OSError):
-        writer.abort()
-        raise
-    report["footprint"] = checkpoint_footprint(Path(out_dir)).to_json()
-    report["source_footprint"] = checkpoint_footprint(Path(model_dir)).to_json()
-    if eval_data:
-        report["eval"] = evaluation_report(
-            Path(out_dir),
-            eval_data,
-            seq_len=seq_len,
-            max_tokens=eval_tokens,
-            reference_dir=model_dir,
-            progress=progress,
-        )
-    update_report(Path(out_dir), report)
-    return report
-
-
-def _finish_sweep(captures) -> None:
-    """Run the calibration sweep's layers after the last MoE layer (dense layers, which it yields no capture for),
-    whose importance-matrix entries its hooks collect."""
-    if next(captures, None) is not None:
-        raise RuntimeError("the calibration sweep yielded a layer after the writer's last")
+    calibration = Calibration(source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed)
+    evaluation = Evaluation(eval_data, eval_tokens) if eval_data else None
+    return run_layer_passes(
+        model_dir,
+        out_dir,
+        [("quantize", config)],
+        calibration,
+        overwrite=overwrite,
+        progress=progress,
+        resume=resume,
+        evaluation=evaluation,
+    )
 
 
 def _allocate_ranks(config: QuantizeConfig, gains: dict, loads: dict, shapes: list) -> tuple[dict, dict[str, Any]]:
@@ -714,7 +592,8 @@ class QuantizedLayers:
 
     def final_report(self) -> dict[str, Any]:
         report = self.report
-        if self.imatrix is not None:
+        if self.imatrix is not None and "imatrix" not in report:
+            # Taken once, while the collector's directory (in the writer's work directory) still exists.
             self.imatrix.finish()
             report["imatrix"] = {
                 "path": str(Path(self.quantizer.config.imatrix_out).absolute()),
@@ -731,51 +610,3 @@ class QuantizedLayers:
         if self.lowrank_report is not None:
             report["lowrank"] = {**self.lowrank_report, "measured_weighted_error": self.measured}
         return report
-
-
-def _write_quantized(
-    model_dir: Path,
-    out_dir: Path,
-    report: dict[str, Any],
-    lowrank_report: dict[str, Any] | None,
-    layout,
-    tensors: _TensorQuantizer,
-    quantizer: _ExpertQuantizer,
-    ranks: dict,
-    captures,
-    writer: CheckpointWriter,
-    progress: bool,
-    imatrix: ImatrixCollector | None = None,
-) -> None:
-    """The rewriting sweep: quantise and write layer after layer, completing ``report`` (but its footprint)."""
-    layers = QuantizedLayers(report, lowrank_report, layout, tensors, quantizer, ranks, imatrix)
-
-    def write_layer(layer: int, moe: MoEWeights | None, rest: dict[str, torch.Tensor], _layout) -> dict:
-        quantized = None
-        if moe is not None:
-            capture = None
-            if captures is not None:
-                capture = next(captures)
-                if capture.layer != layer:
-                    raise RuntimeError(f"calibration sweep is at layer {capture.layer}, the writer at {layer}")
-            quantized = layers.quantize_moe(layer, moe, capture)
-        return layers.join_layer(layer, quantized, rest)
-
-    mtp = quantize_mtp_plan(model_dir, quantizer.adapter, quantizer.config.mtp, captures is not None)
-    report["mtp"] = mtp.report or None
-    rewrite_checkpoint(
-        model_dir,
-        out_dir,
-        drop_layers=mtp.drop_layers,
-        drop_keys=mtp.drop_keys,
-        layer_writer=write_layer,
-        outside_fn=layers.write_outside,
-        config=lambda: layers.finish_config(dict(mtp.config)),
-        progress=progress,
-        extra_json=lambda: {"moecompress_report.json": layers.final_report()},
-        writer=writer,
-        unit_meta=layers.unit_meta,
-        restore_unit=layers.restore,
-    )
-    if captures is not None:
-        captures.close()
