@@ -182,6 +182,7 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
         for index, p in measuring:
             parts[index] = p.measure(capture)
             p.absorb(capture.layer, parts[index])
+            capture.keep = p.keeps(capture.layer) or capture.keep
         capture.result = _combine(parts)
     mtp_scorers = [p for _, p in measuring if getattr(p.config, "mtp", "drop") == "keep"]
     if mtp_scorers:

@@ -77,6 +77,9 @@ class LayerCapture:
     sequence_lengths: list[int] | None = None
     """The tokens of each sequence of ``moe_input``, in order, where the family routes whole sequences
     (:attr:`FamilyAdapter.per_sequence_routing`)."""
+    keep: list[int] | None = None
+    """Set in the pipeline's measuring sweep by a pass that knows from this layer alone which experts the layer keeps
+    (layer-scope pruning): the positions, for the later passes to measure only those."""
 
 
 class _LayerProxy(torch.nn.Module):
