@@ -292,6 +292,7 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
                 data.tags,
                 data.tag_names,
                 keep_tensors=True,
+                replaces=sweeps.sequential,
                 progress=context.progress,
             )
             for layer_pass in passes:
