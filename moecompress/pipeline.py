@@ -13,7 +13,8 @@ A recipe's consecutive layer passes (:mod:`moecompress.passes.registry`) form on
 
 The measuring sweep runs on the original weights: a pruning decision is global, known only after it. A low-rank
 budget is therefore spent on spectra and loads measured before pruning; the spectra of the experts pruning removes
-are dropped at decision time and the budget counts the kept experts only. The rewriting sweep recomputes each
+are dropped at decision time (or, where a layer's own scores decide its removals, ``scope: layer``, never
+measured: :meth:`LayerPass.keeps`) and the budget counts the kept experts only. The rewriting sweep recomputes each
 kept expert's spectrum on the pruned, sequentially calibrated block and keeps the ranks it was given.
 
 A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result. A stage of

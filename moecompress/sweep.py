@@ -569,7 +569,8 @@ class CalibrationSweep:
             if layer + 1 in self.adapter.stack_starts():
                 hidden = self._next_stack(layer, hidden)
             if state is not None:
-                state.commit(layer, hidden, result, self.carry.tensors() if self.carry.active else None)
+                carried = self.carry.tensors() if self.carry.active else None
+                state.commit(layer, hidden, result, carried, last=layer == self.adapter.num_layers - 1)
         self.last_hidden = hidden
         """The last decoder layer's outputs per batch (what an MTP layer takes), once the sweep has finished."""
         if hasattr(self, "_reading"):
