@@ -13,7 +13,8 @@ A recipe's consecutive layer passes (:mod:`moecompress.passes.registry`) form on
 
 The measuring sweep runs on the original weights: a pruning decision is global, known only after it. A low-rank
 budget is therefore spent on spectra and loads measured before pruning; the spectra of the experts pruning removes
-are dropped at decision time and the budget counts the kept experts only. The rewriting sweep recomputes each
+are dropped at decision time (or, where a layer's own scores decide its removals, ``scope: layer``, never
+measured: :meth:`LayerPass.keeps`) and the budget counts the kept experts only. The rewriting sweep recomputes each
 kept expert's spectrum on the pruned, sequentially calibrated block and keeps the ranks it was given.
 
 A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result through
@@ -189,6 +190,7 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
         for index, p in measuring:
             parts[index] = p.measure(capture)
             p.absorb(capture.layer, parts[index])
+            capture.keep = p.keeps(capture.layer) or capture.keep
         capture.result = _combine(parts)
     mtp_scorers = [p for _, p in measuring if getattr(p.config, "mtp", "drop") == "keep"]
     if mtp_scorers:
@@ -311,7 +313,7 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
             write.outside(reader.read([key for key in outside if key not in dropped_keys]))
         if state is not None:
             data = context.calibration
-            sweep = _sweep(context, data.batches, data.tags, keep_tensors=True)
+            sweep = _sweep(context, data.batches, data.tags, keep_tensors=True, replaces=sweeps.sequential)
             for layer_pass in passes:
                 layer_pass.attach_sweep(sweep)
             for capture in sweep.run(state, label="rewriting"):

@@ -77,6 +77,9 @@ class LayerCapture:
     sequence_lengths: list[int] | None = None
     """The tokens of each sequence of ``moe_input``, in order, where the family routes whole sequences
     (:attr:`FamilyAdapter.per_sequence_routing`)."""
+    keep: list[int] | None = None
+    """Set in the pipeline's measuring sweep by a pass that knows from this layer alone which experts the layer keeps
+    (layer-scope pruning): the positions, for the later passes to measure only those."""
 
 
 class _LayerProxy(torch.nn.Module):
@@ -148,6 +151,11 @@ class CalibrationSweep:
     With ``keep_tensors`` (a consumer that writes the layer, as the pipeline's rewriting sweep) :meth:`run` yields
     every decoder layer, dense ones too (``moe`` None), each with its other tensors and layout, so the layer is read
     from the checkpoint once for calibrating and writing.
+
+    With ``replaces`` the consumer sets a ``replacement`` on every MoE layer's capture (a sequential rewriting
+    sweep), so the outputs of the original block are never used: the forward that captures the block's inputs
+    skips its routed experts (where they run as a :class:`ViewExperts`), and a layer left without a replacement is
+    run again in full.
     """
 
     def __init__(
@@ -161,6 +169,7 @@ class CalibrationSweep:
         dtype: torch.dtype = torch.float32,
         moe_in_compute_dtype: bool = False,
         keep_tensors: bool = False,
+        replaces: bool = False,
         progress: bool = True,
         decoder_tags: torch.Tensor | None = None,
     ):
@@ -187,6 +196,7 @@ class CalibrationSweep:
         self.dtype = dtype
         self.moe_in_compute_dtype = moe_in_compute_dtype
         self.keep_tensors = keep_tensors
+        self.replaces = replaces
         self.progress = progress
         self.layer_keys, outside_keys = group_keys_by_layer(self.reader, self.adapter)
 
@@ -515,9 +525,12 @@ class CalibrationSweep:
                             lambda mod, args, out, into=received: into.append(_attention_received(out[1]))
                         )
                     )
+            skipped = self._skipped_experts(module, layer) if moe is not None else None
             outputs = self.forward_layer(module, layer, hidden)
             for handle in handles:
                 handle.remove()
+            if skipped is not None:
+                skipped.outputs_unused = False
             result = None
             if moe is not None or self.keep_tensors:
                 capture = LayerCapture(
@@ -540,6 +553,8 @@ class CalibrationSweep:
                     if capture.router is not None:
                         self._load_router(module, layer, capture.router)
                     outputs = self._forward_routed(module, layer, hidden, capture)
+                elif skipped is not None:
+                    outputs = self.forward_layer(module, layer, hidden)
                 result = capture.result
                 capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
                 capture.router_input = capture.token_ids = None
@@ -554,13 +569,23 @@ class CalibrationSweep:
             if layer + 1 in self.adapter.stack_starts():
                 hidden = self._next_stack(layer, hidden)
             if state is not None:
-                state.commit(layer, hidden, result, self.carry.tensors() if self.carry.active else None)
+                carried = self.carry.tensors() if self.carry.active else None
+                state.commit(layer, hidden, result, carried, last=layer == self.adapter.num_layers - 1)
         self.last_hidden = hidden
         """The last decoder layer's outputs per batch (what an MTP layer takes), once the sweep has finished."""
         if hasattr(self, "_reading"):
             self._reading.shutdown(wait=True)
             del self._reading, self._prefetched
         self.reader.close()
+
+    def _skipped_experts(self, module: torch.nn.Module, layer: int) -> ViewExperts | None:
+        """With ``replaces``: the layer's :class:`ViewExperts`, set to skip its experts in the capturing forward;
+        None where they cannot be skipped (no view experts; a family that carries layer outputs to later layers)."""
+        experts = getattr(self._experts_parent(module, layer), "experts", None)
+        if not self.replaces or self.carry.active or not isinstance(experts, ViewExperts):
+            return None
+        experts.outputs_unused = True
+        return experts
 
     def tags_of(self, layer: int) -> torch.Tensor:
         """The tags of layer ``layer``'s tokens: the decoder's in an encoder-decoder's decoder."""

@@ -97,11 +97,17 @@ class ViewExperts(nn.Module):
         super().__init__()
         self.adapter = adapter
         self.source: ExpertSource | None = None
+        self.outputs_unused = False
+        """Set by a sweep whose layer outputs of this forward nobody reads (only the block's inputs are captured):
+        the experts are not computed and contribute zeros."""
 
     def release(self) -> None:
         self.source = None
+        self.outputs_unused = False
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.outputs_unused:
+            return torch.zeros_like(hidden_states)
         source = self.source
         if source is None:
             raise RuntimeError("ViewExperts called without weights")

@@ -16,14 +16,16 @@ object; everything is written under ``--dir`` and removed at the end.
 With ``--recipe RECIPE`` it runs ``moecompress run RECIPE --model CHECKPOINT`` instead of the quantise and prune
 steps (``--layers N`` sets the layer count directly, for a small first figure) and reports, besides wall time and
 peak RSS, the bytes the run read and wrote (``rchar``/``wchar`` of the process: every read and write call,
-evaluation and journal included), the output's size and the checkpoint's. ``--chained`` runs the same recipe's
-passes chained through whole intermediate checkpoints, as recipes ran before the layer pipeline.
+evaluation and journal included), of those the bytes of its ``--resume`` state and of the Fisher sweep's spilled
+layer inputs, the output's size and the checkpoint's. ``--chained`` runs the same recipe's passes chained through
+whole intermediate checkpoints, as recipes ran before the layer pipeline; ``--compare-chained`` runs both, the
+pipeline first, between the same two copies.
 
 ``--with-eval`` runs the quantise step with its default evaluation (streamed, the output against the input).
 
 Run: python scripts/bench_large_checkpoint.py [--min-gib 12] [--dir /tmp] [--skip-prune] [--lowrank] [--with-eval]
      python scripts/bench_large_checkpoint.py --recipe recipes/default.yaml [--layers 3] [--calib-tokens N]
-         [--chained] [--real-vocab]
+         [--chained | --compare-chained] [--real-vocab]
 """
 
 from __future__ import annotations
@@ -120,12 +122,26 @@ def run_measured(command: list[str], output: Path | None) -> dict:
 
 
 COUNT_IO = """
-import atexit, sys
+import atexit, os, sys
 from pathlib import Path
-record = Path(sys.argv[1])
-atexit.register(lambda: record.write_text(Path("/proc/self/io").read_text()))
+import moecompress.files as files
+record, written, unwrapped = Path(sys.argv[1]), {"resume_state_bytes": 0, "spill_bytes": 0}, files.write_safetensors
+def counted(path, *args, **kwargs):
+    unwrapped(path, *args, **kwargs)
+    kind = "spill_bytes" if "/fisher-inputs-" in str(path) else "resume_state_bytes" if "/state/" in str(path) else None
+    if kind is not None:
+        written[kind] += os.path.getsize(path)
+files.write_safetensors = counted
+for module in list(sys.modules.values()):
+    if getattr(module, "write_safetensors", None) is unwrapped:
+        module.write_safetensors = counted
+def save():
+    record.write_text(Path("/proc/self/io").read_text() + "".join(f"{k}: {v}\\n" for k, v in written.items()))
+atexit.register(save)
 """
-"""Child prologue: at exit, write the process's I/O counters (``rchar``, ``wchar``) to the file in argv[1]."""
+"""Child prologue: at exit, write the process's I/O counters (``rchar``, ``wchar``) to the file in argv[1], with the
+bytes of the safetensors files it wrote into a work directory's ``state/`` (the ``--resume`` state) and, apart,
+into the Fisher sweep's spill of layer inputs (deleted as the backward consumes them; no resumed run reads it)."""
 
 RUN_COUNTING_IO = (
     COUNT_IO
@@ -194,6 +210,12 @@ def main() -> None:
         "the layer pipeline (run_recipe(chained=True)), for the before/after comparison.",
     )
     parser.add_argument(
+        "--compare-chained",
+        action="store_true",
+        help="With --recipe: run it as one pipeline, then chained (as --chained), in this invocation, between the "
+        "same two copies.",
+    )
+    parser.add_argument(
         "--real-vocab", action="store_true", help="Qwen3-30B-A3B's 151,936-row embedding and untied lm_head."
     )
     args = parser.parse_args()
@@ -246,19 +268,31 @@ def main() -> None:
                 "calib_tokens": args.calib_tokens,
                 "eval_tokens": args.eval_tokens,
                 "chained": args.chained,
+                "compare_chained": args.compare_chained,
             }
-            if args.chained:
-                command = [sys.executable, "-c", RUN_CHAINED_COUNTING_IO, str(counters), str(recipe), str(source)]
-                step("run_recipe", [*command, str(out)], out)
-            else:
-                command = [sys.executable, "-c", RUN_COUNTING_IO, str(counters), "run", str(recipe)]
-                step("run_recipe", [*command, "--model", str(source), "--out", str(out), "--quiet"], out)
-            io = dict(line.split(": ") for line in counters.read_text().splitlines())
-            result["run_recipe"]["bytes_read"] = int(io["rchar"])
-            result["run_recipe"]["bytes_written"] = int(io["wchar"])
+            variants = {"run_recipe": args.chained}
+            if args.compare_chained:
+                variants = {"run_recipe": False, "run_recipe_chained": True}
+            for name, chained in variants.items():
+                if chained:
+                    command = [sys.executable, "-c", RUN_CHAINED_COUNTING_IO, str(counters), str(recipe), str(source)]
+                    step(name, [*command, str(out)], out)
+                else:
+                    command = [sys.executable, "-c", RUN_COUNTING_IO, str(counters), "run", str(recipe)]
+                    step(name, [*command, "--model", str(source), "--out", str(out), "--quiet"], out)
+                io = dict(line.split(": ") for line in counters.read_text().splitlines())
+                for key, counter in [("bytes_read", "rchar"), ("bytes_written", "wchar")]:
+                    result[name][key] = int(io[counter])
+                for key in ("resume_state_bytes", "spill_bytes"):
+                    result[name][key] = int(io[key])
             step("copy_2", [sys.executable, "-c", COPY, str(source), str(root / "copy")], root / "copy")
             copy_seconds = (result["copy_1"]["seconds"] + result["copy_2"]["seconds"]) / 2
-            result["recipe_over_copy"] = round(result["run_recipe"]["seconds"] / copy_seconds, 2)
+            for name in variants:
+                result[name.replace("run_", "") + "_over_copy"] = round(result[name]["seconds"] / copy_seconds, 2)
+            if args.compare_chained:
+                result["pipeline_over_chained"] = round(
+                    result["run_recipe"]["seconds"] / result["run_recipe_chained"]["seconds"], 3
+                )
             print(json.dumps(result, indent=2))
             return
         quantized = root / "quantized"

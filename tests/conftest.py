@@ -11,6 +11,12 @@ from moecompress.synthetic import FAMILIES, save_tiny_model, tiny_tokenizer
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def commit_every_layer(monkeypatch):
+    """Sweeps commit after every layer, so a test that stops a run can stop it between any two layers."""
+    monkeypatch.setattr("moecompress.sweep_state.COMMIT_INTERVAL_S", 0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict:
     """One saved tiny random checkpoint per family, built once per test session."""

@@ -4,6 +4,7 @@ through a pruned block computes what the pruned model computes; ``run --dry-run`
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from helpers import run_cli
@@ -95,6 +96,35 @@ def test_the_rank_budget_after_pruning_counts_the_kept_experts_only(tiny_with_to
     assert report["lowrank"]["components_used"] <= report["lowrank"]["components"]
     for layer, stats in report["layers"].items():
         assert all(len(ranks) == kept[int(layer)] for ranks in stats["lowrank_ranks"].values())
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_the_measuring_sweep_measures_spectra_only_for_the_experts_a_layer_scope_pruning_keeps(
+    tiny_with_tokenizer, tmp_path, monkeypatch, scope
+):
+    import moecompress.passes.quantize as quantize
+    from moecompress.passes.prune_experts_layer import PruneExpertsPass
+
+    source = tiny_with_tokenizer["qwen3_moe"]
+    passes = [
+        ("prune_experts", PruneExpertsConfig(ratio=0.25, scope=scope, seed=2)),
+        ("quantize", QuantizeConfig(scheme="int2", lowrank_budget=0.5, sensitivity="none", seed=2)),
+    ]
+    measured, unwrapped = {}, quantize.layer_errors
+
+    def recording(adapter, moe, *args, measure=False, experts=None, **kwargs):
+        if not measure:
+            measured[moe.layer] = experts
+        return unwrapped(adapter, moe, *args, measure=measure, experts=experts, **kwargs)
+
+    monkeypatch.setattr(quantize, "layer_errors", recording)
+    report = run_layer_passes(source, tmp_path / "out", passes, Calibration(**CALIBRATION), progress=False)
+    layers = report["previous_passes"][0]["layers"]
+    kept = {int(n): [entry["expert_ids"].index(e) for e in entry["kept"]] for n, entry in layers.items()}
+    assert measured == (kept if scope == "layer" else dict.fromkeys(kept))
+    monkeypatch.setattr(PruneExpertsPass, "keeps", lambda self, layer: None)
+    run_layer_passes(source, tmp_path / "all", passes, Calibration(**CALIBRATION), progress=False)
+    assert _tensors_equal(tmp_path / "out", tmp_path / "all") == []
 
 
 def test_a_pruned_replacement_keeps_the_block_size_and_allows_only_the_kept_experts():

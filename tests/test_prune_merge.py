@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_stock, run_cli, tree_hashes
+from helpers import CLI_COMMITTING_EVERY_LAYER, load_stock, run_cli, tree_hashes
 
 import moecompress
 from moecompress.checkpoint import CheckpointReader
@@ -182,7 +181,7 @@ def test_merged_output_exports_to_gguf(merged, tmp_path):
 
 def _start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "moecompress.cli.main", *args],
+        [*CLI_COMMITTING_EVERY_LAYER, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

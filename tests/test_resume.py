@@ -9,14 +9,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import tree_hashes
+from helpers import CLI_COMMITTING_EVERY_LAYER, tree_hashes
 
 from moecompress.checkpoint import CheckpointWriter
 from moecompress.sweep_state import SweepState
@@ -35,7 +34,7 @@ RECIPE = {
 
 def _start(recipe: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "moecompress.cli.main", "run", str(recipe), "--out", str(out), "--quiet", *extra],
+        [*CLI_COMMITTING_EVERY_LAYER, "run", str(recipe), "--out", str(out), "--quiet", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -148,6 +147,26 @@ def test_a_sweep_state_resumes_after_its_last_commit(tmp_path):
     assert torch.equal(stored_tensors["score"], torch.arange(4.0)) and meta == {"layer": 0}
     (tmp_path / "s" / "hidden.safetensors").write_bytes(b"torn")
     assert SweepState(tmp_path / "s").start_layer == 0
+
+
+def test_a_sweep_state_commits_when_its_interval_has_passed_and_after_the_last_layer(tmp_path, monkeypatch):
+    import moecompress.sweep_state as sweep_state
+
+    monkeypatch.setattr(sweep_state, "COMMIT_INTERVAL_S", 3600.0)
+    state = SweepState(tmp_path / "s")
+    hidden = [torch.randn(2, 3)]
+    state.commit(0, hidden, ({"score": torch.zeros(2)}, {"layer": 0}), last=False)
+    state.commit(1, [h + 1 for h in hidden], ({"score": torch.ones(2)}, {"layer": 1}), last=False)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == []
+    assert SweepState(tmp_path / "s").start_layer == 0
+    monkeypatch.setattr(sweep_state, "COMMIT_INTERVAL_S", 0.0)
+    state.commit(2, [h + 2 for h in hidden], None, last=False)
+    again = SweepState(tmp_path / "s")
+    assert again.start_layer == 3 and torch.equal(again.hidden()[0], hidden[0] + 2)
+    assert {layer: meta for layer, (_, meta) in again.results().items()} == {0: {"layer": 0}, 1: {"layer": 1}}
+    monkeypatch.setattr(sweep_state, "COMMIT_INTERVAL_S", 3600.0)
+    state.commit(3, [h + 3 for h in hidden], None, last=True)
+    assert SweepState(tmp_path / "s").start_layer == 4
 
 
 def test_a_sweep_state_keeps_one_result_stored_under_two_names(tmp_path):

@@ -163,3 +163,39 @@ def test_the_text_head_holds_no_input_embeddings_and_computes_the_stock_logits(
     with torch.no_grad():
         expected = model.lm_head(model.model.norm(hidden))
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("replace_blocks", [True, False], ids=["replaced", "kept"])
+def test_a_replacing_sweep_skips_the_original_experts_and_computes_the_same(
+    replace_blocks, tiny_checkpoints, monkeypatch
+):
+    """``replaces``: the capturing forward leaves the routed experts out; with a replacement (here the block's own
+    weights) the layer is computed through it, without one it is run again in full: the same inputs and outputs
+    as a sweep that computes the original block first, with one expert computation per batch and layer fewer."""
+    from moecompress.view_experts import ExpertSource
+
+    source = tiny_checkpoints["qwen3_moe"]
+    adapter = adapter_for(CheckpointReader(source).config)
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 300, (2, 24), generator=generator)} for _ in range(2)]
+    tags = torch.zeros(2 * 2 * 24, dtype=torch.long)
+    calls = []
+    combine = type(adapter).combine_experts
+    monkeypatch.setattr(type(adapter), "combine_experts", lambda self, *args: calls.append(1) or combine(self, *args))
+
+    def run(replaces: bool) -> tuple[list, list, int]:
+        calls.clear()
+        sweep = CalibrationSweep(source, batches, tags, ["text"], replaces=replaces, progress=False)
+        inputs = []
+        for capture in sweep.run():
+            inputs.append(capture.moe_input)
+            if replace_blocks:
+                capture.replacement = ExpertSource(capture.moe)
+        return inputs, sweep.last_hidden, len(calls)
+
+    inputs, outputs, computed = run(replaces=True)
+    expected_inputs, expected_outputs, expected_computed = run(replaces=False)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, expected_inputs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected_outputs, strict=True))
+    moe_layers = len(adapter.moe_layers())
+    assert computed == expected_computed - (len(batches) * moe_layers if replace_blocks else 0)

@@ -108,6 +108,12 @@ class LayerPass:
     def absorb(self, layer: int, result: LayerResult) -> None:
         """Take one layer's measurement (just measured, or restored by a resumed run)."""
 
+    def keeps(self, layer: int) -> list[int] | None:
+        """The positions of the experts layer ``layer`` keeps after this pass, when its measurement of that layer
+        alone decides them (None: known only at :meth:`decide`, or nothing removed); later passes then measure only
+        those experts."""
+        return None
+
     def decide(self, context: PassContext) -> None:
         """Global decisions from every layer's measurements."""
 

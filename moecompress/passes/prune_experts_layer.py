@@ -9,17 +9,26 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import CheckpointReader
 from ..checkpoint.decode import describe_input, native_refusal, quant_method
-from ..checkpoint.mtp import plan_stored_prune
+from ..checkpoint.mtp import mtp_layers, plan_stored_prune
 from ..checkpoint.stream import layer_unit
-from ..errors import OptionError
+from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter, MoEWeights
 from ..sweep import LayerCapture
 from ..sweep_state import LayerResult
 from ..vocabulary import named
 from .base import LayerPass, Needs, PassContext
 from .maep_weights import pipeline_token_weights
-from .prune_experts import LayerScores, PruneExpertsConfig, PrunePlan, group_limit, plan_pruning, score_layer
+from .prune_experts import (
+    LayerScores,
+    PruneExpertsConfig,
+    PrunePlan,
+    choose_removals,
+    group_limit,
+    plan_pruning,
+    score_layer,
+)
 
 
 class PruneExpertsPass(LayerPass):
@@ -37,6 +46,7 @@ class PruneExpertsPass(LayerPass):
         self._adapter: FamilyAdapter | None = None
         self._token_weights: dict[int, torch.Tensor] = {}
         self._stored = None
+        self._layer_decides_alone = False
         self.rewrites: dict[str, dict[str, Any]] = {}
         """Per written unit, what merging and the router refit did there (the journal keeps it for a resume)."""
 
@@ -71,12 +81,36 @@ class PruneExpertsPass(LayerPass):
             )
         self._adapter = adapter
         self._token_weights = pipeline_token_weights(self.config, context)
+        self._layer_decides_alone = self.config.scope == "layer" and self.config.method != "merge"
+        if self._layer_decides_alone:
+            adapter = context.adapter
+            with CheckpointReader(context.model_dir, decode=False) as reader:
+                mtp = mtp_layers(adapter, reader.keys()) if self.config.mtp == "keep" else []
+            scored = adapter.moe_layers() + mtp
+            self._layer_decides_alone = len({adapter.experts_in_layer(layer) for layer in scored}) == 1
 
     def measure(self, capture: LayerCapture) -> LayerResult:
         return score_layer(self._adapter, capture, self.config, self._token_weights.get(capture.layer)).to_result()
 
     def absorb(self, layer: int, result: LayerResult) -> None:
         self.layer_scores.append(LayerScores.from_result(result))
+
+    def keeps(self, layer: int) -> list[int] | None:
+        """With ``scope: layer`` (not merging) and every scored layer holding as many experts, each layer loses the
+        same count, chosen from its own scores: :func:`choose_removals` of that layer alone gives what
+        :meth:`decide` gives it whenever the whole plan is valid (``round(r·E·L) / L`` whole implies it equals
+        ``round(r·E)``)."""
+        if not self._layer_decides_alone:
+            return None
+        scores = next((s for s in reversed(self.layer_scores) if s.layer == layer), None)
+        if scores is None:
+            return None
+        try:
+            adapter = self._adapter
+            removed = set(choose_removals([scores], self.config, adapter.top_k, group_limit(adapter))[layer])
+        except UserInputError:
+            return None
+        return [e for e in range(len(scores.expert_ids)) if e not in removed]
 
     def decide(self, context: PassContext) -> None:
         from ..families import adapter_for

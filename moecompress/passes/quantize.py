@@ -375,8 +375,9 @@ class _ExpertQuantizer:
         return quantized
 
     def errors(self, moe: MoEWeights, quantized: QuantizedMoE, capture, keep: int | dict, measure: bool) -> LayerErrors:
-        """Measuring (``keep`` 0): every matrix's σ². Rewriting (``keep`` the ranks, ``measure``): the factors of
-        the matrices given components, and the measured error."""
+        """Measuring (``keep`` 0): the σ² of every matrix (of the experts ``capture.keep`` names, where a pruning
+        pass already chose them). Rewriting (``keep`` the ranks, ``measure``): the factors of the matrices given
+        components, and the measured error."""
         factor = self.sensitivity.get(capture.layer)
         errors = layer_errors(
             self.adapter,
@@ -389,6 +390,7 @@ class _ExpertQuantizer:
             measure=measure,
             token_weights=factor if factor is not None and factor.ndim else None,
             only_kept=measure,
+            experts=None if measure else capture.keep,
             router_input=capture.router_input,
             token_ids=capture.token_ids,
             sequence_lengths=capture.sequence_lengths,

@@ -105,7 +105,8 @@ class QuantizePass(LayerPass):
         self._shapes[layer] = tuple(meta["shape"])
 
     def _kept_measurements(self, kept: dict[int, list[int]] | None) -> tuple[dict, dict, list]:
-        """The measurements of the experts that survive pruning, renumbered to their positions after it."""
+        """The measurements of the experts that survive pruning, renumbered to their positions after it (a
+        layer-scope pruning's removed experts were not measured: :attr:`LayerCapture.keep`)."""
         if not kept:
             return self._gains, self._loads, list(self._shapes.values())
         gains, loads = {}, {}
@@ -119,6 +120,10 @@ class QuantizePass(LayerPass):
                 continue
             gains[(layer, new, which)] = gain
             loads[(layer, new, which)] = self._loads[(layer, expert, which)]
+        measured = {(layer, expert) for layer, expert, _ in self._gains}
+        wanted = {(layer, e) for layer, positions in kept.items() if layer in self._shapes for e in positions}
+        if missing := wanted - measured:
+            raise RuntimeError(f"no spectrum measured for kept experts (layer, position) {sorted(missing)[:5]}")
         shapes = [
             (len(kept[layer]) if layer in kept else experts, *sizes)
             for layer, (experts, *sizes) in self._shapes.items()

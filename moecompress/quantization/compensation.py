@@ -60,6 +60,7 @@ def layer_errors(
     measure: bool = False,
     token_weights: torch.Tensor | None = None,
     only_kept: bool = False,
+    experts: list[int] | None = None,
     router_input: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     sequence_lengths: list[int] | None = None,
@@ -81,7 +82,8 @@ def layer_errors(
 
     Memory is one block's weights plus one expert's work at a time; ``keep_inputs`` (for analysis) instead
     keeps every matrix's error and inputs, and ``measure`` sums the measured errors as it goes. ``only_kept``
-    (the rewriting sweep, which uses nothing else) computes spectra only for matrices given components.
+    (the rewriting sweep, which uses nothing else) computes spectra only for matrices given components;
+    ``experts`` (positions) restricts everything to those experts, routed as by the whole block.
     """
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
@@ -94,7 +96,7 @@ def layer_errors(
     result = LayerErrors({}, {})
     without_adapters = with_adapters = 0.0
     inter = moe.intermediate_size
-    for expert in range(moe.num_experts):
+    for expert in range(moe.num_experts) if experts is None else experts:
         routed = ids == expert
         tokens = torch.where(routed.any(dim=-1))[0]
         load = float(routed.sum()) / total_slots
