@@ -358,6 +358,42 @@ def _write_mtp_layers(sweep: CalibrationSweep, write: _LayerWriter, writer, drop
         release_freed_memory()
 
 
+def run_one_pass(
+    name: str,
+    config: Any,
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    calib: str,
+    calib_tokens: int,
+    seq_len: int,
+    image_size: int,
+    eval_data: str | None,
+    eval_tokens: int | None,
+    overwrite: bool,
+    progress: bool,
+    resume: bool,
+) -> dict[str, Any]:
+    """One layer pass as its own stage: what the library functions ``prune_experts`` and ``quantize_checkpoint``
+    run, with the calibration seeded by the pass's config and an evaluation when ``eval_data`` is given."""
+    from .recipes import Calibration, Evaluation
+
+    calibration = Calibration(
+        source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed, image_size=image_size
+    )
+    evaluation = Evaluation(eval_data, eval_tokens) if eval_data else None
+    return run_layer_passes(
+        model_dir,
+        out_dir,
+        [(name, config)],
+        calibration,
+        overwrite=overwrite,
+        progress=progress,
+        resume=resume,
+        evaluation=evaluation,
+    )
+
+
 def run_layer_passes(
     model_dir: Path,
     out_dir: Path,

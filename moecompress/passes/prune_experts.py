@@ -602,22 +602,22 @@ def prune_experts(
     and the results join the report. With ``resume`` a killed run continues with the same bytes. Under
     ``torchrun`` the ranks share the measuring sweep and rank 0 alone writes (:func:`~moecompress.pipeline.
     run_layer_passes`)."""
-    from ..pipeline import run_layer_passes
-    from ..recipes import Calibration, Evaluation
+    from ..pipeline import run_one_pass
 
-    calibration = Calibration(
-        source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed, image_size=image_size
-    )
-    evaluation = Evaluation(eval_data, eval_tokens) if eval_data else None
-    return run_layer_passes(
+    return run_one_pass(
+        "prune_experts",
+        config,
         model_dir,
         out_dir,
-        [("prune_experts", config)],
-        calibration,
+        calib=calib,
+        calib_tokens=calib_tokens,
+        seq_len=seq_len,
+        image_size=image_size,
+        eval_data=eval_data,
+        eval_tokens=eval_tokens,
         overwrite=overwrite,
         progress=progress,
         resume=resume,
-        evaluation=evaluation,
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from ..checkpoint.decode import native_refusal
 from ..checkpoint.mtp import MTP_MODES
 from ..checkpoint.stream import OUTSIDE_UNIT, layer_unit
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_IMAGE_SIZE, DEFAULT_SEQ_LEN
 from ..errors import OptionError, UserInputError
 from ..export.imatrix import HEAD, ImatrixCollector, covered_tensors, dense_tensors
 from ..families import FamilyAdapter, MoEWeights
@@ -442,20 +442,22 @@ def quantize_checkpoint(
     """Quantise ``model_dir`` into ``out_dir`` (one quantize pass of the pipeline, :mod:`moecompress.pipeline`);
     returns the report also saved as moecompress_report.json. With ``eval_data`` the output is evaluated against
     the input; with ``resume`` a killed run continues with the same bytes."""
-    from ..pipeline import run_layer_passes
-    from ..recipes import Calibration, Evaluation
+    from ..pipeline import run_one_pass
 
-    calibration = Calibration(source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed)
-    evaluation = Evaluation(eval_data, eval_tokens) if eval_data else None
-    return run_layer_passes(
+    return run_one_pass(
+        "quantize",
+        config,
         model_dir,
         out_dir,
-        [("quantize", config)],
-        calibration,
+        calib=calib,
+        calib_tokens=calib_tokens,
+        seq_len=seq_len,
+        image_size=DEFAULT_IMAGE_SIZE,
+        eval_data=eval_data,
+        eval_tokens=eval_tokens,
         overwrite=overwrite,
         progress=progress,
         resume=resume,
-        evaluation=evaluation,
     )
 
 
