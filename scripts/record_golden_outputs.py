@@ -79,7 +79,7 @@ RUN_SPECIFIC_KEYS = {"versions", "threads"}
 
 def platform_fingerprint() -> dict[str, str]:
     """What the recorded bytes depend on besides the code: versions, the CPU's vector unit as torch picks it, and
-    the hash of a fixed float32 matmul, bf16 matmul and convolution."""
+    the hash of a fixed float32 matmul, bf16 matmul and convolution, computed with one thread as the cases run."""
     import numba
     import torch
     import transformers
@@ -87,11 +87,12 @@ def platform_fingerprint() -> dict[str, str]:
     x = torch.sin(torch.arange(96 * 64, dtype=torch.float32) * 0.37).reshape(64, 96)
     w = torch.cos(torch.arange(96 * 80, dtype=torch.float32) * 0.11).reshape(96, 80)
     kernel = torch.cos(torch.arange(8 * 4 * 5, dtype=torch.float32)).reshape(8, 4, 5)
-    results = [
-        x @ w,
-        (x.bfloat16() @ w.bfloat16()).float(),
-        torch.nn.functional.conv1d(x[:4].unsqueeze(0), kernel),
-    ]
+    with one_thread():
+        results = [
+            x @ w,
+            (x.bfloat16() @ w.bfloat16()).float(),
+            torch.nn.functional.conv1d(x[:4].unsqueeze(0), kernel),
+        ]
     digest = hashlib.sha256(b"".join(r.contiguous().numpy().tobytes() for r in results)).hexdigest()
     return {
         "torch": torch.__version__,
