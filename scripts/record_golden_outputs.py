@@ -79,8 +79,10 @@ RUN_SPECIFIC_KEYS = {"versions", "threads"}
 
 def platform_fingerprint() -> dict[str, str]:
     """What the recorded bytes depend on besides the code: versions, the CPU's vector unit as torch picks it, and
-    the hash of a fixed float32 matmul, bf16 matmul and convolution, computed with one thread as the cases run."""
+    the hash of a fixed float32 matmul, bf16 matmul, convolution, softmax, exp/log and a long sum, computed with one
+    thread as the cases run (the reports' scores and perplexities go through the last four)."""
     import numba
+    import numpy
     import torch
     import transformers
 
@@ -92,11 +94,15 @@ def platform_fingerprint() -> dict[str, str]:
             x @ w,
             (x.bfloat16() @ w.bfloat16()).float(),
             torch.nn.functional.conv1d(x[:4].unsqueeze(0), kernel),
+            torch.softmax(x * 3.1, dim=-1),
+            torch.log1p(torch.exp(w)),
+            x.sum(dim=0, keepdim=True) + (x * x).mean(),
         ]
     digest = hashlib.sha256(b"".join(r.contiguous().numpy().tobytes() for r in results)).hexdigest()
     return {
         "torch": torch.__version__,
         "numba": numba.__version__,
+        "numpy": numpy.__version__,
         "transformers": transformers.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "arithmetic": digest,
