@@ -97,7 +97,7 @@ def check_router_sizes(model_dir: Path, adapter: Any) -> None:
         for layer in adapter.moe_layers():
             key = adapter._router_key(layer, "weight")
             info = reader.tensors.get(key)
-            promised = adapter.experts_in_layer(layer) + adapter.identity_experts(layer)
+            promised = adapter.stored_router_columns(layer)
             rows = info.shape[-1 if adapter.router_transposed else 0] if info is not None and info.shape else None
             if rows is not None and rows != promised:
                 raise UserInputError(f"layer {layer} ({key}): config.json says {promised} experts, weights hold {rows}")

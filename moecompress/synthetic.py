@@ -1253,6 +1253,25 @@ TINY_CONFIGS["jetmoe"] = dict(
     max_position_embeddings=128,
 )
 
+TINY_CONFIGS["ernie4_5_vl_moe"] = _vision_language(
+    "ernie4_5_vl_moe",
+    dict(
+        {k: v for k, v in _COMMON.items() if k not in ("tie_word_embeddings", "num_experts_per_tok")},
+        num_hidden_layers=3,
+        intermediate_size=64,
+        moe_intermediate_size=[64, 32],
+        moe_num_experts=4,
+        moe_k=2,
+        moe_num_shared_experts=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]},
+    ),
+    dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, patch_size=4, spatial_merge_size=2),
+    image_start_token_id=382,
+    image_end_token_id=383,
+    video_start_token_id=378,
+    video_end_token_id=379,
+)
+
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
 TINY_VARIANTS: dict[str, dict[str, Any]] = {

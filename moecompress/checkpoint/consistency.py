@@ -221,7 +221,7 @@ def _check_moe_layer(adapter: Any, tensors: dict[str, Any], source: str, layer: 
         )
     router_key = adapter._router_key(layer, "weight")
     router = tensors.get(router_key)
-    columns = promised + adapter.identity_experts(layer)
+    columns = adapter.stored_router_columns(layer)
     rows = router.shape[-1 if adapter.router_transposed else 0] if _plain(router) else None
     if rows is not None and rows != columns:
         raise UserInputError(

@@ -33,6 +33,7 @@ from .deepseek_v4 import DeepseekV4Adapter
 from .dots3_note import Dots3NoteAdapter, Dots3NoteTextAdapter
 from .ergo import ErgoAdapter
 from .ernie import Ernie45MoeAdapter
+from .ernie_vl import Ernie45VLMoeAdapter
 from .gemma4 import Gemma4Adapter, Gemma4TextAdapter
 from .glm5_next import Glm5NextAdapter
 from .gpt_oss import GptOssAdapter
@@ -171,6 +172,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     ZayaAdapter,
     Inkling2TextAdapter,
     Inkling2Adapter,
+    Ernie45VLMoeAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

@@ -288,6 +288,17 @@ class FamilyAdapter:
         for its identity experts, which no pass removes (so the same in a pruned output as in its input)."""
         return self.original_expert_ids(layer) + [-1 - j for j in range(self.identity_experts(layer))]
 
+    def stored_router_columns(self, layer: int) -> int:
+        """The columns of layer ``layer``'s stored router weight (:meth:`_router_key` ``weight``): every routed and
+        identity expert's, except where the checkpoint stores one router per expert set (ERNIE 4.5 VL)."""
+        return self.experts_in_layer(layer) + self.identity_experts(layer)
+
+    def scores_without_tokens(self, moe: MoEWeights, score: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Pruning scores ``score`` ``[E]`` of ``moe``'s experts, given how many calibration tokens each was routed
+        (``counts``), with the experts that no calibration token can reach ranked by the family's rule instead
+        (ERNIE 4.5 VL's vision set under text calibration); ``score`` itself for every other family."""
+        return score
+
     def moecompress_section(self) -> dict[str, Any]:
         """What moecompress recorded in the decoder config about earlier passes (kept expert ids, counts)."""
         return self.text_config.get("moecompress") or {}

@@ -276,6 +276,7 @@ def score_layer(
         score = torch.rand(capture.moe.num_experts, generator=generator, device="cpu")
     else:
         score, extra = _maep_score(stats.delta_h, capture, config, token_weight)
+    score = adapter.scores_without_tokens(capture.moe, score, counts[: capture.moe.num_experts])
     merges = None
     if config.method == "merge":
         from .expert_merge import expert_signatures, merge_tree
