@@ -394,6 +394,8 @@ class CalibrationSweep:
         """Whether layer ``layer``'s routed experts run as a :class:`ViewExperts` on the view's own tensors
         instead of a float32 copy loaded into the stock module."""
         module = self.adapter.decoder_layers(self._meta_model)[layer]
+        if not self.adapter.is_moe_layer(layer):
+            return False
         experts = getattr(self._experts_parent(module, layer), "experts", None)
         return experts is not None and takes_routed_tokens(experts)
 

@@ -256,15 +256,9 @@ def _check_moe_layer(adapter: Any, tensors: dict[str, Any], source: str, layer: 
             f"{source}: layer {layer}: expert 0's gate, up and down widths disagree ({list(gate)}, {list(up)}, "
             f"{list(down)})"
         )
-    declared = _declared_expert_width(adapter.text_config, layer)
+    declared = adapter.first_expert_width(layer)
     if declared is not None and declared != width:
         raise UserInputError(
             f"{source}: layer {layer}: config.json says expert width {declared}, expert 0's weights are {width} wide"
         )
 
-
-def _declared_expert_width(text: dict[str, Any], layer: int) -> int | None:
-    width = text.get("moe_intermediate_size")
-    if isinstance(width, list):
-        return width[layer] if layer < len(width) and isinstance(width[layer], int) else None
-    return width if isinstance(width, int) else None

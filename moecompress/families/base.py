@@ -293,6 +293,14 @@ class FamilyAdapter:
         identity expert's, except where the checkpoint stores one router per expert set (ERNIE 4.5 VL)."""
         return self.experts_in_layer(layer) + self.identity_experts(layer)
 
+    def first_expert_width(self, layer: int) -> int | None:
+        """The intermediate size config.json declares for layer ``layer``'s expert 0 (``moe_intermediate_size``, a
+        number or a per-layer list), None where it declares none."""
+        width = self.text_config.get("moe_intermediate_size")
+        if isinstance(width, list):
+            return width[layer] if layer < len(width) and isinstance(width[layer], int) else None
+        return width if isinstance(width, int) else None
+
     def scores_without_tokens(self, moe: MoEWeights, score: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Pruning scores ``score`` ``[E]`` of ``moe``'s experts, given how many calibration tokens each was routed
         (``counts``), with the experts that no calibration token can reach ranked by the family's rule instead

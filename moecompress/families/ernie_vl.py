@@ -58,6 +58,9 @@ class Ernie45VLMoeAdapter(TextUnderModel, Ernie45MoeAdapter):
         widths = self.text_config.get("moe_intermediate_size") or [1536, 512]
         return int(widths[0]), int(widths[1])
 
+    def first_expert_width(self, layer: int) -> int | None:
+        return self.set_widths()[0]
+
     def stored_router_columns(self, layer: int) -> int:
         return self.experts_in_layer(layer) // 2
 
