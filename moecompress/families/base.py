@@ -224,6 +224,10 @@ class FamilyAdapter:
     """Set where llama.cpp's converter names the routed experts ``blk.N.ffn_{gate,up,down}_exps`` (stacked in the
     checkpoint's expert order, decoder layer N as ``blk.N``) and the router and experts read the same input: whether
     the layer also has a shared expert (``ffn_{gate,up}_shexp``) reading that input too. None: no known naming."""
+    expert_set_modules: ClassVar[tuple[str, ...]] = ()
+    """Where a MoE layer holds one routed-experts module per expert set, their runtime names in the order the view
+    holds the sets, in equal parts (ERNIE 4.5 VL's ``mlp.text_moe.experts``, ``mlp.vision_moe.experts``); empty:
+    one module, :attr:`experts_module`."""
     own_release_format: ClassVar[str | None] = None
     """The output format that is this family's own release layout (GPT-OSS's ``gpt-oss``), if any."""
 
@@ -696,6 +700,15 @@ class FamilyAdapter:
     def experts_module(self) -> str:
         """The routed-experts module's name inside a runtime decoder layer."""
         return f"{self.moe_block_name}.experts"
+
+    def experts_modules(self) -> tuple[str, ...]:
+        """Every routed-experts module of a MoE layer (runtime names), in the order the view holds their experts."""
+        return self.expert_set_modules or (self.experts_module,)
+
+    def quantized_expert_sets(self, moe: Any) -> list[Any]:
+        """A quantised block (:class:`~moecompress.quantization.experts.QuantizedMoE`) as the parts
+        :meth:`experts_modules` hold, in that order: the block itself where a layer has one experts module."""
+        return [moe]
 
     @property
     def experts_parent(self) -> str:

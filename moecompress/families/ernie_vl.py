@@ -43,6 +43,7 @@ class Ernie45VLMoeAdapter(TextUnderModel, Ernie45MoeAdapter):
     vision_prefixes = ("model.vision_model.", "model.resampler_model.")
     router_module = "mlp.text_moe.gate"
     router_transposed = True
+    expert_set_modules = tuple(f"mlp.{name}.experts" for name in _SETS)
 
     # ---- config ---------------------------------------------------------------------------------------
     @property
@@ -188,6 +189,34 @@ class Ernie45VLMoeAdapter(TextUnderModel, Ernie45MoeAdapter):
         if bias_key in out:
             out[bias_key] = out[bias_key].reshape(2, -1)
         return out
+
+    def quantized_expert_sets(self, moe: Any) -> list[Any]:
+        """The quantised block's text and vision sets, each unpadded (the padded rows and columns cut off, with the
+        low-rank adapters' padded rows and columns)."""
+        from dataclasses import replace
+
+        from ..quantization.slicing import columns_of, rows_of
+
+        half, wide = moe.weights.num_experts // 2, moe.weights.intermediate_size
+        parts = []
+        for which, width in enumerate(self.set_widths()):
+            experts = slice(which * half, (which + 1) * half)
+            adapters = {}
+            for (expert, matrix), (left, right) in moe.adapters.items():
+                if experts.start <= expert < experts.stop:
+                    trimmed = (left, right[:, :width]) if matrix == "down" else (left[:width], right)
+                    adapters[(expert - experts.start, matrix)] = trimmed
+            parts.append(
+                replace(
+                    moe,
+                    weights=moe.weights.select(list(range(experts.start, experts.stop))),
+                    gate_up=rows_of(moe.gate_up, experts, [slice(0, width), slice(wide, wide + width)]),
+                    down=columns_of(moe.down, experts, width),
+                    adapters=adapters,
+                    _dequantized=None,
+                )
+            )
+        return parts
 
     # ---- the loaded transformers model ------------------------------------------------------------------
     def runtime_moe_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:

@@ -537,13 +537,18 @@ class QuantizedLayers:
         self.salient.update(meta.get("salient", {}))
         if "layer" not in meta:
             return
-        module = native.experts_module(self.quantizer.adapter, meta["layer"])
+        modules = native.experts_modules(self.quantizer.adapter, meta["layer"])
         if self.imatrix is not None:
             self.imatrix.restore(meta["layer"])
-        self.expert_modules.append(module)
+        self.expert_modules.extend(modules)
         self.layer_stats[str(meta["layer"])] = meta["stats"]
         if "lowrank_ranks" in meta:
-            self.lowrank_ranks[module] = meta["lowrank_ranks"]
+            for index, module in enumerate(modules):
+                # the view holds the modules' experts in equal consecutive parts
+                self.lowrank_ranks[module] = {
+                    which: ranks[index * len(ranks) // len(modules) : (index + 1) * len(ranks) // len(modules)]
+                    for which, ranks in meta["lowrank_ranks"].items()
+                }
             self.measured["without_adapters"] += meta["measured"][0]
             self.measured["with_adapters"] += meta["measured"][1]
 

@@ -42,6 +42,11 @@ def experts_module(adapter: FamilyAdapter, layer: int) -> str:
     return f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(adapter.experts_module)}"
 
 
+def experts_modules(adapter: FamilyAdapter, layer: int) -> list[str]:
+    """Every routed-experts module of layer ``layer`` as written (one, but one per expert set in ERNIE 4.5 VL)."""
+    return [f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(name)}" for name in adapter.experts_modules()]
+
+
 def runtime_key(adapter: FamilyAdapter, key: str) -> str:
     """The runtime name of an on-disk key (they differ inside Mixtral's ``block_sparse_moe``)."""
     layer = adapter.layer_of_key(key)
@@ -69,9 +74,15 @@ def layer_tensors(
     prefix = adapter.layer_prefix(layer)
     router = adapter.runtime_router_state(weights)
     out.update({prefix + adapter.stored_local_name(name): tensor for name, tensor in router.items()})
-    experts = experts_module(adapter, layer)
-    out.update(moe.gate_up.stored(f"{experts}.{adapter.fused_in_name}"))
+    for experts, part in zip(experts_modules(adapter, layer), adapter.quantized_expert_sets(moe), strict=True):
+        out.update(_experts_tensors(adapter, experts, part))
+    return out
+
+
+def _experts_tensors(adapter: FamilyAdapter, experts: str, moe: QuantizedMoE) -> dict[str, torch.Tensor]:
+    out = moe.gate_up.stored(f"{experts}.{adapter.fused_in_name}")
     out.update(moe.down.stored(f"{experts}.down_proj"))
+    weights = moe.weights
     if weights.expert_norm is not None:
         out[f"{experts}.{adapter.expert_output_norm}.weight"] = weights.expert_norm
     if weights.gate_up_bias is not None:
