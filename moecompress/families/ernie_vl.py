@@ -45,6 +45,11 @@ class Ernie45VLMoeAdapter(TextUnderModel, Ernie45MoeAdapter):
     router_transposed = True
     expert_set_modules = tuple(f"mlp.{name}.experts" for name in _SETS)
 
+    @property
+    def moe_site_module(self) -> str:
+        """The whole MoE block ``mlp``: ``text_moe`` returns its tokens flattened to one dimension."""
+        return "mlp"
+
     # ---- config ---------------------------------------------------------------------------------------
     @property
     def num_experts(self) -> int:
