@@ -261,4 +261,3 @@ def _check_moe_layer(adapter: Any, tensors: dict[str, Any], source: str, layer: 
         raise UserInputError(
             f"{source}: layer {layer}: config.json says expert width {declared}, expert 0's weights are {width} wide"
         )
-

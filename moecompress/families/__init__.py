@@ -185,10 +185,6 @@ def families_declaring(hook: str) -> list[str]:
 
 
 REFUSED_FAMILIES: dict[str, str] = {
-    "ernie4_5_vl_moe": (
-        "ERNIE 4.5 VL's MoE layers hold two expert sets (text and vision) routed by each token's modality, which the "
-        "one-set expert view cannot hold"
-    ),
     "mistral_large4_text": (
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
         "output head); its release is mistral_large4, whose text model moecompress compresses"

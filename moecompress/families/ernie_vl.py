@@ -82,6 +82,19 @@ class Ernie45VLMoeAdapter(TextUnderModel, Ernie45MoeAdapter):
             )
         return super().with_expert_counts({layer: n // 2 for layer, n in counts.items()}, kept)
 
+    def check_expert_pruning(self, source: str = "model", config: Any = None) -> None:
+        """Global ranking keeps different counts per layer, which one ``moe_num_experts`` cannot describe."""
+        from ..errors import OptionError
+        from ..vocabulary import named
+
+        if config is not None and getattr(config, "scope", None) == "global":
+            raise OptionError(
+                f"{source}: {self.family} builds every MoE layer's text and vision sets from one moe_num_experts, so "
+                f"each layer keeps the same count: {named('scope', 'global')} cannot be written (use "
+                f"{named('scope', 'layer')})",
+                type(config),
+            )
+
     # ---- routing --------------------------------------------------------------------------------------
     def route(
         self,

@@ -23,8 +23,7 @@ def _stored(qt: QuantizedTensor) -> list[torch.Tensor | None]:
 def rows_of(qt: QuantizedTensor, experts: slice, rows: list[slice]) -> QuantizedTensor:
     """The experts ``experts`` of a ``[E, R, C]`` weight, their rows ``rows`` (slices of ``R``) concatenated."""
     parts = [
-        None if t is None else torch.cat([t[experts, piece] for piece in rows], dim=1).contiguous()
-        for t in _stored(qt)
+        None if t is None else torch.cat([t[experts, piece] for piece in rows], dim=1).contiguous() for t in _stored(qt)
     ]
     count = len(range(*experts.indices(qt.shape[0])))
     height = sum(len(range(*piece.indices(qt.shape[1]))) for piece in rows)
