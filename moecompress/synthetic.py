@@ -1256,7 +1256,7 @@ TINY_CONFIGS["jetmoe"] = dict(
 TINY_CONFIGS["ernie4_5_vl_moe"] = _vision_language(
     "ernie4_5_vl_moe",
     dict(
-        {k: v for k, v in _COMMON.items() if k not in ("tie_word_embeddings", "num_experts_per_tok")},
+        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
         num_hidden_layers=3,
         intermediate_size=64,
         moe_intermediate_size=[64, 32],
