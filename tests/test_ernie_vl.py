@@ -133,3 +133,15 @@ def test_quantised_sets_are_the_sets_quantised_alone(source):
         assert torch.equal(part.down.dequantize(), scheme.quantize(down).dequantize())
     with pytest.raises(UserInputError, match="does not end on a group of 32 input columns"):
         columns_of(scheme.quantize(moe.down), slice(0, 8), 16)
+
+
+def test_qat_writes_the_trained_adapters_under_the_stored_names(source, tmp_path):
+    """The student holds the text model as ``model.language_model.layers``, the checkpoint as ``model.layers``."""
+    result = run_cli(
+        "qat", str(source), "--out", str(tmp_path / "qat"), "--scheme", "int2", "--steps", "2", "--batch-size", "2",
+        "--train-tokens", "256", "--calib-tokens", "256", "--seq-len", "64", "--eval-tokens", "128",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    model = load_stock(tmp_path / "qat")
+    mlp = model.model.language_model.layers[1].mlp
+    assert {type(mlp.text_moe.experts).__name__, type(mlp.vision_moe.experts).__name__} == {"QuantizedExperts"}

@@ -147,17 +147,25 @@ def _adapter_key(name: str) -> bool:
 def write_with_adapters(
     source: Path, out_dir: Path, student: torch.nn.Module, report: dict[str, Any], overwrite: bool
 ) -> None:
-    """``source``'s tensors with every adapter replaced by the student's (as stored: bf16), atomically."""
+    """``source``'s tensors with every adapter replaced by the student's (as stored: bf16), atomically. A stored
+    adapter's module is found in the student under the name transformers' conversion gives it at load
+    (``model.layers`` is ``model.language_model.layers`` where a release keeps its text model under its own names)."""
+    from ..quantization.hf_quantizer import loaded_module_names
+
     trained = {name: p.detach() for name, p in student.named_parameters() if _adapter_key(name)}
     writer = CheckpointWriter(out_dir, overwrite=overwrite)
     try:
         with CheckpointReader(source) as reader:
             config = dict(reader.config)
+            modules = sorted({key.partition(".lowrank.")[0] for key in reader.keys() if _adapter_key(key)})
+            loaded = loaded_module_names(student, modules)
             for key in reader.keys():
                 if _adapter_key(key):
-                    if key not in trained:
+                    module, _, rest = key.partition(".lowrank.")
+                    name = f"{loaded[module]}.lowrank.{rest}"
+                    if name not in trained:
                         raise RuntimeError(f"{key}: the student has no such adapter")
-                    writer.add({key: trained.pop(key).to(ADAPTER_DTYPE).cpu()})
+                    writer.add({key: trained.pop(name).to(ADAPTER_DTYPE).cpu()})
                 else:
                     writer.add(reader.read([key], check_finite=False))
         if trained:
