@@ -120,6 +120,19 @@ def test_global_scope_is_refused_in_one_line(source, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--scheme", "int4", "--group-size", "64"], "64/32 wide; the narrower is cut from the wider at a group"),
+        (["--scheme", "mxfp4", "--salient-fraction", "0.01"], "leave --salient-fraction at 0"),
+    ],
+)
+def test_schemes_the_sets_cannot_be_cut_in_are_refused_before_work(options, message, source, tmp_path):
+    result = run_cli("quantize", str(source), "--out", str(tmp_path / "out"), *options)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_quantised_sets_are_the_sets_quantised_alone(source):
     from moecompress.quantization.experts import quantize_experts_rtn
 

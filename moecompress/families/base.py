@@ -705,6 +705,12 @@ class FamilyAdapter:
         """Every routed-experts module of a MoE layer (runtime names), in the order the view holds their experts."""
         return self.expert_set_modules or (self.experts_module,)
 
+    def experts_refusal(self, scheme: Any) -> str | None:
+        """Why the routed experts cannot be written in quantisation scheme ``scheme``
+        (:class:`~moecompress.quantization.scheme.QuantScheme`), or None (every scheme, but where
+        :meth:`quantized_expert_sets` cuts a block into parts)."""
+        return None
+
     def quantized_expert_sets(self, moe: Any) -> list[Any]:
         """A quantised block (:class:`~moecompress.quantization.experts.QuantizedMoE`) as the parts
         :meth:`experts_modules` hold, in that order: the block itself where a layer has one experts module."""

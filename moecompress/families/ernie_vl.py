@@ -208,6 +208,25 @@ class Ernie45VLMoeAdapter(TextUnderModel, Ernie45MoeAdapter):
             out[bias_key] = out[bias_key].reshape(2, -1)
         return out
 
+    def experts_refusal(self, scheme: Any) -> str | None:
+        """The sets are cut from the padded block along the input columns of ``down`` at a group boundary, and
+        salient weights are coded over the whole block."""
+        from ..vocabulary import named
+
+        if scheme.salient_fraction:
+            return (
+                f"{self.family}'s text and vision experts are written as two modules cut from one block, and salient "
+                f"weights are coded over the whole block: leave {named('salient_fraction')} at 0"
+            )
+        group = int(getattr(scheme, "group_size", 0) or 0)
+        narrow = min(self.set_widths())
+        if group and narrow % group:
+            return (
+                f"{self.family}'s expert sets are {'/'.join(map(str, self.set_widths()))} wide; the narrower is cut "
+                f"from the wider at a group boundary, which {named('group_size', group)} does not give"
+            )
+        return None
+
     def quantized_expert_sets(self, moe: Any) -> list[Any]:
         """The quantised block's text and vision sets, each unpadded (the padded rows and columns cut off, with the
         low-rank adapters' padded rows and columns)."""

@@ -23,14 +23,15 @@ QUANTIZED_PARAMS = ("weight", "gate_up_proj", "up_proj", "down_proj")
 
 def unsupported(adapter: FamilyAdapter, scheme: QuantScheme, targets: tuple[str, ...]) -> str | None:
     """The native format holds every scheme and target, except targets a family stores fused in a layout
-    transformers splits at load (no runtime module holds the stored weight)."""
+    transformers splits at load (no runtime module holds the stored weight) and schemes the family's experts modules
+    cannot be cut in (:meth:`~moecompress.families.FamilyAdapter.experts_refusal`)."""
     fused = sorted(set(targets) & set(getattr(adapter, "fused_on_disk_targets", ())))
     if fused:
         return (
             f"{adapter.family} stores its {', '.join(fused)} weights fused in one tensor that transformers splits at "
             "load; quantising them is not supported (quantise the experts, shared experts or lm_head)"
         )
-    return None
+    return adapter.experts_refusal(scheme)
 
 
 def written_in(quantization: Any) -> bool:
