@@ -55,9 +55,9 @@ def test_sweep_matches_stock_forward(family, capture_attention, tiny_checkpoints
     layers = []
     for capture in sweep.run():
         layers.append(capture.layer)
-        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-4, atol=1e-4)
         if routed:
-            torch.testing.assert_close(capture.router_input, torch.cat(routed[capture.layer]), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(capture.router_input, torch.cat(routed[capture.layer]), rtol=1e-4, atol=1e-4)
         else:
             assert capture.router_input is None
         if capture_attention and not adapter.softmax_attention(capture.layer):
@@ -91,7 +91,7 @@ def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
     plans_with_injections = sum(bool(plan.injections) for plan in sweep.plans)
     assert plans_with_injections == len(batches), "deepstack features should be injected after layer 0"
     for capture in sweep.run():
-        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-4, atol=1e-4)
 
 
 def test_a_capture_in_the_compute_dtype_shares_the_layer_experts_and_is_released_after(tmp_path):
