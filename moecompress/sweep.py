@@ -385,7 +385,7 @@ class CalibrationSweep:
             _convert_in_turn(moe, self.dtype)
         state = self.adapter.runtime_layer_state(layer, moe, rest)
         if moe is not None and self._computes_from_view(layer):
-            experts = f"{self.adapter.experts_module}."
+            experts = f"{self.adapter.runtime_in_layer(layer, self.adapter.experts_module)}."
             state = {k: v for k, v in state.items() if not k.startswith(experts)}
         state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         return moe, rest, layout, state

@@ -187,6 +187,9 @@ class FamilyAdapter:
     :attr:`encoder_output_argument` (the cross-attention's input; Switch Transformers' ``encoder.final_layer_norm``)."""
     encoder_output_argument: ClassVar[int | None] = None
     """Position, among a later stack's layer arguments after the hidden states, of the encoder's output."""
+    experts_one_hot_dispatch: ClassVar[bool] = False
+    """Whether the stock block calls its experts module with a one-hot dispatch ``[T, 1, E]`` in place of the top-k
+    ids (Switch Transformers); the plugin's quantised experts are then called so."""
     per_sequence_routing: ClassVar[bool] = False
     """Whether what a token's expert computes for it depends on the other tokens of its sequence (Switch
     Transformers' expert capacity): the sweep records each capture's sequence lengths and the passes route whole
