@@ -216,7 +216,7 @@ class CalibrationSweep:
         self.plans = self._plan(skeleton, recorder, batches)
         self.carry = LayerCarry(self.adapter, len(self.plans))
         norm = self.adapter.encoder_output_norm
-        self._encoder_norm = skeleton.get_submodule(norm) if norm is not None else None
+        self.encoder_norm = skeleton.get_submodule(norm) if norm is not None else None
         del skeleton
 
     def _skeleton(self) -> tuple[torch.nn.Module, _CallRecorder]:
@@ -567,7 +567,7 @@ class CalibrationSweep:
                 for out, plan in zip(outputs, self.plans, strict=True)
             ]
             if layer + 1 in self.adapter.stack_starts():
-                hidden = self._next_stack(layer, hidden)
+                hidden = self.next_stack(layer, hidden)
             if state is not None:
                 carried = self.carry.tensors() if self.carry.active else None
                 state.commit(layer, hidden, result, carried, last=layer == self.adapter.num_layers - 1)
@@ -593,12 +593,12 @@ class CalibrationSweep:
             return self.tags
         return self.decoder_tags
 
-    def _next_stack(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def next_stack(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """At the end of an encoder-decoder's stack: its output through :attr:`encoder_output_norm` carried for the
         later layers (their cross-attention input), and the next stack's recorded first inputs."""
         with torch.inference_mode():
             for batch, out in enumerate(outputs):
-                self.carry.encoder_output(batch, self._encoder_norm(out))
+                self.carry.encoder_output(batch, self.encoder_norm(out))
         return [plan.stack_inputs[layer + 1] for plan in self.plans]
 
     def _forward_routed(
