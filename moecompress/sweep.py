@@ -522,7 +522,9 @@ class CalibrationSweep:
                 if self.capture_attention and self.adapter.softmax_attention(layer):
                     handles.append(
                         module.get_submodule(self.adapter.attention_module).register_forward_hook(
-                            lambda mod, args, out, into=received: into.append(_attention_received(out[1]))
+                            lambda mod, args, out, into=received, at=self.adapter.attention_weights_output: into.append(
+                                _attention_received(out[at])
+                            )
                         )
                     )
             skipped = self._skipped_experts(module, layer) if moe is not None else None

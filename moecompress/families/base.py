@@ -197,6 +197,9 @@ class FamilyAdapter:
     has_correction_bias: ClassVar[bool] = False
     accepts_images: ClassVar[bool] = False
     attention_module: ClassVar[str] = "self_attn"
+    attention_weights_output: ClassVar[int] = 1
+    """Where :attr:`attention_module`'s output tuple holds the attention weights (T5's attention returns its
+    position bias before them)."""
     head_pruning: ClassVar[bool] = False
     qk_norm: ClassVar[QKNorm] = "none"
     reads_token_ids: ClassVar[bool] = False

@@ -52,6 +52,8 @@ class SwitchTransformersAdapter(FamilyAdapter):
     carried_outputs: ClassVar[dict[int, str | int]] = {1: 1, 2: 4}
     """A block's position biases (self-attention, cross-attention), computed by each stack's first block and
     handed on to the next block as its arguments ``position_bias`` and ``encoder_decoder_position_bias``."""
+    attention_module = "layer.0.SelfAttention"
+    attention_weights_output = 2
     per_sequence_routing = True
     experts_one_hot_dispatch = True
     layer_stacks = ("encoder.block", "decoder.block")
