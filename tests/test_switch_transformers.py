@@ -510,3 +510,41 @@ def test_the_router_refit_fits_and_measures_whole_sequences(adapter, model):
     assert report["error_before"] == pytest.approx(error(pruned), rel=1e-6)
     assert report["error_after"] == pytest.approx(error(refit), rel=1e-6)
     assert report["error_after"] < report["error_before"]
+
+
+def test_quantized_experts_load_per_stack_and_take_the_one_hot_dispatch(tmp_path):
+    """A quantised checkpoint names each stack's experts with its block's feed-forward (``layer.1`` / ``layer.2``)
+    and loads through the plugin; each quantised block computes what the stock block computes with the dequantised
+    experts, the tokens past an expert's capacity (an all-zero dispatch row) given nothing."""
+    import transformers
+
+    import moecompress  # noqa: F401 - the plugin
+    from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
+    from moecompress.synthetic import save_tiny_model
+
+    source = save_tiny_model("switch_transformers", tmp_path / "source")
+    quantize_checkpoint(source, tmp_path / "q", QuantizeConfig(scheme="mxfp4"), progress=False)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    adapter = adapter_for(config)
+    assert set(config["quantization_config"]["modules"]) == {
+        "encoder.block.1.layer.1.mlp.experts",
+        "decoder.block.0.layer.2.mlp.experts",
+        "decoder.block.1.layer.2.mlp.experts",
+    }
+    quantized = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    stock = transformers.AutoModelForSeq2SeqLM.from_pretrained(source, dtype=torch.float32).eval()
+    hidden = torch.randn(2, 96, 64, generator=torch.Generator().manual_seed(7))
+    for layer in adapter.moe_layers():
+        experts = adapter.experts_of(quantized, layer)
+        assert type(experts).__name__ == "QuantizedExperts"
+        with torch.no_grad():
+            for expert in range(8):
+                up, down = experts.expert_weights(expert, torch.float32)
+                adapter.experts_of(stock, layer)[f"expert_{expert}"].wi.weight.copy_(up)
+                adapter.experts_of(stock, layer)[f"expert_{expert}"].wo.weight.copy_(down)
+            dispatch = adapter.moe_block_of(stock, layer).router(hidden)[0]
+            want = adapter.moe_block_of(stock, layer)(hidden)
+            got = adapter.moe_block_of(quantized, layer)(hidden)
+        assert (dispatch.sum(dim=-1) == 0).any(), "the test's tokens must overflow an expert's capacity"
+        assert got[dispatch.sum(dim=-1) == 0].abs().max() == 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
