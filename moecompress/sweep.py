@@ -216,7 +216,7 @@ class CalibrationSweep:
         self.plans = self._plan(skeleton, recorder, batches)
         self.carry = LayerCarry(self.adapter, len(self.plans))
         norm = self.adapter.encoder_output_norm
-        self._encoder_norm = skeleton.get_submodule(norm) if norm is not None else None
+        self.encoder_norm = skeleton.get_submodule(norm) if norm is not None else None
         del skeleton
 
     def _skeleton(self) -> tuple[torch.nn.Module, _CallRecorder]:
@@ -385,7 +385,7 @@ class CalibrationSweep:
             _convert_in_turn(moe, self.dtype)
         state = self.adapter.runtime_layer_state(layer, moe, rest)
         if moe is not None and self._computes_from_view(layer):
-            experts = f"{self.adapter.experts_module}."
+            experts = f"{self.adapter.runtime_in_layer(layer, self.adapter.experts_module)}."
             state = {k: v for k, v in state.items() if not k.startswith(experts)}
         state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         return moe, rest, layout, state
@@ -524,7 +524,9 @@ class CalibrationSweep:
                 if self.capture_attention and self.adapter.softmax_attention(layer):
                     handles.append(
                         module.get_submodule(self.adapter.attention_module).register_forward_hook(
-                            lambda mod, args, out, into=received: into.append(_attention_received(out[1]))
+                            lambda mod, args, out, into=received, at=self.adapter.attention_weights_output: into.append(
+                                _attention_received(out[at])
+                            )
                         )
                     )
             skipped = self._skipped_experts(module, layer) if moe is not None else None
@@ -569,7 +571,7 @@ class CalibrationSweep:
                 for out, plan in zip(outputs, self.plans, strict=True)
             ]
             if layer + 1 in self.adapter.stack_starts():
-                hidden = self._next_stack(layer, hidden)
+                hidden = self.next_stack(layer, hidden)
             if state is not None:
                 carried = self.carry.tensors() if self.carry.active else None
                 state.commit(layer, hidden, result, carried, last=layer == self.adapter.num_layers - 1)
@@ -595,12 +597,12 @@ class CalibrationSweep:
             return self.tags
         return self.decoder_tags
 
-    def _next_stack(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def next_stack(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """At the end of an encoder-decoder's stack: its output through :attr:`encoder_output_norm` carried for the
         later layers (their cross-attention input), and the next stack's recorded first inputs."""
         with torch.inference_mode():
             for batch, out in enumerate(outputs):
-                self.carry.encoder_output(batch, self._encoder_norm(out))
+                self.carry.encoder_output(batch, self.encoder_norm(out))
         return [plan.stack_inputs[layer + 1] for plan in self.plans]
 
     def _forward_routed(

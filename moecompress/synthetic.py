@@ -1271,6 +1271,28 @@ TINY_CONFIGS["ernie4_5_vl_moe"] = _vision_language(
     video_start_token_id=378,
     video_end_token_id=379,
 )
+TINY_CONFIGS["switch_transformers"] = dict(
+    model_type="switch_transformers",
+    vocab_size=512,
+    d_model=64,
+    d_kv=16,
+    d_ff=64,
+    num_heads=4,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_sparse_encoder_layers=1,
+    num_sparse_decoder_layers=2,
+    num_experts=8,
+    expert_capacity=12,
+    router_jitter_noise=0.0,
+    dropout_rate=0.0,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+"""An encoder-decoder: a dense and a sparse encoder block, two sparse decoder blocks, 8 experts that each take at
+most 12 tokens of a sequence (so calibration windows overflow some), a vocabulary with room for T5's sentinels
+(:func:`tiny_tokenizer_for`)."""
 
 FAMILIES: tuple[str, ...] = tuple(TINY_CONFIGS)
 
@@ -1470,6 +1492,18 @@ def tiny_tokenizer(vocab_size: int = 384):
     tokenizer.train_from_iterator((doc.text for doc in builtin_documents("prose", "calib")[:10]), trainer=trainer)
     assert tokenizer.get_vocab_size() == vocab_size
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+
+
+SENTINELS = 100
+"""T5's sentinel count (``<extra_id_0>`` .. ``<extra_id_99>``), added to a seq2seq family's tiny tokenizer."""
+
+
+def tiny_tokenizer_for(family: str):
+    """:func:`tiny_tokenizer`, with T5's sentinels for a family whose calibration is span corruption."""
+    tokenizer = tiny_tokenizer()
+    if TINY_CONFIGS[family]["model_type"] == "switch_transformers":
+        tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(SENTINELS)]})
+    return tokenizer
 
 
 def write_synthetic_qwen3_moe(

@@ -304,12 +304,25 @@ def _adapter(directory: Path) -> Any:
     return adapter_for(json.loads((directory / "config.json").read_text()))
 
 
-def _logits(model: Any, vocab: int) -> Any:
+def _logits(model: Any, adapter: Any, source: Path) -> Any:
+    """The logits of two windows of random tokens; an encoder-decoder's are its decoder's, on the windows'
+    span corruption as the evaluation makes it (source and decoder input, the tokenizer of ``source``)."""
     import torch
 
+    vocab = int(adapter.text_config["vocab_size"])
     ids = torch.randint(3, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids}
+    if adapter.encoder_output_norm is not None:
+        from transformers import AutoTokenizer
+
+        from moecompress.calibration.span_corruption import seq2seq_windows
+        from moecompress.evals.perplexity import SEQ2SEQ_SEED
+
+        windows = seq2seq_windows(ids, torch.zeros_like(ids), AutoTokenizer.from_pretrained(source), adapter.config,
+                                  SEQ2SEQ_SEED)  # fmt: skip
+        inputs = {"input_ids": windows.input_ids, "decoder_input_ids": windows.decoder_input_ids}
     with torch.no_grad():
-        return model(input_ids=ids).logits
+        return model(**inputs).logits
 
 
 def _mask_experts(model: Any, adapter: Any, source: Path, removed: dict[int, list[int]]) -> None:
@@ -364,10 +377,11 @@ def check_prune(source: Path, work: Path) -> None:
     removed = {
         int(layer): entry["removed"] for layer, entry in report["layers"].items() if int(layer) < adapter.num_layers
     }
-    helpers, vocab = _test_helpers(), int(adapter.text_config["vocab_size"])
+    helpers = _test_helpers()
     reference = helpers.load_stock(source)
     _mask_experts(reference, adapter, source, removed)
-    torch.testing.assert_close(_logits(helpers.load_stock(work), vocab), _logits(reference, vocab), rtol=0, atol=1e-5)
+    got, want = _logits(helpers.load_stock(work), adapter, source), _logits(reference, adapter, source)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def check_mxfp4(source: Path, work: Path) -> None:
@@ -382,7 +396,7 @@ def check_mxfp4(source: Path, work: Path) -> None:
     model = _test_helpers().load_stock(work)
     kinds = {type(adapter.experts_of(model, layer)).__name__ for layer in adapter.moe_layers()}
     assert kinds == {"QuantizedExperts"}, kinds
-    assert torch.isfinite(_logits(model, int(adapter.text_config["vocab_size"]))).all()
+    assert torch.isfinite(_logits(model, adapter, source)).all()
 
 
 def check_recipe(source: Path, work: Path) -> None:
@@ -425,13 +439,13 @@ CHECK_FUNCTIONS = dict(
 
 def run_checks(entry: MoEType, work: Path) -> None:
     """The five checks of issue 42 on a tiny checkpoint of ``entry``'s type, each ``ok`` or why not."""
-    from moecompress.synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
+    from moecompress.synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer_for
 
     if entry.model_type not in TINY_CONFIGS:
         entry.checks = dict.fromkeys(CHECKS, "no tiny checkpoint")
         return
     source = save_tiny_model(entry.model_type, work / entry.model_type / "source")
-    tiny_tokenizer().save_pretrained(source)
+    tiny_tokenizer_for(entry.model_type).save_pretrained(source)
     for name in CHECKS:
         try:
             CHECK_FUNCTIONS[name](source, work / entry.model_type / name)

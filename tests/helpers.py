@@ -63,9 +63,25 @@ def plain_perplexity(directory, seq_len, tokens):
     ids = []
     for doc in builtin_documents("prose", "heldout"):
         ids.extend(tokenizer(doc.text + "\n\n", add_special_tokens=False)["input_ids"])
-    losses = []
+    windows = torch.tensor([ids[i * seq_len : (i + 1) * seq_len] for i in range(min(len(ids), tokens) // seq_len)])
+    if model.config.is_encoder_decoder:  # the decoder's targets on the windows' span corruption, drawn in turn
+        from moecompress.calibration.span_corruption import seq2seq_windows
+        from moecompress.evals.perplexity import SEQ2SEQ_SEED
+
+        spans = seq2seq_windows(windows, torch.zeros_like(windows), tokenizer, model.config.to_dict(), SEQ2SEQ_SEED)
+        rows = [
+            dict(input_ids=source[None], decoder_input_ids=decoder[None], labels=labels[None])
+            for source, decoder, labels in zip(spans.input_ids, spans.decoder_input_ids, spans.labels, strict=True)
+        ]
+    else:
+        rows = [dict(input_ids=window[None], labels=window[None]) for window in windows]
     with torch.no_grad():
-        for i in range(min(len(ids), tokens) // seq_len):
-            window = torch.tensor([ids[i * seq_len : (i + 1) * seq_len]])
-            losses.append(model(input_ids=window, labels=window).loss.item())
+        losses = [model(**row).loss.item() for row in rows]
     return math.exp(sum(losses) / len(losses)), model
+
+
+def stock_inputs(model, ids):
+    """The forward's inputs for the token ids ``ids`` ``[B, S]``: an encoder-decoder's decoder reads them too."""
+    if model.config.is_encoder_decoder:
+        return {"input_ids": ids, "decoder_input_ids": ids}
+    return {"input_ids": ids}

@@ -24,10 +24,13 @@ def test_inspect_every_family(family, tiny_checkpoints):
     text_config = config.get("text_config") or config.get("thinker_config", {}).get("text_config") or config
     assert summary["family"] == family
     layers = text_config.get("num_hidden_layers", text_config.get("num_layers", text_config.get("n_layers")))
+    layers = (layers or 0) + text_config.get("num_decoder_layers", 0)  # an encoder-decoder's stacks count alike
     assert summary["num_layers"] == (layers or len(text_config["layers_block_type"]))
     top_k = text_config.get("moe_topk", text_config.get("ffn_config", {}).get("moe_top_k"))  # Aria's, DBRX's
+    top_k = 1 if config["model_type"] == "switch_transformers" else top_k  # top-1 by design, no config key
     assert summary["top_k"] == text_config.get("num_experts_per_tok", top_k)
-    assert summary["attention_heads"] == text_config.get("num_attention_heads", text_config.get("n_heads"))
+    heads = text_config.get("num_attention_heads", text_config.get("n_heads", text_config.get("num_heads")))
+    assert summary["attention_heads"] == heads
     assert summary["parameters"]["experts"] > 0 and summary["parameters"]["router"] > 0
     assert summary["parameters_total"] == sum(summary["parameters"].values())
     tables = {kind: count for kind, count in summary["dtypes"].items() if kind.startswith("I")}  # token-id tables

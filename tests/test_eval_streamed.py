@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moecompress.calibration.batches import TokenWindows
+from moecompress.calibration.span_corruption import corrupt_spans
 from moecompress.checkpoint import CheckpointReader, resolve_model
 from moecompress.evals import streamed
 from moecompress.evals.perplexity import evaluate, evaluate_windows
@@ -12,7 +13,7 @@ from moecompress.loading import load_model
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 from moecompress.passes.prune_heads import PruneHeadsConfig, prune_heads
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.synthetic import FAMILIES, save_tiny_model, tiny_tokenizer
+from moecompress.synthetic import FAMILIES, SENTINELS, save_tiny_model, tiny_tokenizer
 
 FIGURES = ("perplexity", "kl", "routing_agreement", "reference_perplexity")
 SMALL = dict(calib_tokens=1024, seq_len=64, progress=False)
@@ -94,9 +95,16 @@ def test_head_pruned_output_with_per_layer_head_counts(tmp_path):
     _compare_windows(tmp_path / "heads", source)
 
 
-def _windows(vocab: int, count: int = 3, seq_len: int = 16) -> TokenWindows:
+def _windows(adapter, count: int = 3, seq_len: int = 16):
+    """Windows of random tokens; an encoder-decoder's span corruption of them (its vocabulary's last ids as the
+    sentinels)."""
+    vocab = int(adapter.text_config["vocab_size"])
     ids = torch.randint(0, vocab, (count, seq_len), generator=torch.Generator().manual_seed(0))
-    return TokenWindows(input_ids=ids, tags=torch.zeros_like(ids), tag_names=["text"])
+    if adapter.encoder_output_norm is None:
+        return TokenWindows(input_ids=ids, tags=torch.zeros_like(ids), tag_names=["text"])
+    sentinels = list(range(vocab - 1, vocab - 1 - SENTINELS, -1))
+    start = int(adapter.config["decoder_start_token_id"])
+    return corrupt_spans(ids, torch.zeros_like(ids), sentinels, int(adapter.config["eos_token_id"]), start, 0)
 
 
 def _compare_windows(model_dir, reference_dir):
@@ -104,7 +112,7 @@ def _compare_windows(model_dir, reference_dir):
         adapter = adapter_for(reader.config)
     with CheckpointReader(reference_dir) as reader:
         ref_adapter = adapter_for(reader.config)
-    windows = _windows(int(adapter.text_config["vocab_size"]))
+    windows = _windows(adapter)
     got = streamed.evaluate_streamed(model_dir, windows, reference_dir, progress=False)
     model, reference = load_model(model_dir, adapter), load_model(reference_dir, ref_adapter)
     want = evaluate_windows(model, adapter, windows, (reference, ref_adapter), progress=False)

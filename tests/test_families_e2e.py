@@ -13,7 +13,7 @@ from helpers import plain_perplexity
 
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
-from moecompress.synthetic import FAMILIES, tiny_tokenizer
+from moecompress.synthetic import FAMILIES, tiny_tokenizer_for
 
 E2E_FAMILIES = FAMILIES
 SEQ_LEN, TOKENS = 64, 512
@@ -22,14 +22,13 @@ SEQ_LEN, TOKENS = 64, 512
 @pytest.fixture(scope="module")
 def with_tokenizer(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    tokenizer = tiny_tokenizer()
     made = {}
 
     def get(family):
         if family not in made:
             made[family] = root / family
             shutil.copytree(tiny_checkpoints[family], made[family])
-            tokenizer.save_pretrained(made[family])
+            tiny_tokenizer_for(family).save_pretrained(made[family])
         return made[family]
 
     return get

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from helpers import load_stock
+from helpers import load_stock, stock_inputs
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.families import adapter_for
@@ -17,7 +17,7 @@ def _stock_moe_inputs(model, adapter, batches, module_name=None) -> dict:
     expected: dict = {}
     handles = [
         adapter.decoder_layers(model)[layer]
-        .get_submodule(module_name or adapter.moe_site_module)
+        .get_submodule(adapter.runtime_in_layer(layer, module_name or adapter.moe_site_module))
         .register_forward_hook(
             lambda mod, args, out, layer=layer: expected.setdefault(layer, []).append(
                 args[0].reshape(-1, args[0].shape[-1])
@@ -43,7 +43,7 @@ def test_sweep_matches_stock_forward(family, capture_attention, tiny_checkpoints
     if capture_attention:  # the sweep attends eagerly to return the weights; so does the reference
         model.set_attn_implementation("eager")
     generator = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, 300, (2, 24), generator=generator)} for _ in range(2)]
+    batches = [stock_inputs(model, torch.randint(0, 300, (2, 24), generator=generator)) for _ in range(2)]
 
     expected = _stock_moe_inputs(model, adapter, batches)
     routed = (

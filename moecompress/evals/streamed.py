@@ -194,7 +194,7 @@ class LayerStream(CalibrationSweep):
             for out, plan in zip(outputs, self.plans, strict=True)
         ]
         if layer + 1 in self.adapter.stack_starts():
-            outputs = self._next_stack(layer, outputs)
+            outputs = self.next_stack(layer, outputs)
         return outputs, seconds
 
 

@@ -122,17 +122,18 @@ def layer_statistics(
     hidden: torch.Tensor,
     router_input: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One MoE layer's entries, ``{name}.in_sum2`` (float64 ``[experts, width]``, ``[width]`` for a dense
     tensor) and ``{name}.counts`` (float64 ``[experts]``, ``[1]``), from the block's calibration inputs ``hidden``
     ``[T, H]`` and its weights as given (before quantisation: the activations llama.cpp computes from the model it
-    quantises)."""
+    quantises; a family that routes whole sequences, by ``hidden``'s ``sequence_lengths``)."""
     from ..quantization.experts import routed_inputs
 
     hidden = hidden.float()
     moe = moe_on(moe, hidden.device)
     router_input = None if router_input is None else router_input.to(hidden.device)
-    inputs = routed_inputs(adapter, moe, hidden, router_input, token_ids)
+    inputs = routed_inputs(adapter, moe, hidden, router_input, token_ids, sequence_lengths)
     width, inter = moe.gate_up.shape[-1], moe.intermediate_size
     routed = torch.zeros(moe.num_experts, width, dtype=torch.float64)
     down = torch.zeros(moe.num_experts, moe.down.shape[-1], dtype=torch.float64)
@@ -245,9 +246,10 @@ class ImatrixCollector:
         hidden: torch.Tensor,
         router_input: torch.Tensor | None,
         token_ids: torch.Tensor | None = None,
+        sequence_lengths: list[int] | None = None,
     ) -> None:
         """A MoE layer's routed entries, saved with what the hooks summed of it."""
-        entries = layer_statistics(self.adapter, layer, moe, hidden, router_input, token_ids)
+        entries = layer_statistics(self.adapter, layer, moe, hidden, router_input, token_ids, sequence_lengths)
         self._save(layer, {**entries, **self._hooked.pop(layer, {})})
 
     def restore(self, layer: int) -> None:

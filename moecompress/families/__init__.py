@@ -79,6 +79,7 @@ from .sarvam import Param2MoeAdapter, SarvamMoeAdapter
 from .sigmoid_bias import AfmoeAdapter, Lfm2MoeAdapter
 from .step3p7 import Step3p7Adapter
 from .sub_configs import sub_config_reason
+from .switch_transformers import SwitchTransformersAdapter
 from .unlimited_ocr import UnlimitedOcrAdapter
 from .zaya import ZayaAdapter
 
@@ -173,6 +174,7 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Inkling2TextAdapter,
     Inkling2Adapter,
     Ernie45VLMoeAdapter,
+    SwitchTransformersAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -189,14 +191,9 @@ REFUSED_FAMILIES: dict[str, str] = {
         "transformers has no language-model class for Mistral Large 4's text config (MistralLarge4TextModel has no "
         "output head); its release is mistral_large4, whose text model moecompress compresses"
     ),
-    "switch_transformers": (
-        "an encoder-decoder (seq2seq) model: its experts sit in an encoder and a cross-attending decoder, and "
-        "moecompress calibrates and evaluates decoder-only language models"
-    ),
     "nllb-moe": (
         "stock transformers' NllbMoeExperts runs expert_0 and expert_1 for every token whatever the router chose, so "
-        "no output can be checked against the model as routed or run correctly by it (and it is an encoder-decoder, "
-        "whose experts moecompress does not yet calibrate)"
+        "no output can be checked against the model as routed or run correctly by it"
     ),
     **dict.fromkeys(
         ("vitpose", "vitpose_backbone"),

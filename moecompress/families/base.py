@@ -187,6 +187,9 @@ class FamilyAdapter:
     :attr:`encoder_output_argument` (the cross-attention's input; Switch Transformers' ``encoder.final_layer_norm``)."""
     encoder_output_argument: ClassVar[int | None] = None
     """Position, among a later stack's layer arguments after the hidden states, of the encoder's output."""
+    experts_one_hot_dispatch: ClassVar[bool] = False
+    """Whether the stock block calls its experts module with a one-hot dispatch ``[T, 1, E]`` in place of the top-k
+    ids (Switch Transformers); the plugin's quantised experts are then called so."""
     per_sequence_routing: ClassVar[bool] = False
     """Whether what a token's expert computes for it depends on the other tokens of its sequence (Switch
     Transformers' expert capacity): the sweep records each capture's sequence lengths and the passes route whole
@@ -194,6 +197,9 @@ class FamilyAdapter:
     has_correction_bias: ClassVar[bool] = False
     accepts_images: ClassVar[bool] = False
     attention_module: ClassVar[str] = "self_attn"
+    attention_weights_output: ClassVar[int] = 1
+    """Where :attr:`attention_module`'s output tuple holds the attention weights (T5's attention returns its
+    position bias before them)."""
     head_pruning: ClassVar[bool] = False
     qk_norm: ClassVar[QKNorm] = "none"
     reads_token_ids: ClassVar[bool] = False

@@ -52,7 +52,10 @@ class SwitchTransformersAdapter(FamilyAdapter):
     carried_outputs: ClassVar[dict[int, str | int]] = {1: 1, 2: 4}
     """A block's position biases (self-attention, cross-attention), computed by each stack's first block and
     handed on to the next block as its arguments ``position_bias`` and ``encoder_decoder_position_bias``."""
+    attention_module = "layer.0.SelfAttention"
+    attention_weights_output = 2
     per_sequence_routing = True
+    experts_one_hot_dispatch = True
     layer_stacks = ("encoder.block", "decoder.block")
     encoder_output_norm = "encoder.final_layer_norm"
     encoder_output_argument = 2
@@ -220,6 +223,21 @@ class SwitchTransformersAdapter(FamilyAdapter):
 
     def moe_block_of(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
         return self._mlp(model, layer)
+
+    def stock_experts(
+        self, model: torch.nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The stock experts module called as the block calls it, with the one-hot dispatch of ``ids`` ``[T, 1]``."""
+        dispatch = nn.functional.one_hot(ids, num_classes=self.experts_in_layer(layer))
+        return self.experts_of(model, layer)(hidden, dispatch, weights)
+
+    def stock_experts_weights(self, module: torch.nn.Module) -> tuple[Any, Any, bool]:
+        """The experts' ``wi`` ``[E, I, H]`` and ``wo`` ``[E, H, I]`` as meta tensors (the plugin reads only their
+        shapes and dtype): the stock module holds one ``DenseActDense`` per expert."""
+        first = module["expert_0"]
+        experts, wi, wo = len(module), first.wi.weight, first.wo.weight
+        meta = dict(device="meta", dtype=wi.dtype)
+        return torch.empty(experts, *wi.shape, **meta), torch.empty(experts, *wo.shape, **meta), False
 
     def route_of(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits [T, E], weights [T, 1], ids [T, 1])`` of the stock router's ``(dispatch, probability, logits)``:

@@ -162,13 +162,15 @@ def merge_experts(
     refit: bool = True,
     chunk_tokens: int = 2048,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> tuple[MoEWeights, list[dict[str, Any]]]:
     """The block with one expert per group of expert positions (in group order; experts in no group are dropped),
     and one report per group.
 
     Tokens ``hidden`` ``[T, H]`` are routed by the unmerged block (its router reads ``router_input`` where given; a
     hash-routed block routes by the tokens' ids ``token_ids``, and its table's entries of a group's members name the
-    group's merged expert: :func:`~moecompress.families.token_table.merged`).
+    group's merged expert: :func:`~moecompress.families.token_table.merged`; a family that routes whole sequences,
+    by ``hidden``'s ``sequence_lengths``, a token its expert's capacity drops routed to none).
     A group of one is that expert, tensors untouched. Otherwise, with ``n_j`` the tokens routed to member j:
 
     - anchor: the member with the largest ``n_j`` (ties: the first); the merged expert takes its id;
@@ -195,7 +197,7 @@ def merge_experts(
     _check_groups(groups, moe.num_experts)
     device = hidden.device
     work = moe_on(moe, device)
-    ids, weights = _route_all(adapter, work, hidden, router_input, chunk_tokens, token_ids)
+    ids, weights = _route_all(adapter, work, hidden, router_input, chunk_tokens, token_ids, sequence_lengths)
     counts = torch.bincount(ids.reshape(-1), minlength=work.router_columns)[: work.num_experts].cpu()
     merged, reports = [], []
     for members in groups:
@@ -227,13 +229,21 @@ def _route_all(
     router_input: torch.Tensor | None,
     chunk_tokens: int,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's ``(ids, weights)``; with ``sequence_lengths`` (chunks then end at sequence ends) the tokens a
+    sequence-level rule takes away get the id ``router_columns``, no expert's."""
+    from .expert_scores import _chunks
+
     ids, weights = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
+    for start, end, lengths in _chunks(hidden.shape[0], chunk_tokens, sequence_lengths):
         routed_by = hidden if router_input is None else router_input
-        chunk = routed_by[start : start + chunk_tokens].to(hidden.device).float()
-        chunk_tokens_ids = None if token_ids is None else token_ids[start : start + chunk_tokens]
+        chunk = routed_by[start:end].to(hidden.device).float()
+        chunk_tokens_ids = None if token_ids is None else token_ids[start:end]
         chunk_ids, chunk_weights = adapter.route(moe, adapter.router_logits(moe, chunk), token_ids=chunk_tokens_ids)
+        if lengths is not None:
+            chunk_weights = adapter.sequence_routing(moe, chunk_ids, chunk_weights, lengths)
+            chunk_ids = chunk_ids.masked_fill(chunk_weights == 0, moe.router_columns)
         ids.append(chunk_ids)
         weights.append(chunk_weights.float())
     if not ids:

@@ -165,6 +165,7 @@ class PruneExpertsPass(LayerPass):
                 capture.moe_input,
                 router_input=capture.router_input,
                 token_ids=capture.token_ids,
+                sequence_lengths=capture.sequence_lengths,
             )
             rewritten = replace(rewritten, expert_ids=[block.expert_ids[group[0]] for group in groups])
         if self.config.recalibrate_router:
@@ -177,6 +178,7 @@ class PruneExpertsPass(LayerPass):
                 capture.moe_input,
                 router_input=capture.router_input,
                 token_ids=capture.token_ids,
+                sequence_lengths=capture.sequence_lengths,
             )
         self.rewrites[layer_unit(layer)] = done
         return _in_dtypes_of(rewritten, block)

@@ -516,7 +516,9 @@ class QuantizedLayers:
         meta: dict[str, Any] = {}
         quantizer = self.quantizer
         if self.imatrix is not None:
-            self.imatrix.add(layer, moe, capture.moe_input, capture.router_input, capture.token_ids)
+            self.imatrix.add(
+                layer, moe, capture.moe_input, capture.router_input, capture.token_ids, capture.sequence_lengths
+            )
         quantized = quantizer.quantize(layer, moe, capture)
         if self.ranks:
             layer_ranks = {(e, w): r for (lay, e, w), r in self.ranks.items() if lay == layer}

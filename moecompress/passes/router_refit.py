@@ -16,6 +16,7 @@ last; the best rows seen are returned, the original tensors themselves when no s
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from typing import Any
@@ -48,13 +49,15 @@ def recalibrate_router(
     seed: int = 0,
     chunk_tokens: int = CHUNK_TOKENS,
     token_ids: torch.Tensor | None = None,
+    sequence_lengths: list[int] | None = None,
 ) -> tuple[MoEWeights, dict[str, Any]]:
     """``compressed`` with its router rows (and bias) fitted so that its routed output on the tokens ``hidden``
     ``[T, H]`` (the router reads ``router_input`` where the family's router has an input of its own; hash-routed
-    blocks route by the tokens' ids ``token_ids``) is as close as
-    the fit gets to ``reference``'s, and a report: the relative error ‖Δ‖²/‖ref‖² over all tokens before and after,
-    the step whose rows were kept (0: the original rows), steps, tokens, lr, batch size, and ``history``: ``[step,
-    error]`` of every measurement."""
+    blocks route by the tokens' ids ``token_ids``; a family that routes whole sequences, by ``hidden``'s
+    ``sequence_lengths``: the minibatches are then whole sequences) is as close as the fit gets to ``reference``'s,
+    and a report: the relative error ‖Δ‖²/‖ref‖² over all tokens before and after, the step whose rows were kept
+    (0: the original rows), steps, tokens, lr, batch size, and ``history``: ``[step, error]`` of every
+    measurement."""
     tokens = hidden.shape[0]
     if tokens == 0:
         raise ValueError("router recalibration needs at least one calibration token")
@@ -66,12 +69,13 @@ def recalibrate_router(
     x = hidden.float()
     routed_by = None if router_input is None else router_input.to(device).float()
     moe = moe_on(compressed, device)
-    target = _routed_output(adapter, moe_on(reference, device), x, routed_by, chunk_tokens, token_ids=token_ids)
-    energy = sum(target[s : s + chunk_tokens].double().pow(2).sum() for s in range(0, tokens, chunk_tokens))
+    pieces = _pieces(tokens, chunk_tokens, sequence_lengths)
+    target = _routed_output(adapter, moe_on(reference, device), x, routed_by, pieces, token_ids=token_ids)
+    energy = sum(target[rows].double().pow(2).sum() for rows in pieces)
     energy = energy.clamp_min(torch.finfo(torch.float64).tiny)
 
     def error(candidate: MoEWeights) -> float:
-        return float(_squared_error(adapter, candidate, x, routed_by, target, chunk_tokens, token_ids) / energy)
+        return float(_squared_error(adapter, candidate, x, routed_by, target, pieces, token_ids) / energy)
 
     before = best = error(moe)
     history = [[0, before]]
@@ -83,15 +87,19 @@ def recalibrate_router(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda done: 0.5 * (1 + math.cos(math.pi * done / max(steps, 1)))
     )
-    batches = _token_batches(tokens, batch_tokens, seed, device)
+    batches = (
+        _token_batches(tokens, batch_tokens, seed, device)
+        if sequence_lengths is None
+        else _sequence_batches(sequence_lengths, batch_tokens, seed, device)
+    )
     mean_energy = (energy / tokens).float()
     expert_grad = adapter.routing_rule().scales_input
     for step in range(1, steps + 1):
-        index = next(batches)
+        index, lengths = next(batches)
         fitted = replace(moe, router_weight=weight, router_bias=bias)
         batch_router_input = None if routed_by is None else routed_by[index]
         batch_token_ids = None if token_ids is None else token_ids.to(index.device)[index]
-        out = _routed_output(adapter, fitted, x[index], batch_router_input, None, expert_grad, batch_token_ids)
+        out = _routed_output(adapter, fitted, x[index], batch_router_input, None, expert_grad, batch_token_ids, lengths)
         loss = (out - target[index]).pow(2).sum(dim=-1).mean() / mean_energy
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,13 +162,40 @@ def _scale(value: torch.Tensor) -> float:
 
 
 def _token_batches(tokens: int, batch_tokens: int, seed: int, device: torch.device):
-    """Minibatches of token indices: each pass over the tokens in a seeded random order, forever."""
+    """Minibatches ``(token indices, None)``: each pass over the tokens in a seeded random order, forever."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     size = min(batch_tokens, tokens)
     while True:
         order = torch.randperm(tokens, generator=generator)
         for start in range(0, tokens - size + 1, size):
-            yield order[start : start + size].to(device)
+            yield order[start : start + size].to(device), None
+
+
+def _sequence_batches(lengths: list[int], batch_tokens: int, seed: int, device: torch.device):
+    """Minibatches ``(token indices, sequence lengths)`` of whole sequences, about ``batch_tokens`` tokens (at least
+    one sequence) each: each pass over the sequences in a seeded random order, forever."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    starts = [0, *itertools.accumulate(lengths)]
+    size = min(batch_tokens, starts[-1])
+    while True:
+        batch: list[int] = []
+        for sequence in torch.randperm(len(lengths), generator=generator).tolist():
+            batch.append(sequence)
+            if sum(lengths[i] for i in batch) >= size:
+                yield _sequence_rows(batch, starts, device), [lengths[i] for i in batch]
+                batch = []
+
+
+def _sequence_rows(sequences: list[int], starts: list[int], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sequences]).to(device)
+
+
+def _pieces(tokens: int, chunk_tokens: int, sequence_lengths: list[int] | None) -> list[slice]:
+    """The token ranges the family's forward runs on at once: chunks of ``chunk_tokens``, or each sequence."""
+    if sequence_lengths is None:
+        return [slice(s, s + chunk_tokens) for s in range(0, tokens, chunk_tokens)]
+    starts = [0, *itertools.accumulate(sequence_lengths)]
+    return [slice(start, end) for start, end in itertools.pairwise(starts)]
 
 
 def _routed_output(
@@ -168,27 +203,26 @@ def _routed_output(
     moe: MoEWeights,
     x: torch.Tensor,
     routed_by: torch.Tensor | None,
-    chunk_tokens: int | None,
+    pieces: list[slice] | None,
     expert_grad: bool = False,
     token_ids: torch.Tensor | None = None,
+    lengths: list[int] | None = None,
 ) -> torch.Tensor:
-    """The block's routed output for ``x``; the router's tensors carry their grad, the experts' computation only
-    with ``expert_grad``. With ``chunk_tokens`` it is the family's own forward without grad, that many tokens at a
-    time."""
-    if chunk_tokens is not None:
+    """The block's routed output for ``x`` (whole sequences of ``lengths`` for a family that routes them); the
+    router's tensors carry their grad, the experts' computation only with ``expert_grad``. With ``pieces`` it is
+    the family's own forward without grad, one piece at a time (:func:`_pieces`)."""
+    if pieces is not None:
         out = torch.empty_like(x)
         with torch.no_grad():
-            for s in range(0, x.shape[0], chunk_tokens):
-                rows = slice(s, s + chunk_tokens)
+            for rows in pieces:
                 out[rows] = adapter.moe_forward(
-                    moe,
-                    x[rows],
-                    router_input=_rows(routed_by, s, chunk_tokens),
-                    token_ids=_rows(token_ids, s, chunk_tokens),
+                    moe, x[rows], router_input=_rows(routed_by, rows), token_ids=_rows(token_ids, rows)
                 )
         return out
     logits = adapter.router_logits(moe, x if routed_by is None else routed_by)
     ids, weights = adapter.route(moe, logits, token_ids=token_ids)
+    if lengths is not None:
+        weights = adapter.sequence_routing(moe, ids, weights, lengths)
 
     def output_of(expert: int, expert_input: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(expert_grad and torch.is_grad_enabled()):
@@ -203,21 +237,18 @@ def _squared_error(
     x: torch.Tensor,
     routed_by: torch.Tensor | None,
     target: torch.Tensor,
-    chunk_tokens: int,
+    pieces: list[slice],
     token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     with torch.no_grad():
-        for s in range(0, x.shape[0], chunk_tokens):
+        for rows in pieces:
             out = adapter.moe_forward(
-                moe,
-                x[s : s + chunk_tokens],
-                router_input=_rows(routed_by, s, chunk_tokens),
-                token_ids=_rows(token_ids, s, chunk_tokens),
+                moe, x[rows], router_input=_rows(routed_by, rows), token_ids=_rows(token_ids, rows)
             )
-            total += (out - target[s : s + chunk_tokens]).double().pow(2).sum()
+            total += (out - target[rows]).double().pow(2).sum()
     return total
 
 
-def _rows(tensor: torch.Tensor | None, start: int, count: int) -> torch.Tensor | None:
-    return None if tensor is None else tensor[start : start + count]
+def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if tensor is None else tensor[rows]

@@ -92,6 +92,7 @@ def _quantized_twin(
     output_norm: str | None = None,
     *,
     stock_weights: Callable[[torch.nn.Module], tuple[Any, Any, bool]],
+    one_hot_dispatch: bool = False,
 ) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
         problem = scheme.width_problem(module.in_features)
@@ -120,6 +121,7 @@ def _quantized_twin(
         salient=salient,
         gated=gated,
         output_norm=getattr(module, output_norm) if output_norm else None,
+        one_hot_dispatch=one_hot_dispatch,
     )
 
 
@@ -224,6 +226,7 @@ def replace_quantized_modules(
                     config.salient_of(full_name),
                     adapter.expert_output_norm,
                     stock_weights=adapter.stock_experts_weights,
+                    one_hot_dispatch=adapter.experts_one_hot_dispatch,
                 )
             except (ValueError, TypeError, KeyError) as error:
                 raise ValueError(f"quantization_config for {full_name}: {error}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +132,9 @@ class QuantizedExperts(_QuantizedWeights):
     orientation (``gate_up`` ``[E, 2I, H]`` gate rows first, ``down`` ``[E, H, I]``); biases, where the family has
     them, likewise. Non-gated experts (``gated=False``) hold ``up_proj`` ``[E, I, H]`` in ``gate_up_proj``'s place
     and call ``activation(None, up)``. An ``output_norm`` module (the stock experts module's ``post_expert_norm``,
-    Muse Spark's) normalises each expert's output before its routing weight, as the stock module does."""
+    Muse Spark's) normalises each expert's output before its routing weight, as the stock module does. With
+    ``one_hot_dispatch`` it is called as Switch Transformers' ``experts(hidden [T, H], dispatch [T, 1, E],
+    weights [T, 1])``: a token's one-hot row names its expert, an all-zero row (past the expert's capacity) none."""
 
     def __init__(
         self,
@@ -147,8 +150,10 @@ class QuantizedExperts(_QuantizedWeights):
         salient: SalientSizes | None = None,
         gated: bool = True,
         output_norm: nn.Module | None = None,
+        one_hot_dispatch: bool = False,
     ):
         super().__init__(scheme)
+        self.one_hot_dispatch = one_hot_dispatch
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.post_expert_norm = output_norm
         self.activation = activation
@@ -161,6 +166,16 @@ class QuantizedExperts(_QuantizedWeights):
         self.gate_up_proj_bias = _frozen((num_experts, 2 * intermediate_size), dtype) if has_bias else None
         self.down_proj_bias = _frozen((num_experts, hidden_size), dtype) if has_bias else None
         self.lowrank = ExpertAdapters(num_experts, hidden_size, intermediate_size, ranks or {}, dtype)
+
+    def __getitem__(self, name: str) -> SimpleNamespace:
+        """Switch Transformers' weight initialisation indexes its experts ``ModuleDict`` (``experts["expert_0"].wi
+        .weight``) after the plugin has put this module there: it gets placeholders marked initialised, which
+        transformers' ``init`` functions skip (the quantised weights come from the checkpoint)."""
+        if not self.one_hot_dispatch:
+            raise TypeError(f"{type(self).__name__} is not subscriptable")
+        placeholder = torch.empty(0, device="meta")
+        placeholder._is_hf_initialized = True
+        return SimpleNamespace(wi=SimpleNamespace(weight=placeholder), wo=SimpleNamespace(weight=placeholder))
 
     def cache_dequantized(self, dtype: torch.dtype) -> None:
         """Keep every expert's dequantised weights in memory (non-persistent), so repeated forwards, as in
@@ -195,6 +210,8 @@ class QuantizedExperts(_QuantizedWeights):
     ):
         if top_k_index is None:
             return self._forward_every_expert(hidden_states)
+        if self.one_hot_dispatch:
+            top_k_index, top_k_weights = _from_dispatch(top_k_index, top_k_weights)
         if hidden_states.ndim > 2:
             return self.forward(hidden_states.reshape(-1, hidden_states.shape[-1]), top_k_index, top_k_weights).reshape(
                 hidden_states.shape
@@ -256,6 +273,12 @@ class QuantizedExperts(_QuantizedWeights):
         if self.post_expert_norm.weight.dim() == 2:  # one weight per expert (Ergo): the norm takes the expert ids
             return self.post_expert_norm(expert_out, torch.full_like(expert_out[:, 0], expert, dtype=torch.long))
         return self.post_expert_norm(expert_out)
+
+
+def _from_dispatch(dispatch: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [T, 1], weights [T, 1])`` of a one-hot dispatch ``[T, 1, E]``: a token no expert takes keeps expert 0
+    with weight 0, which adds exactly nothing to its output."""
+    return dispatch.argmax(dim=-1), weights * dispatch.sum(dim=-1).to(weights.dtype)
 
 
 _ADAPTER_SHAPES = {"gate": ("inter", "hidden"), "up": ("inter", "hidden"), "down": ("hidden", "inter")}

@@ -9,6 +9,10 @@ that an early layer's error passes through every later layer before it reaches t
 The gradient pass streams the decoder one layer at a time, forward then backward (:func:`block_output_fisher`).
 Where later layers read a stack of earlier layers' inputs (Inkling 2's ``block_states``), the gradient at each stack
 entry is gathered from every layer (and the head) that reads it and added to the gradient at its layer's input.
+An encoder-decoder's loss is its decoder's next-token loss on the decoder inputs (every target but the last); the
+gradient at the encoder's output is gathered from every decoder layer's cross-attention input and taken through the
+encoder's final norm to its last layer's output (the decoder's first layer's input gradient, its embeddings', is
+not the encoder's).
 """
 
 from __future__ import annotations
@@ -86,8 +90,12 @@ def block_output_fisher(
                     for out, plan in zip(outputs, sweep.plans, strict=True)
                 ]
                 del outputs
+                if layer + 1 in adapter.stack_starts():
+                    write_safetensors(_stack_output(spill, layer), {str(i): h for i, h in enumerate(hidden)}, {})
+                    hidden = sweep.next_stack(layer, hidden)
             gradients, block_gradients = _head_gradients(sweep, batches, hidden)
             del hidden
+            encoder_gradients: list[torch.Tensor | None] = [None] * len(batches)
             squares: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe_layers}
             below = progress_bar(
                 reversed(range(lowest, adapter.num_layers)),
@@ -98,12 +106,45 @@ def block_output_fisher(
             )
             for layer in below:
                 gradients = _backpropagate_layer(
-                    sweep, layer, f"{spill}/{layer}.safetensors", gradients, squares, block_gradients
+                    sweep, layer, f"{spill}/{layer}.safetensors", gradients, squares, block_gradients, encoder_gradients
                 )
                 Path(f"{spill}/{layer}.safetensors").unlink()
+                if layer > lowest and layer in adapter.stack_starts():
+                    gradients = _through_encoder_norm(sweep, _stack_output(spill, layer - 1), encoder_gradients)
     finally:
         sweep.reader.close()
     return {layer: torch.cat(values) for layer, values in squares.items()}
+
+
+def _stack_output(spill: str, layer: int) -> str:
+    """Where the forward keeps the outputs of layer ``layer``, the last of a stack (an encoder's, before its norm)."""
+    return f"{spill}/stack-{layer}.safetensors"
+
+
+def _through_encoder_norm(
+    sweep: CalibrationSweep, outputs_path: str, encoder_gradients: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """Per batch, the gradient at the encoder's last layer output, from the gradient at its normalised output that
+    the decoder layers gathered."""
+    outputs = load_file(outputs_path)
+    gradients = []
+    with torch.enable_grad():
+        for index, gradient in enumerate(encoder_gradients):
+            states = outputs.pop(str(index)).requires_grad_(True)
+            if gradient is None:
+                gradients.append(torch.zeros_like(states))
+                continue
+            normed = sweep.encoder_norm(states)
+            (input_gradient,) = torch.autograd.grad(normed, [states], grad_outputs=gradient.to(normed.dtype))
+            gradients.append(input_gradient)
+    Path(outputs_path).unlink()
+    return gradients
+
+
+def _loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`next_token_loss` of a batch: on its decoder's inputs where it has them (an encoder-decoder)."""
+    targets = batch["decoder_input_ids"] if "decoder_input_ids" in batch else batch["input_ids"]
+    return next_token_loss(logits, targets.to(logits.device))
 
 
 def _head_gradients(
@@ -128,7 +169,7 @@ def _head_gradients(
     del head_hidden, head_stacks, stacks
     pieces, stack_pieces = [], []
     for index, logits in enumerate(logits_of(head_batches, leaves, stack_leaves)):
-        loss = next_token_loss(logits, head_batches[index]["input_ids"].to(logits.device))
+        loss = _loss(logits, head_batches[index])
         wrt = [leaves[index]] if stack_leaves is None else [leaves[index], stack_leaves[index]]
         gradients = torch.autograd.grad(loss, wrt)
         pieces.append(host_buffer(gradients[0]))
@@ -163,11 +204,13 @@ def _backpropagate_layer(
     output_gradients: list[torch.Tensor],
     squares: dict[int, list[torch.Tensor]],
     block_gradients: list[dict[int, torch.Tensor]],
+    encoder_gradients: list[torch.Tensor | None],
 ) -> list[torch.Tensor]:
     """The gradients at layer ``layer``'s inputs, given those at its outputs; appends, for an MoE layer, each
     token's ``‖∂loss/∂(block output)‖² / H`` to ``squares[layer]``. The gradients at the block-stack entries the
     layer reads are added to ``block_gradients`` (per batch, by entry layer); a block-boundary layer's input takes
-    its entry's, which every later reader has added by then."""
+    its entry's, which every later reader has added by then. A decoder layer's gradient at the encoder output it
+    reads is added to ``encoder_gradients`` (per batch)."""
     module, moe = sweep.materialise(layer)
     del moe
     module.requires_grad_(False)
@@ -178,7 +221,8 @@ def _backpropagate_layer(
             out = output[0] if isinstance(output, tuple) else output
             out.register_hook(lambda grad: squares[layer].append(grad.float().pow(2).mean(dim=-1).reshape(-1).cpu()))
 
-        handle = module.get_submodule(sweep.adapter.moe_site_module).register_forward_hook(record)
+        site = sweep.adapter.runtime_in_layer(layer, sweep.adapter.moe_site_module)
+        handle = module.get_submodule(site).register_forward_hook(record)
     inputs = load_file(inputs_path)
     carry = LayerCarry(sweep.adapter, len(output_gradients))
     carry.restore({name[len(_CARRIED) :]: inputs.pop(name) for name in list(inputs) if name.startswith(_CARRIED)})
@@ -193,11 +237,25 @@ def _backpropagate_layer(
             if carry.block_argument is not None:
                 args = list(args)
                 args[carry.block_argument] = carry.stack(read, states)
+            encoder = carry.encoder[index] if carry.encoder_argument is not None else None
+            if encoder is not None:
+                encoder = to_compute(encoder).to(states.dtype).requires_grad_(True)
+                args = list(args)
+                args[carry.encoder_argument] = encoder
             out = module(states, *args, **carry.arguments(layer, index, kwargs))
             out = out[0] if isinstance(out, tuple) else out
             input_gradient, *read_gradients = torch.autograd.grad(
-                out, [states, *read], grad_outputs=to_compute(gradient), allow_unused=True
-            )
+                out, [states, *read, *([] if encoder is None else [encoder])], grad_outputs=to_compute(gradient),
+                allow_unused=True,
+            )  # fmt: skip
+            if encoder is not None:
+                encoder_gradient = read_gradients.pop()
+                if encoder_gradient is not None:
+                    held_encoder = encoder_gradients[index]
+                    encoder_gradient = host_buffer(encoder_gradient)
+                    encoder_gradients[index] = (
+                        encoder_gradient if held_encoder is None else held_encoder + encoder_gradient
+                    )
             held = block_gradients[index]
             for (entry_layer, _), entry_gradient in zip(entries, read_gradients, strict=True):
                 if entry_gradient is not None:

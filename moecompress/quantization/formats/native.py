@@ -40,7 +40,8 @@ def written_in(quantization: Any) -> bool:
 
 
 def experts_module(adapter: FamilyAdapter, layer: int) -> str:
-    return f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(adapter.experts_module)}"
+    local = adapter.runtime_in_layer(layer, adapter.experts_module)
+    return f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(local)}"
 
 
 def experts_modules(adapter: FamilyAdapter, layer: int) -> list[str]:
