@@ -298,6 +298,8 @@ def _stored_rewrite(passes: list[LayerPass], sweeps: Sweeps):
 
 
 def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: FamilyAdapter, writer) -> None:
+    from .checkpoint.mtp import mtp_layers
+
     sweeps = plan_sweeps(passes)
     write = _LayerWriter(passes, adapter, writer)
     stored = _stored_rewrite(passes, sweeps)
@@ -311,9 +313,18 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
         if OUTSIDE_UNIT not in writer.units:
             dropped_keys = context.extra.get("drop_keys", frozenset())
             write.outside(reader.read([key for key in outside if key not in dropped_keys]))
+        dropped = context.extra.get("drop_layers", frozenset())
         if state is not None:
             data = context.calibration
-            sweep = _sweep(context, data.batches, data.tags, keep_tensors=True, replaces=sweeps.sequential)
+            mtp = [layer for layer in mtp_layers(adapter, reader.keys()) if layer not in dropped]
+            sweep = _sweep(
+                context,
+                data.batches,
+                data.tags,
+                keep_tensors=True,
+                replaces=sweeps.sequential,
+                last_outputs_unused=sweeps.sequential and not mtp,
+            )
             for layer_pass in passes:
                 layer_pass.attach_sweep(sweep)
             for capture in sweep.run(state, label="rewriting"):
@@ -323,7 +334,6 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
                     capture.replacement, capture.allowed = _replacement(capture.moe, block)
                     capture.router = _router_replacement(capture.moe, capture.replacement.view)
                 del block
-        dropped = context.extra.get("drop_layers", frozenset())
         if state is not None:
             _write_mtp_layers(sweep, write, writer, dropped, data.batches)
         remaining = [layer for layer in layers if layer_unit(layer) not in writer.units and layer not in dropped]
