@@ -29,6 +29,7 @@ many: the ``prune`` and ``quantize`` commands, their API calls and library funct
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -337,7 +338,10 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
         if state is not None:
             _write_mtp_layers(sweep, write, writer, dropped, data.batches)
         remaining = [layer for layer in layers if layer_unit(layer) not in writer.units and layer not in dropped]
+        following = dict(pairwise(remaining))
         for layer in progress_bar(remaining, desc="writing", unit="layer", disable=not context.progress):
+            if layer in following:
+                reader.advise(layers[following[layer]])
             if stored is not None:
                 write.stored(layer, stored(layer, reader.read_raw(layers[layer])))
                 continue

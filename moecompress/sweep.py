@@ -433,9 +433,13 @@ class CalibrationSweep:
         return module.to(device)
 
     def prefetch(self, layer: int) -> None:
-        """Start reading layer ``layer`` on a background thread while the device works on the current one; only
-        on an accelerator (on 2 CPU cores the read competes with the compute and did not pay)."""
-        if not is_accelerated() or layer >= self.adapter.num_layers:
+        """Start reading layer ``layer`` while the current one computes: on an accelerator on a background thread
+        into memory; on the CPU only into the page cache (:meth:`CheckpointReader.advise`: on 2 cores a reading
+        thread competes with the compute and did not pay, the kernel's read-ahead takes no CPU)."""
+        if not 0 <= layer < self.adapter.num_layers:
+            return
+        if not is_accelerated():
+            self.reader.advise(self.layer_keys.get(layer, []))
             return
         if not hasattr(self, "_prefetched"):
             self._prefetched: dict[int, Future] = {}
