@@ -9,7 +9,10 @@ A recipe's consecutive layer passes (:mod:`moecompress.passes.registry`) form on
    from all layers' measurements (the expert ranking, the rank budget);
 3. one rewriting sweep: per decoder layer, read once, calibrate (if a pass needs routed inputs), apply the passes
    in recipe order (prune experts -> quantise -> low-rank adapters), write the layer once, and recompute its
-   outputs through the rewritten block (pruned, quantised) as the next layer's inputs (sequential calibration).
+   outputs through the rewritten block (pruned, quantised) as the next layer's inputs (sequential calibration;
+   the recomputing forward reuses the layer's attention outputs, :mod:`moecompress.attention_replay`, and the last
+   layer is not recomputed where no MTP layer reads its outputs). Each sweep asks the kernel to read the next layer
+   ahead while it computes one (:meth:`~moecompress.checkpoint.CheckpointReader.advise`).
 
 The measuring sweep runs on the original weights: a pruning decision is global, known only after it. A low-rank
 budget is therefore spent on spectra and loads measured before pruning; the spectra of the experts pruning removes
