@@ -9,7 +9,10 @@ A recipe's consecutive layer passes (:mod:`moecompress.passes.registry`) form on
    from all layers' measurements (the expert ranking, the rank budget);
 3. one rewriting sweep: per decoder layer, read once, calibrate (if a pass needs routed inputs), apply the passes
    in recipe order (prune experts -> quantise -> low-rank adapters), write the layer once, and recompute its
-   outputs through the rewritten block (pruned, quantised) as the next layer's inputs (sequential calibration).
+   outputs through the rewritten block (pruned, quantised) as the next layer's inputs (sequential calibration;
+   the recomputing forward reuses the layer's attention outputs, :mod:`moecompress.attention_replay`, and the last
+   layer is not recomputed where no MTP layer reads its outputs). Each sweep asks the kernel to read the next layer
+   ahead while it computes one (:meth:`~moecompress.checkpoint.CheckpointReader.advise`).
 
 The measuring sweep runs on the original weights: a pruning decision is global, known only after it. A low-rank
 budget is therefore spent on spectra and loads measured before pruning; the spectra of the experts pruning removes
@@ -29,6 +32,7 @@ many: the ``prune`` and ``quantize`` commands, their API calls and library funct
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +302,8 @@ def _stored_rewrite(passes: list[LayerPass], sweeps: Sweeps):
 
 
 def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: FamilyAdapter, writer) -> None:
+    from .checkpoint.mtp import mtp_layers
+
     sweeps = plan_sweeps(passes)
     write = _LayerWriter(passes, adapter, writer)
     stored = _stored_rewrite(passes, sweeps)
@@ -311,9 +317,18 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
         if OUTSIDE_UNIT not in writer.units:
             dropped_keys = context.extra.get("drop_keys", frozenset())
             write.outside(reader.read([key for key in outside if key not in dropped_keys]))
+        dropped = context.extra.get("drop_layers", frozenset())
         if state is not None:
             data = context.calibration
-            sweep = _sweep(context, data.batches, data.tags, keep_tensors=True, replaces=sweeps.sequential)
+            mtp = [layer for layer in mtp_layers(adapter, reader.keys()) if layer not in dropped]
+            sweep = _sweep(
+                context,
+                data.batches,
+                data.tags,
+                keep_tensors=True,
+                replaces=sweeps.sequential,
+                last_outputs_unused=sweeps.sequential and not mtp,
+            )
             for layer_pass in passes:
                 layer_pass.attach_sweep(sweep)
             for capture in sweep.run(state, label="rewriting"):
@@ -323,11 +338,13 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
                     capture.replacement, capture.allowed = _replacement(capture.moe, block)
                     capture.router = _router_replacement(capture.moe, capture.replacement.view)
                 del block
-        dropped = context.extra.get("drop_layers", frozenset())
         if state is not None:
             _write_mtp_layers(sweep, write, writer, dropped, data.batches)
         remaining = [layer for layer in layers if layer_unit(layer) not in writer.units and layer not in dropped]
+        following = dict(pairwise(remaining))
         for layer in progress_bar(remaining, desc="writing", unit="layer", disable=not context.progress):
+            if layer in following:
+                reader.advise(layers[following[layer]])
             if stored is not None:
                 write.stored(layer, stored(layer, reader.read_raw(layers[layer])))
                 continue

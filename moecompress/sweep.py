@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .attention_replay import AttentionReplay
 from .calibration.span_corruption import DECODER_TAGS, model_inputs
 from .checkpoint import CheckpointReader, group_keys_by_layer
 from .checkpoint.stock_model import stock_config, stock_failures
@@ -170,6 +171,7 @@ class CalibrationSweep:
         moe_in_compute_dtype: bool = False,
         keep_tensors: bool = False,
         replaces: bool = False,
+        last_outputs_unused: bool = False,
         progress: bool = True,
         decoder_tags: torch.Tensor | None = None,
     ):
@@ -197,6 +199,9 @@ class CalibrationSweep:
         self.moe_in_compute_dtype = moe_in_compute_dtype
         self.keep_tensors = keep_tensors
         self.replaces = replaces
+        self.last_outputs_unused = last_outputs_unused
+        """Set by a consumer that reads no outputs of the last decoder layer (no MTP layer follows): its rewritten
+        block is not recomputed, and :attr:`last_hidden` stays None."""
         self.progress = progress
         self.layer_keys, outside_keys = group_keys_by_layer(self.reader, self.adapter)
 
@@ -430,9 +435,13 @@ class CalibrationSweep:
         return module.to(device)
 
     def prefetch(self, layer: int) -> None:
-        """Start reading layer ``layer`` on a background thread while the device works on the current one; only
-        on an accelerator (on 2 CPU cores the read competes with the compute and did not pay)."""
-        if not is_accelerated() or layer >= self.adapter.num_layers:
+        """Start reading layer ``layer`` while the current one computes: on an accelerator on a background thread
+        into memory; on the CPU only into the page cache (:meth:`CheckpointReader.advise`: on 2 cores a reading
+        thread competes with the compute and did not pay, the kernel's read-ahead takes no CPU)."""
+        if not 0 <= layer < self.adapter.num_layers:
+            return
+        if not is_accelerated():
+            self.reader.advise(self.layer_keys.get(layer, []))
             return
         if not hasattr(self, "_prefetched"):
             self._prefetched: dict[int, Future] = {}
@@ -530,9 +539,12 @@ class CalibrationSweep:
                         )
                     )
             skipped = self._skipped_experts(module, layer) if moe is not None else None
+            replay = self._attention_replay(module, layer) if skipped is not None else None
             outputs = self.forward_layer(module, layer, hidden)
             for handle in handles:
                 handle.remove()
+            if replay is not None:
+                replay.stop_watching()
             if skipped is not None:
                 skipped.outputs_unused = False
             result = None
@@ -552,19 +564,24 @@ class CalibrationSweep:
                 )
                 del captured_inputs, router_inputs, received, rest
                 yield capture
-                if capture.replacement is not None:
+                unused = self.last_outputs_unused and layer == self.adapter.num_layers - 1
+                if capture.replacement is not None and not unused:
                     self._load_moe(module, layer, capture.replacement, capture.moe)
                     if capture.router is not None:
                         self._load_router(module, layer, capture.router)
-                    outputs = self._forward_routed(module, layer, hidden, capture)
-                elif skipped is not None:
+                    if replay is not None and replay.replayable(len(hidden)):
+                        with replay.replaying():
+                            outputs = self._forward_routed(module, layer, hidden, capture)
+                    else:
+                        outputs = self._forward_routed(module, layer, hidden, capture)
+                elif skipped is not None and not unused:
                     outputs = self.forward_layer(module, layer, hidden)
                 result = capture.result
                 capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
                 capture.router_input = capture.token_ids = None
                 capture.replacement = capture.router = None
                 del capture
-            del moe
+            del moe, replay
             self.release(module)
             hidden = [
                 out + plan.injections[layer] if layer in plan.injections else out
@@ -575,12 +592,22 @@ class CalibrationSweep:
             if state is not None:
                 carried = self.carry.tensors() if self.carry.active else None
                 state.commit(layer, hidden, result, carried, last=layer == self.adapter.num_layers - 1)
-        self.last_hidden = hidden
+        self.last_hidden = None if self.last_outputs_unused else hidden
         """The last decoder layer's outputs per batch (what an MTP layer takes), once the sweep has finished."""
         if hasattr(self, "_reading"):
             self._reading.shutdown(wait=True)
             del self._reading, self._prefetched
         self.reader.close()
+
+    def _attention_replay(self, module: torch.nn.Module, layer: int) -> AttentionReplay | None:
+        """A recorder of layer ``layer``'s attention outputs for its recomputing forward (:mod:`.attention_replay`);
+        None where the layer has no such attention module."""
+        try:
+            attention = module.get_submodule(self.adapter.attention_module)
+        except AttributeError:
+            return None
+        site = module.get_submodule(self.adapter.runtime_in_layer(layer, self.adapter.moe_site_module))
+        return AttentionReplay(attention, site)
 
     def _skipped_experts(self, module: torch.nn.Module, layer: int) -> ViewExperts | None:
         """With ``replaces``: the layer's :class:`ViewExperts`, set to skip its experts in the capturing forward;

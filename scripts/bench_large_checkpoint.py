@@ -19,7 +19,8 @@ peak RSS, the bytes the run read and wrote (``rchar``/``wchar`` of the process: 
 evaluation and journal included), of those the bytes of its ``--resume`` state and of the Fisher sweep's spilled
 layer inputs, the output's size and the checkpoint's. ``--chained`` runs the same recipe's passes chained through
 whole intermediate checkpoints, as recipes ran before the layer pipeline; ``--compare-chained`` runs both, the
-pipeline first, between the same two copies.
+pipeline first, between the same two copies. Both run with the CLI's process settings, and each starts with the
+checkpoint dropped from the page cache.
 
 ``--with-eval`` runs the quantise step with its default evaluation (streamed, the output against the input).
 
@@ -123,6 +124,7 @@ def run_measured(command: list[str], output: Path | None) -> dict:
 
 COUNT_IO = """
 import atexit, os, sys
+import moecompress.cli
 from pathlib import Path
 import moecompress.files as files
 record, written, unwrapped = Path(sys.argv[1]), {"resume_state_bytes": 0, "spill_bytes": 0}, files.write_safetensors
@@ -139,7 +141,10 @@ def save():
     record.write_text(Path("/proc/self/io").read_text() + "".join(f"{k}: {v}\\n" for k, v in written.items()))
 atexit.register(save)
 """
-"""Child prologue: at exit, write the process's I/O counters (``rchar``, ``wchar``) to the file in argv[1], with the
+"""Child prologue: the CLI's process settings first (``moecompress.cli`` sets ``OMP_WAIT_POLICY=PASSIVE`` and
+``THP_MEM_ALLOC_ENABLE=1`` before torch loads), so that a variant run through ``run_recipe`` runs as ``moecompress
+run`` does (before, the chained variant ran without them: another OpenMP wait policy and 4 KiB pages); then, at exit,
+write the process's I/O counters (``rchar``, ``wchar``) to the file in argv[1], with the
 bytes of the safetensors files it wrote into a work directory's ``state/`` (the ``--resume`` state) and, apart,
 into the Fisher sweep's spill of layer inputs (deleted as the backward consumes them; no resumed run reads it)."""
 
@@ -160,6 +165,17 @@ recipe, model, out = (Path(arg) for arg in sys.argv[2:5])
 run_recipe(load_recipe(recipe), model, out, progress=False, chained=True)
 """
 )
+
+
+def drop_from_page_cache(directory: Path) -> None:
+    """Drop ``directory``'s shards from this system's page cache, so that each recipe variant starts reading the
+    checkpoint as the first one did (not from what the variant before left cached)."""
+    for path in directory.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def recipe_with_tokens(recipe: Path, calib_tokens: int, eval_tokens: int, target: Path) -> Path:
@@ -274,6 +290,7 @@ def main() -> None:
             if args.compare_chained:
                 variants = {"run_recipe": False, "run_recipe_chained": True}
             for name, chained in variants.items():
+                drop_from_page_cache(source)
                 if chained:
                     command = [sys.executable, "-c", RUN_CHAINED_COUNTING_IO, str(counters), str(recipe), str(source)]
                     step(name, [*command, str(out)], out)

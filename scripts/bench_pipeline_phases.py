@@ -8,9 +8,11 @@ CPU seconds in all and per progress phase (sensitivity forward and backward, mea
 wrote besides the output (``wchar`` less the output: resume state, spills, journal) and a digest of the output's
 shards, which must agree between the versions.
 
-CPU seconds rather than wall time: on a machine shared with other jobs they move less with the load.
+CPU seconds rather than wall time: on a machine shared with other jobs they move less with the load. With ``--cold``
+the checkpoint's pages are dropped from the page cache before each run (``POSIX_FADV_DONTNEED``), so that every run
+reads it from the disk (or what caches the disk below this system) and its wall time shows the waits on reads.
 
-Run: python scripts/bench_pipeline_phases.py --code /path/to/old --code /path/to/new [--repeats 2] [--dir DIR]
+Run: python scripts/bench_pipeline_phases.py --code /path/to/old --code /path/to/new [--repeats 2] [--dir DIR] [--cold]
 """
 
 from __future__ import annotations
@@ -71,12 +73,23 @@ shutil.rmtree(out)
 """
 
 
+def drop_from_page_cache(directory: Path) -> None:
+    """Drop ``directory``'s safetensors files from the page cache (their clean pages; nothing before it exists)."""
+    for path in directory.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--code", action="append", required=True, type=Path, help="A moecompress checkout (twice).")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--calib-tokens", type=int, default=2048)
     parser.add_argument("--dir", type=Path, default=None, help="Where to write (default: the temporary directory).")
+    parser.add_argument("--cold", action="store_true", help="Drop the checkpoint from the page cache before each run.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_phases_") as tmp:
         root = Path(tmp)
@@ -84,6 +97,8 @@ def main() -> None:
             for index, code in enumerate(args.code):
                 command = [sys.executable, "-c", CHILD, str(code.resolve()), str(root / "checkpoint")]
                 command += [str(root / f"out-{index}"), str(args.calib_tokens)]
+                if args.cold:
+                    drop_from_page_cache(root / "checkpoint")
                 subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

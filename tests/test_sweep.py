@@ -199,3 +199,51 @@ def test_a_replacing_sweep_skips_the_original_experts_and_computes_the_same(
     assert all(torch.equal(a, b) for a, b in zip(outputs, expected_outputs, strict=True))
     moe_layers = len(adapter.moe_layers())
     assert computed == expected_computed - (len(batches) * moe_layers if replace_blocks else 0)
+
+
+def test_a_replacing_sweep_computes_each_attention_once_and_can_leave_the_last_layer(tiny_checkpoints, monkeypatch):
+    """With a replacement the recomputing forward takes the attention outputs of the capturing one (the same
+    outputs as computing it again); ``last_outputs_unused`` leaves the last layer's replacement uncomputed."""
+    from moecompress.view_experts import ExpertSource
+
+    source = tiny_checkpoints["qwen3_moe"]
+    adapter = adapter_for(CheckpointReader(source).config)
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 300, (2, 24), generator=generator)} for _ in range(2)]
+    tags = torch.zeros(2 * 2 * 24, dtype=torch.long)
+    attention = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention
+    calls = {"attention": 0, "experts": 0}
+    forward, combine = attention.forward, type(adapter).combine_experts
+
+    def counted(self, *args, **kwargs):
+        calls["attention"] += 1
+        return forward(self, *args, **kwargs)
+
+    def combined(self, *args):
+        calls["experts"] += 1
+        return combine(self, *args)
+
+    monkeypatch.setattr(attention, "forward", counted)
+    monkeypatch.setattr(type(adapter), "combine_experts", combined)
+
+    def run(replaces: bool, last_unused: bool = False) -> tuple[list, list | None]:
+        calls.update(attention=0, experts=0)
+        sweep = CalibrationSweep(
+            source, batches, tags, ["text"], replaces=replaces, last_outputs_unused=last_unused, progress=False
+        )
+        inputs = []
+        for capture in sweep.run():
+            inputs.append(capture.moe_input)
+            capture.replacement = ExpertSource(capture.moe)
+        return inputs, sweep.last_hidden
+
+    layers = adapter.num_layers
+    inputs, outputs = run(replaces=True)
+    assert calls == {"attention": len(batches) * layers, "experts": len(batches) * layers}
+    expected_inputs, expected_outputs = run(replaces=False)
+    assert calls["attention"] == 2 * len(batches) * layers
+    assert all(torch.equal(a, b) for a, b in zip(inputs, expected_inputs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected_outputs, strict=True))
+    inputs, outputs = run(replaces=True, last_unused=True)
+    assert outputs is None and calls["experts"] == len(batches) * (layers - 1)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, expected_inputs, strict=True))

@@ -83,6 +83,7 @@ def block_output_fisher(
                     write_safetensors(f"{spill}/{layer}.safetensors", {**inputs, **carried}, {})
                 module, moe = sweep.materialise(layer)
                 del moe
+                sweep.reader.advise(sweep.layer_keys.get(layer + 1, []))
                 outputs = sweep.forward_layer(module, layer, hidden)
                 sweep.release(module)
                 hidden = [
@@ -213,6 +214,7 @@ def _backpropagate_layer(
     reads is added to ``encoder_gradients`` (per batch)."""
     module, moe = sweep.materialise(layer)
     del moe
+    sweep.reader.advise(sweep.layer_keys.get(layer - 1, []))
     module.requires_grad_(False)
     handle = None
     if layer in squares:
