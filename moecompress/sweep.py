@@ -510,10 +510,12 @@ class CalibrationSweep:
             lengths: list[int] | None = [] if self.adapter.per_sequence_routing else None
             router_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
+            extra: dict[str, Any] = {}
             handles = []
             if moe is not None:
                 site = self.adapter.runtime_in_layer(layer, self.adapter.moe_site_module)
                 handles.append(_capture_input(module.get_submodule(site), captured_inputs, lengths))
+                handles += self.adapter.attention_expert_hooks(module, extra)
                 if self.adapter.router_input_module:
                     router = module.get_submodule(
                         self.adapter.runtime_in_layer(layer, self.adapter.router_input_module)
@@ -545,6 +547,7 @@ class CalibrationSweep:
                     router_input=torch.cat(router_inputs).float() if router_inputs else None,
                     token_ids=self.token_ids if moe is not None and moe.token_table is not None else None,
                     sequence_lengths=lengths if moe is not None else None,
+                    extra=extra,
                 )
                 del captured_inputs, router_inputs, received, rest
                 yield capture
@@ -604,7 +607,8 @@ class CalibrationSweep:
     def _forward_routed(
         self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor], capture: LayerCapture
     ) -> list[torch.Tensor]:
-        """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set."""
+        """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set (and the
+        attention's experts only among ``capture.extra["attention_allowed"]`` if set)."""
         if capture.allowed is None:
             return self.forward_layer(module, layer, hidden)
         adapter, allowed = self.adapter, capture.allowed
@@ -614,6 +618,8 @@ class CalibrationSweep:
             return adapter.route(moe, logits, allowed.to(logits.device), token_ids)
 
         handles = adapter.reroute_hooks(module, choose)
+        if capture.extra.get("attention_allowed") is not None:
+            handles += adapter.attention_reroute_hooks(module, capture.extra["attention_allowed"])
         try:
             return self.forward_layer(module, layer, hidden)
         finally:

@@ -226,6 +226,10 @@ class FamilyAdapter:
     the layer also has a shared expert (``ffn_{gate,up}_shexp``) reading that input too. None: no known naming."""
     own_release_format: ClassVar[str | None] = None
     """The output format that is this family's own release layout (GPT-OSS's ``gpt-oss``), if any."""
+    attention_experts: ClassVar[bool] = False
+    """Whether the attention holds routed experts of its own that stock transformers builds from the MLP experts'
+    count (JetMoE's MoA): removing MLP experts removes as many of them (:meth:`attention_expert_hooks`,
+    :meth:`attention_reroute_hooks`, :meth:`select_attention_experts`)."""
 
     def __init__(self, config: dict[str, Any]):
         self.config = config
@@ -728,6 +732,11 @@ class FamilyAdapter:
         finally:
             handle.remove()
         return seen[0].reshape(hidden.shape[0], -1)
+
+    def attention_expert_hooks(self, layer_module: torch.nn.Module, into: dict[str, Any]) -> list[Any]:
+        """With :attr:`attention_experts`: forward hooks on a runtime decoder layer that add what its attention's
+        router sends each attention expert to ``into`` (none by default); their handles."""
+        return []
 
     def reroute_hooks(
         self, layer_module: torch.nn.Module, choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
