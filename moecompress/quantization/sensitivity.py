@@ -8,7 +8,8 @@ that an early layer's error passes through every later layer before it reaches t
 
 The gradient pass streams the decoder one layer at a time, forward then backward (:func:`block_output_fisher`).
 Where later layers read a stack of earlier layers' inputs (Inkling 2's ``block_states``), the gradient at each stack
-entry is gathered from every layer (and the head) that reads it and added to the gradient at its layer's input.
+entry is gathered from every layer (and the head) that reads it and added to the gradient at its layer's input. A
+looped segment (Inkling 2 Loop) is run and backpropagated whole, every pass (:mod:`.looped_fisher`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..layer_carry import LayerCarry
 from ..progress import bar as progress_bar
 from ..sweep import CalibrationSweep, split_windows
 from ..sweep_state import load_with_metadata
+from .looped_fisher import backpropagate_loop, looped_forward
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
 _CARRIED = "carried:"
@@ -72,11 +74,17 @@ def block_output_fisher(
     try:
         with tempfile.TemporaryDirectory(prefix="fisher-inputs-", dir=spill_dir) as spill:
             hidden = [plan.hidden for plan in sweep.plans]
+            loop = adapter.loop_layers if adapter.loop_passes > 1 else range(0)
             for layer in progress_bar(layers, desc="sensitivity (forward)", unit="layer", disable=not progress):
-                if layer >= lowest:
+                if layer in loop[1:]:
+                    continue
+                if layer >= lowest or layer == loop.start:
                     carried = {f"{_CARRIED}{name}": value for name, value in sweep.carry.tensors().items()}
                     inputs = {str(i): h for i, h in enumerate(hidden)}
                     write_safetensors(f"{spill}/{layer}.safetensors", {**inputs, **carried}, {})
+                if layer in loop:
+                    hidden = looped_forward(sweep, hidden)
+                    continue
                 module, moe = sweep.materialise(layer)
                 del moe
                 outputs = sweep.forward_layer(module, layer, hidden)
@@ -97,6 +105,12 @@ def block_output_fisher(
                 disable=not progress,
             )
             for layer in below:
+                if layer in loop:
+                    if layer == loop[-1]:
+                        path = f"{spill}/{loop.start}.safetensors"
+                        gradients = backpropagate_loop(sweep, path, gradients, squares, block_gradients)
+                        Path(path).unlink()
+                    continue
                 gradients = _backpropagate_layer(
                     sweep, layer, f"{spill}/{layer}.safetensors", gradients, squares, block_gradients
                 )
