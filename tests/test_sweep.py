@@ -52,12 +52,15 @@ def test_sweep_matches_stock_forward(family, capture_attention, tiny_checkpoints
 
     tags = torch.zeros(2 * 2 * 24, dtype=torch.long)
     sweep = CalibrationSweep(source, batches, tags, ["text"], capture_attention=capture_attention, progress=False)
+    # Inkling 2 Loop's looped layers run three times: 15 layer calls amplify the float32 noise to 2.2e-5
+    # (tests/test_looped_layers.py; docs/families.md, Looped layers)
+    atol = 5e-5 if adapter.loop_passes > 1 else 1e-5
     layers = []
     for capture in sweep.run():
         layers.append(capture.layer)
-        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-5, atol=atol)
         if routed:
-            torch.testing.assert_close(capture.router_input, torch.cat(routed[capture.layer]), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(capture.router_input, torch.cat(routed[capture.layer]), rtol=1e-5, atol=atol)
         else:
             assert capture.router_input is None
         if capture_attention and not adapter.softmax_attention(capture.layer):
