@@ -78,7 +78,7 @@ def block_output_fisher(
             for layer in progress_bar(layers, desc="sensitivity (forward)", unit="layer", disable=not progress):
                 if layer in loop[1:]:
                     continue
-                if layer >= lowest or layer == loop.start:
+                if layer >= lowest or (loop and layer == loop.start):
                     carried = {f"{_CARRIED}{name}": value for name, value in sweep.carry.tensors().items()}
                     inputs = {str(i): h for i, h in enumerate(hidden)}
                     write_safetensors(f"{spill}/{layer}.safetensors", {**inputs, **carried}, {})
