@@ -274,6 +274,7 @@ class _LayerWriter:
         block = moe
         for p in self.passes:
             block = p.rewrite(layer, block, capture)
+            rest = p.rewrite_rest(layer, rest)
         if self.layout_pass is not None:
             tensors = self.layout_pass.write_layer(layer, block, rest)
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -222,6 +222,10 @@ class CalibrationSweep:
         self.carry = LayerCarry(self.adapter, len(self.plans))
         norm = self.adapter.encoder_output_norm
         self.encoder_norm = skeleton.get_submodule(norm) if norm is not None else None
+        messages = self.adapter.message_input_module
+        self._message_input = skeleton.get_submodule(messages) if messages is not None else None
+        self._loop_messages: list[torch.Tensor | None] | None = None
+        """While a looped segment runs (:meth:`_loop_passes`): per batch, the messages of the layer running."""
         del skeleton
 
     def _skeleton(self) -> tuple[torch.nn.Module, _CallRecorder]:
@@ -511,7 +515,12 @@ class CalibrationSweep:
             hidden, start = state.hidden(), state.start_layer
             self.carry.restore(state.carried())
         layers = range(start, self.adapter.num_layers)
+        loop = self.adapter.loop_layers if self.adapter.loop_passes > 1 else range(0)
         for layer in progress_bar(layers, desc=label, unit="layer", disable=not self.progress, initial=start):
+            if layer in loop:
+                if layer == loop.start:
+                    hidden = yield from self._looped_segment(hidden, state)
+                continue
             if self.keep_tensors:
                 module, moe, rest, layout = self._materialise(layer)
             else:
@@ -521,10 +530,12 @@ class CalibrationSweep:
             lengths: list[int] | None = [] if self.adapter.per_sequence_routing else None
             router_inputs: list[torch.Tensor] = []
             received: list[torch.Tensor] = []
+            extra: dict[str, Any] = {}
             handles = []
             if moe is not None:
                 site = self.adapter.runtime_in_layer(layer, self.adapter.moe_site_module)
                 handles.append(_capture_input(module.get_submodule(site), captured_inputs, lengths))
+                handles += self.adapter.attention_expert_hooks(module, extra)
                 if self.adapter.router_input_module:
                     router = module.get_submodule(
                         self.adapter.runtime_in_layer(layer, self.adapter.router_input_module)
@@ -561,6 +572,7 @@ class CalibrationSweep:
                     router_input=torch.cat(router_inputs).float() if router_inputs else None,
                     token_ids=self.token_ids if moe is not None and moe.token_table is not None else None,
                     sequence_lengths=lengths if moe is not None else None,
+                    extra=extra,
                 )
                 del captured_inputs, router_inputs, received, rest
                 yield capture
@@ -609,6 +621,134 @@ class CalibrationSweep:
         site = module.get_submodule(self.adapter.runtime_in_layer(layer, self.adapter.moe_site_module))
         return AttentionReplay(attention, site)
 
+    def _looped_segment(
+        self, hidden: list[torch.Tensor], state: SweepState | None
+    ) -> Generator[LayerCapture, None, list[torch.Tensor]]:
+        """The looped segment (:attr:`~moecompress.families.FamilyAdapter.loop_layers`) from its input ``hidden``;
+        returns its output after the last pass.
+
+        Its layers are materialised together (the stock forward runs each of them once per pass). Each MoE layer's
+        capture, yielded in order once every pass has run, holds the inputs of all its passes in the stock forward's
+        order (batch by batch, each batch pass by pass; each batch's tags repeated as many times). Where the consumer
+        sets replacements, the passes run again with every replaced layer, each used for every pass; the captures of
+        a looped layer saw the original weights of the looped layers before it (their replacements are only known
+        once the passes have run)."""
+        adapter, loop, passes = self.adapter, self.adapter.loop_layers, self.adapter.loop_passes
+        held = {}
+        for layer in loop:
+            if self.keep_tensors:
+                held[layer] = self._materialise(layer)
+            else:
+                module, moe = self.materialise(layer)
+                held[layer] = (module, moe, None, None)
+        self.prefetch(loop.stop)
+        inputs = {layer: [] for layer in loop}
+        received = {layer: [] for layer in loop}
+        extras: dict[int, dict[str, Any]] = {layer: {} for layer in loop}
+        handles = []
+        for layer, (module, moe, _, _) in held.items():
+            if moe is None:
+                continue
+            site = adapter.runtime_in_layer(layer, adapter.moe_site_module)
+            handles.append(_capture_input(module.get_submodule(site), inputs[layer]))
+            handles += adapter.attention_expert_hooks(module, extras[layer])
+            if self.capture_attention and adapter.softmax_attention(layer):
+                handles.append(
+                    module.get_submodule(adapter.attention_module).register_forward_hook(
+                        lambda mod, args, out, into=received[layer]: into.append(_attention_received(out[1]))
+                    )
+                )
+        outputs = self._loop_passes(held, hidden)
+        for handle in handles:
+            handle.remove()
+        batches = len(hidden)
+        sizes = [states.shape[:-1].numel() for states in hidden]
+
+        def batch_major(values: list[Any]) -> list[Any]:
+            """``values`` of one call per pass and batch, pass-major as the passes ran, in the stock order."""
+            return [values[step * batches + batch] for batch in range(batches) for step in range(passes)]
+
+        def repeated(values: torch.Tensor) -> torch.Tensor:
+            return torch.cat([chunk.repeat(passes) for chunk in values.split(sizes)])
+
+        routed, replaced, results = [], False, {}
+        for layer, (module, moe, rest, layout) in held.items():
+            if moe is None and not self.keep_tensors:
+                continue
+            capture = LayerCapture(
+                layer=layer,
+                moe=moe,
+                moe_input=torch.cat(batch_major(inputs.pop(layer))).float() if moe is not None else None,
+                tags=repeated(self.tags_of(layer)),
+                tag_names=self.tag_names,
+                attention_received=torch.cat(batch_major(received[layer])).cpu() if received[layer] else None,
+                extra=extras[layer],
+                rest=rest,
+                layout=layout,
+                token_ids=repeated(self.token_ids) if moe is not None and moe.token_table is not None else None,
+            )
+            yield capture
+            if capture.replacement is not None:
+                replaced = True
+                self._load_moe(module, layer, capture.replacement, capture.moe)
+                if capture.router is not None:
+                    self._load_router(module, layer, capture.router)
+                if capture.allowed is not None:
+                    routed += self._reroute_hooks(module, capture)
+            results[layer] = capture.result
+            capture.moe = capture.moe_input = capture.attention_received = capture.rest = None
+            capture.token_ids = capture.replacement = capture.router = None
+            del capture
+        if replaced:
+            outputs = self._loop_passes(held, hidden)
+        for handle in routed:
+            handle.remove()
+        for module, *_ in held.values():
+            self.release(module)
+        del held
+        if state is not None:
+            for layer in loop[:-1]:
+                state.hand_over(layer, results.get(layer))
+            carried = self.carry.tensors() if self.carry.active else None
+            last = loop[-1] == adapter.num_layers - 1
+            state.commit(loop[-1], outputs, results.get(loop[-1]), carried, last=last)
+        return outputs
+
+    def _loop_passes(self, held: dict[int, tuple], hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The looped segment's output after its last pass, with the ``held`` layer modules, as the stock forward
+        computes it: every pass starts from ``hidden`` (and the block stack that entered the segment); each pass after
+        the first gives every looped layer the messages of the previous pass (its output and its block-boundary
+        inputs past the segment's first)."""
+        adapter, loop = self.adapter, self.adapter.loop_layers
+        inside = [layer for layer in loop[1:] if adapter.is_block_boundary(layer)]
+        message_input = self._message_input
+        if is_accelerated():
+            message_input = message_input.to(compute_device())
+        previous: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        outputs = hidden
+        try:
+            for _ in range(adapter.loop_passes):
+                outputs = hidden
+                for index, layer in enumerate(loop):
+                    with torch.inference_mode():
+                        self._loop_messages = (
+                            [None] * len(hidden)
+                            if previous is None
+                            else [message_input(stack, last, index) for stack, last in previous]
+                        )
+                    outputs = self.forward_layer(held[layer][0], layer, outputs)
+                with torch.inference_mode():
+                    previous = [
+                        (
+                            self.carry.stack([to_compute(self.carry.blocks[batch][layer]) for layer in inside], out),
+                            to_compute(out),
+                        )
+                        for batch, out in enumerate(outputs)
+                    ]
+        finally:
+            self._loop_messages = None
+        return outputs
+
     def _skipped_experts(self, module: torch.nn.Module, layer: int) -> ViewExperts | None:
         """With ``replaces``: the layer's :class:`ViewExperts`, set to skip its experts in the capturing forward;
         None where they cannot be skipped (no view experts; a family that carries layer outputs to later layers)."""
@@ -635,9 +775,20 @@ class CalibrationSweep:
     def _forward_routed(
         self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor], capture: LayerCapture
     ) -> list[torch.Tensor]:
-        """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set."""
+        """The layer's outputs with its replacement loaded, routing only among ``capture.allowed`` if set (and the
+        attention's experts only among ``capture.extra["attention_allowed"]`` if set)."""
         if capture.allowed is None:
             return self.forward_layer(module, layer, hidden)
+        handles = self._reroute_hooks(module, capture)
+        try:
+            return self.forward_layer(module, layer, hidden)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _reroute_hooks(self, module: torch.nn.Module, capture: LayerCapture) -> list[Any]:
+        """Hooks routing ``module`` only among ``capture.allowed`` (and its attention's experts among
+        ``capture.extra["attention_allowed"]`` if set); their handles."""
         adapter, allowed = self.adapter, capture.allowed
         moe = capture.moe if capture.router is None else capture.router
 
@@ -645,11 +796,9 @@ class CalibrationSweep:
             return adapter.route(moe, logits, allowed.to(logits.device), token_ids)
 
         handles = adapter.reroute_hooks(module, choose)
-        try:
-            return self.forward_layer(module, layer, hidden)
-        finally:
-            for handle in handles:
-                handle.remove()
+        if capture.extra.get("attention_allowed") is not None:
+            handles += adapter.attention_reroute_hooks(module, capture.extra["attention_allowed"])
+        return handles
 
     def forward_layer(self, module: torch.nn.Module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         """The layer's outputs for each batch's input hidden states, called as the stock forward calls it."""
@@ -660,6 +809,9 @@ class CalibrationSweep:
                 args, kwargs = self.call_arguments(layer, index)
                 kwargs = self.carry.arguments(layer, index, kwargs)
                 args = self.carry.positional(layer, index, to_compute(states), args)
+                if self._loop_messages is not None:
+                    position = self.adapter.message_argument
+                    args = (*args[:position], self._loop_messages[index], *args[position + 1 :])
                 out = module(to_compute(states), *args, **kwargs)
                 self.carry.record(layer, index, out, kwargs, states)
                 out = out[0] if isinstance(out, tuple) else out

@@ -96,6 +96,12 @@ class SweepState:
         path = self.directory / _CARRIED
         return load_file(str(path)) if path.is_file() else {}
 
+    def hand_over(self, layer: int, result: LayerResult | None) -> None:
+        """Hand over ``layer``'s result without its hidden states: a layer inside a looped segment, whose output
+        is not where a resumed sweep could start (it is written with the next commit)."""
+        if result is not None:
+            self._uncommitted[layer] = result
+
     def commit(
         self,
         layer: int,

@@ -1179,6 +1179,21 @@ TINY_CONFIGS["inkling2"] = dict(
     image_token_id=380,
     tie_word_embeddings=False,
 )
+_INKLING2_LOOP_TEXT = dict(
+    _INKLING2_TEXT,
+    num_hidden_layers=7,
+    layer_types=["hybrid_sliding", "hybrid"] * 3 + ["hybrid_sliding"],
+    loop_layer_index_start=2,
+    loop_layer_index_end=6,
+    loop_num_passes=3,
+    loop_gate_rank=8,
+)
+"""Two layers before the looped segment, four looped (two block boundaries inside: the messages read one), one
+after; three passes (so a pass reads messages of a pass that read messages)."""
+TINY_CONFIGS["inkling2_loop_text"] = dict(_INKLING2_LOOP_TEXT, model_type="inkling2_loop_text")
+TINY_CONFIGS["inkling2_loop"] = dict(
+    TINY_CONFIGS["inkling2"], model_type="inkling2_loop", text_config=dict(_INKLING2_LOOP_TEXT)
+)
 TINY_CONFIGS["nemo_speechlm"] = dict(
     model_type="nemo_speechlm",
     text_config={k: v for k, v in TINY_CONFIGS["nemotron_h"].items() if k != "tie_word_embeddings"},

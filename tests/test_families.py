@@ -107,7 +107,6 @@ def test_expert_selection_keeps_original_ids(tiny_checkpoints):
         ),
         ({"model_type": "nllb-moe", "num_experts": 8}, "nllb-moe is not supported: stock transformers' NllbMoeExperts"),
         ({"model_type": "openai_privacy_filter", "num_local_experts": 8}, "openai_privacy_filter .* token classifier"),
-        ({"model_type": "inkling2_loop", "text_config": {"n_routed_experts": 8}}, "inkling2_loop .* loop_num_passes"),
         ({"model_type": "diffusion_gemma", "text_config": {"num_experts": 8}}, "diffusion_gemma .* block-diffusion"),
         ({"model_type": "dbrx", "n_layers": 2, "ffn_config": {"moe_num_experts": 0}}, "dbrx model has no MoE layers"),
         (

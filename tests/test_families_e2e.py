@@ -50,11 +50,7 @@ def _run(command, source, out, *args):
     return json.loads((out / "moecompress_report.json").read_text())
 
 
-PRUNING_REFUSED = ("jetmoe",)
-"""Families whose experts cannot be removed, for a reason of their own (tests/test_jetmoe.py checks the refusal)."""
-
-
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in PRUNING_REFUSED])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_layer_scope_prune_loads_in_stock_transformers_with_the_reported_perplexity(family, with_tokenizer, tmp_path):
     source = with_tokenizer(family)
     adapter = adapter_for(_config(source))

@@ -52,12 +52,15 @@ def test_sweep_matches_stock_forward(family, capture_attention, tiny_checkpoints
 
     tags = torch.zeros(2 * 2 * 24, dtype=torch.long)
     sweep = CalibrationSweep(source, batches, tags, ["text"], capture_attention=capture_attention, progress=False)
+    # float32 rounding: Qwen3-Next's linear attention measured 4.7e-5 apart from the stock forward, Inkling 2 Loop's
+    # looped layers (15 layer calls) 2.2e-5
+    atol = 1e-4
     layers = []
     for capture in sweep.run():
         layers.append(capture.layer)
-        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(capture.moe_input, torch.cat(expected[capture.layer]), rtol=1e-4, atol=atol)
         if routed:
-            torch.testing.assert_close(capture.router_input, torch.cat(routed[capture.layer]), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(capture.router_input, torch.cat(routed[capture.layer]), rtol=1e-4, atol=atol)
         else:
             assert capture.router_input is None
         if capture_attention and not adapter.softmax_attention(capture.layer):

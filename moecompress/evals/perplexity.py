@@ -210,6 +210,8 @@ def evaluate_windows(
                 totals.add(window_sums(batch, logits, ref_logits))
                 if reference is not None:
                     totals.add_agreement(*routing_agreement(ref_recorder.routes, recorder.routes))
+                    recorder.clear()
+                    ref_recorder.clear()
     finally:
         for rec in (recorder, ref_recorder):
             if rec is not None:

@@ -12,21 +12,26 @@ class RouteRecorder:
 
     The adapter reads each router's output as ``(logits, weights, top-k ids)``; ids are positions in the
     (possibly pruned) layer and are mapped back through the checkpoint's kept-expert table (identity experts to
-    negative ids).
+    negative ids). A looped layer's (:attr:`~moecompress.families.FamilyAdapter.loop_layers`) routes of every pass
+    are kept, one pass after the other.
     """
 
     def __init__(self, model: torch.nn.Module, adapter: FamilyAdapter):
         self.routes: dict[int, torch.Tensor] = {}
         self._handles = []
+        looped = adapter.loop_layers if adapter.loop_passes > 1 else range(0)
         for layer in adapter.moe_layers():
             id_map = torch.tensor(adapter.route_ids(layer), dtype=torch.long, device="cpu")
             router = adapter.router_of(model, layer)
-            self._handles.append(router.register_forward_hook(self._hook(adapter, layer, id_map)))
+            self._handles.append(router.register_forward_hook(self._hook(adapter, layer, id_map, layer in looped)))
 
-    def _hook(self, adapter: FamilyAdapter, layer: int, id_map: torch.Tensor):
+    def _hook(self, adapter: FamilyAdapter, layer: int, id_map: torch.Tensor, looped: bool):
         def record(module, inputs, output):
             ids = adapter.route_of(output)[2]
-            self.routes[layer] = id_map[ids.reshape(-1, ids.shape[-1]).cpu()]
+            ids = id_map[ids.reshape(-1, ids.shape[-1]).cpu()]
+            if looped and layer in self.routes:
+                ids = torch.cat([self.routes[layer], ids])
+            self.routes[layer] = ids
 
         return record
 

@@ -168,7 +168,14 @@ class LayerStream(CalibrationSweep):
         self, layer: int, hidden: list[torch.Tensor], routes: list[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor], float]:
         """Layer ``layer``'s outputs (with what the stock forward adds between layers) for each batch, and the
-        seconds its forward took; each batch's top-k expert ids, in original ids, are appended to ``routes``."""
+        seconds its forward took; each batch's top-k expert ids, in original ids, are appended to ``routes``.
+
+        A looped segment (:attr:`~moecompress.families.FamilyAdapter.loop_layers`) runs whole, every pass, at its
+        first layer (the routes of all its layers and passes appended there); its other layers pass ``hidden``
+        on."""
+        loop = self.adapter.loop_layers if self.adapter.loop_passes > 1 else range(0)
+        if layer in loop:
+            return self._advance_loop(hidden, routes) if layer == loop.start else (hidden, 0.0)
         module, moe = self.materialise(layer)
         del moe
         handle = None
@@ -195,6 +202,34 @@ class LayerStream(CalibrationSweep):
         ]
         if layer + 1 in self.adapter.stack_starts():
             outputs = self.next_stack(layer, outputs)
+        return outputs, seconds
+
+    def _advance_loop(
+        self, hidden: list[torch.Tensor], routes: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], float]:
+        held, handles = {}, []
+        for layer in self.adapter.loop_layers:
+            module, moe = self.materialise(layer)
+            del moe
+            held[layer] = (module,)
+            if routes is not None and self.adapter.is_moe_layer(layer):
+                id_map = torch.tensor(self.adapter.route_ids(layer), dtype=torch.long, device="cpu")
+
+                def record(mod, args, output, id_map=id_map):
+                    ids = self.adapter.route_of(output)[2]
+                    routes.append(id_map[ids.reshape(-1, ids.shape[-1]).cpu()])
+
+                router = self.adapter.runtime_in_layer(layer, self.adapter.router_module)
+                handles.append(module.get_submodule(router).register_forward_hook(record))
+        start = time.perf_counter()
+        try:
+            outputs = self._loop_passes(held, hidden)
+        finally:
+            for handle in handles:
+                handle.remove()
+        seconds = time.perf_counter() - start
+        for (module,) in held.values():
+            self.release(module)
         return outputs, seconds
 
 

@@ -42,6 +42,7 @@ from .hunyuan import HunyuanMoeAdapter, HYV3Adapter
 from .hy_v4 import HYV4Adapter, HYV4VLAdapter
 from .inkling import InklingAdapter, InklingTextAdapter
 from .inkling2 import Inkling2Adapter, Inkling2TextAdapter
+from .inkling2_loop import Inkling2LoopAdapter, Inkling2LoopTextAdapter
 from .jamba import JambaAdapter
 from .jetmoe import JetMoeAdapter
 from .kimi_k25 import KimiK25Adapter
@@ -175,6 +176,8 @@ ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     Inkling2Adapter,
     Ernie45VLMoeAdapter,
     SwitchTransformersAdapter,
+    Inkling2LoopTextAdapter,
+    Inkling2LoopAdapter,
 )
 _BY_MODEL_TYPE = {model_type: cls for cls in ADAPTERS for model_type in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
@@ -207,13 +210,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "doge": (
         "Doge's experts are single-neuron embedding rows (down_embed/up_embed) retrieved by product keys over "
         "sqrt(E) x sqrt(E) router halves, with no gate/up/down matrices per expert"
-    ),
-    **dict.fromkeys(
-        ("inkling2_loop", "inkling2_loop_text"),
-        "Inkling 2 Loop runs its looped decoder layers (loop_layer_index_start to loop_layer_index_end) "
-        "loop_num_passes times, each pass starting again from the pre-loop states and reading the previous pass's "
-        "messages through gates, so one layer's experts see several inputs per token; the layer sweep runs each "
-        "layer once",
     ),
     "diffusion_gemma": (
         "DiffusionGemma is a block-diffusion model: its experts serve a causal encoder and a bidirectional denoising "

@@ -236,6 +236,16 @@ class FamilyAdapter:
     one module, :attr:`experts_module`."""
     own_release_format: ClassVar[str | None] = None
     """The output format that is this family's own release layout (GPT-OSS's ``gpt-oss``), if any."""
+    message_input_module: ClassVar[str | None] = None
+    """With :attr:`loop_layers`: the module outside the layers that computes each looped layer's messages from the
+    previous pass (Inkling 2 Loop's ``message_input``)."""
+    message_argument: ClassVar[int] = 1
+    """With :attr:`loop_layers`: the position of the messages among a looped layer's arguments after the hidden
+    states (None in the first pass)."""
+    attention_experts: ClassVar[bool] = False
+    """Whether the attention holds routed experts of its own that stock transformers builds from the MLP experts'
+    count (JetMoE's MoA): removing MLP experts removes as many of them (:meth:`attention_expert_hooks`,
+    :meth:`attention_reroute_hooks`, :meth:`select_attention_experts`)."""
 
     def __init__(self, config: dict[str, Any]):
         self.config = config
@@ -772,6 +782,21 @@ class FamilyAdapter:
         finally:
             handle.remove()
         return seen[0].reshape(hidden.shape[0], -1)
+
+    @property
+    def loop_layers(self) -> range:
+        """The decoder layers the stock forward runs :attr:`loop_passes` times in turn (Inkling 2 Loop's looped
+        segment); empty for a family without one."""
+        return range(0)
+
+    @property
+    def loop_passes(self) -> int:
+        return 1
+
+    def attention_expert_hooks(self, layer_module: torch.nn.Module, into: dict[str, Any]) -> list[Any]:
+        """With :attr:`attention_experts`: forward hooks on a runtime decoder layer that add what its attention's
+        router sends each attention expert to ``into`` (none by default); their handles."""
+        return []
 
     def reroute_hooks(
         self, layer_module: torch.nn.Module, choose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -6,8 +6,11 @@ The MLP's mixture of experts (``mlp``, ``JetMoeMoE``) has no experts module call
 ``[E, 2I, H]`` (gate rows first) and ``mlp.output_linear`` ``[E, H, I]`` on the groups, then adds ``mlp.bias``
 ``[H]`` once per token. Those weights are the view's ``gate_up`` and ``down`` as they are; the bias is a layer tensor
 outside the view. The attention is a mixture of experts too (MoA, ``self_attention.experts.*``): read, written and
-quantised as attention (a dense part of the layer), never pruned. Both sets take their count from
-``num_local_experts``, so removing MLP experts is refused (:meth:`JetMoeAdapter.check_expert_pruning`).
+quantised as attention (a dense part of the layer). Both sets take their count from ``num_local_experts``, in every
+layer, so a layer that keeps k MLP experts keeps k MoA experts: those its router sends the most gate weight to on the
+same calibration (:meth:`JetMoeAdapter.attention_expert_hooks`), their rows sliced from the MoA tensors
+(:meth:`JetMoeAdapter.select_attention_experts`); counts that differ by layer are refused
+(:meth:`JetMoeAdapter.check_expert_pruning`).
 
 The route is read from and written into the router's grouped output exactly (:meth:`JetMoeAdapter.route_of`,
 :meth:`JetMoeAdapter.with_route`). For the plugin, each ``JetMoeMoE`` becomes a :class:`JetMoeRoutedBlock` with the
@@ -25,6 +28,10 @@ from torch import nn
 
 from .base import FamilyAdapter, Layout, MoEWeights, ParamClass
 from .routing import RoutingRule
+
+ATTENTION_EXPERT_TENSORS = ("input_linear.weight", "output_linear.weight", "router.layer.weight")
+"""The MoA's tensors under ``self_attention.experts.`` whose first dimension is the expert (its ``bias`` is the
+layer's)."""
 
 
 def grouped(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
@@ -84,16 +91,59 @@ class JetMoeAdapter(FamilyAdapter):
     num_experts_keys = ("num_local_experts",)
     shared_expert_markers = ()
 
+    attention_experts = True
+    attention_router = "self_attention.experts.router"
+
     def check_expert_pruning(self, source: str = "model", config: Any = None) -> None:
-        """JetMoE's attention experts (MoA) and MLP experts share one count, ``num_local_experts``: transformers
-        builds both from it, so no config describes a model with fewer MLP experts than attention experts."""
+        """Transformers builds every layer's MoA and MLP experts from one count, ``num_local_experts``: only the
+        same count in every layer has a config that loads, so ``--scope global`` (counts per layer) is refused."""
         from ..errors import UserInputError
 
-        raise UserInputError(
-            f"{source}: jetmoe's attention (MoA) and MLP experts share one count, num_local_experts, from which "
-            "transformers builds both: a checkpoint with MLP experts removed has no config that loads it (quantise it "
-            "instead)"
-        )
+        if getattr(config, "scope", "layer") == "global":
+            raise UserInputError(
+                f"{source}: jetmoe builds every layer's attention (MoA) and MLP experts from one count, "
+                "num_local_experts, so every layer must keep as many experts: use --scope layer"
+            )
+
+    def original_attention_expert_ids(self, layer: int) -> list[int]:
+        """Original ids of ``layer``'s MoA experts, from a pruned checkpoint's ``moecompress`` section."""
+        kept = self.moecompress_section().get("kept_attention_experts")
+        if kept and str(layer) in kept:
+            return [int(i) for i in kept[str(layer)]]
+        return list(range(self.num_experts))
+
+    def attention_expert_hooks(self, layer_module: nn.Module, into: dict[str, Any]) -> list[Any]:
+        """Adds the gate weight the MoA router gives each attention expert, summed over tokens, to
+        ``into["attention_expert_load"]`` (float64 ``[E]``)."""
+
+        def record(router, inputs, output):
+            _, weights, ids = self.route_of(output)
+            load = into.setdefault("attention_expert_load", torch.zeros(router.num_experts, dtype=torch.float64))
+            load.index_add_(0, ids.flatten().cpu(), weights.flatten().double().cpu())
+
+        return [layer_module.get_submodule(self.attention_router).register_forward_hook(record)]
+
+    def attention_reroute_hooks(self, layer_module: nn.Module, allowed: torch.Tensor) -> list[Any]:
+        """Forward hooks on a runtime decoder layer whose MoA router chooses among the ``allowed`` (bool ``[E]``)
+        attention experts only, as the MoA of those experts alone chooses; their handles."""
+        rule = self.routing_rule()
+
+        def reroute(router, inputs, output):
+            logits = output[4]
+            ids, weights = rule.route(logits, None, allowed.to(logits.device))
+            return self.with_route(output, weights, ids)
+
+        return [layer_module.get_submodule(self.attention_router).register_forward_hook(reroute)]
+
+    def select_attention_experts(self, layer: int, tensors: dict[str, torch.Tensor], keep: list[int]) -> dict:
+        """``tensors`` (on-disk keys) with layer ``layer``'s MoA experts cut to the positions ``keep``."""
+        prefix = f"{self.attention_prefix(layer)}experts."
+        selected = dict(tensors)
+        for name in ATTENTION_EXPERT_TENSORS:
+            tensor = selected.get(prefix + name)
+            if tensor is not None:
+                selected[prefix + name] = tensor.index_select(0, torch.tensor(keep, device=tensor.device))
+        return selected
 
     def routing_rule(self) -> RoutingRule:
         return RoutingRule("topk_softmax", top_k=self.top_k)

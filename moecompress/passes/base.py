@@ -125,6 +125,11 @@ class LayerPass:
         """Layer ``layer``'s MoE block after this pass (``capture`` is None when the sweep does not calibrate)."""
         return block
 
+    def rewrite_rest(self, layer: int, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s tensors outside its MoE block (on-disk keys) after this pass: unchanged but where the
+        pass removes experts of the attention too (JetMoE's MoA)."""
+        return rest
+
     def write_layer(self, layer: int, block: Any, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{self.name} does not lay layers out")
 

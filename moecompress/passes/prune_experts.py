@@ -213,6 +213,9 @@ class LayerScores:
     """Share of tokens routed to each identity expert (LongCat-Flash); they are never candidates for removal."""
     merge_tree: list[list[int]] | None = None
     """``--method merge``: the layer's agglomerative merges of experts by output similarity, cut at decision time."""
+    attention_load: list[float] | None = None
+    """Where the attention has experts of its own (:attr:`FamilyAdapter.attention_experts`): the mean gate weight per
+    token its router gives each of them; the layer keeps as many of them as of its MLP experts, the highest."""
 
     def to_result(self) -> LayerResult:
         """The scores as a sweep state keeps them for a resumed run (tensors exact, the rest JSON)."""
@@ -225,6 +228,7 @@ class LayerScores:
             "removal_scores": self.removal_scores,
             "identity_frequency": self.identity_frequency,
             "merge_tree": self.merge_tree,
+            "attention_load": self.attention_load,
         }
         return tensors, meta
 
@@ -297,6 +301,9 @@ def score_layer(
     if stats.identity_counts is not None:
         (identity_counts,) = distributed.sum_over_ranks(stats.identity_counts)
         scores.identity_frequency = (identity_counts / tokens).tolist()
+    if "attention_expert_load" in capture.extra:
+        (attention_load,) = distributed.sum_over_ranks(capture.extra["attention_expert_load"])
+        scores.attention_load = (attention_load / tokens).tolist()
     if config.method == "maep" and config.greedy:
         scores.removal_order, scores.removal_scores = _greedy_removal_order(
             adapter, capture, config, score, token_weight
@@ -636,6 +643,8 @@ class PrunePlan:
     report: dict[str, Any]
     merge_groups: dict[int, list[list[int]]] | None = None
     """``--method merge``: per layer, the groups of positions merged into each kept expert (anchor first)."""
+    attention_keep_positions: dict[int, list[int]] = field(default_factory=dict)
+    """Where the attention has experts of its own: per layer, the positions of those it keeps."""
 
 
 def plan_pruning(
@@ -663,6 +672,14 @@ def plan_pruning(
         }
     kept_ids = {layer: [by_layer[layer].expert_ids[e] for e in pos] for layer, pos in keep_positions.items()}
     new_config = adapter.with_expert_counts({layer: len(pos) for layer, pos in keep_positions.items()}, kept_ids)
+    attention_keep: dict[int, list[int]] = {}
+    if adapter.attention_experts:
+        attention_keep = {layer: _attention_keep(by_layer[layer], len(pos)) for layer, pos in keep_positions.items()}
+        section = adapter._text_section(new_config)["moecompress"]
+        section["kept_attention_experts"] = {
+            str(layer): [adapter.original_attention_expert_ids(layer)[e] for e in pos]
+            for layer, pos in sorted(attention_keep.items())
+        }
     before = sum(len(s.expert_ids) for s in layer_scores)
     after = sum(len(pos) for pos in keep_positions.values())
     report = {
@@ -685,6 +702,7 @@ def plan_pruning(
                 "delta_h": s.delta_h.tolist(),
                 **({"maep": s.extra} if s.extra else {}),
                 **({"identity_frequency": s.identity_frequency} if s.identity_frequency is not None else {}),
+                **(_attention_report(adapter, s, attention_keep[s.layer]) if s.layer in attention_keep else {}),
                 **(
                     {"merged": [[s.expert_ids[e] for e in group] for group in groups[s.layer]]}
                     if groups is not None and s.layer in groups
@@ -694,7 +712,25 @@ def plan_pruning(
             for s in layer_scores
         },
     }
-    return PrunePlan(keep_positions, new_config, report, groups)
+    return PrunePlan(keep_positions, new_config, report, groups, attention_keep)
+
+
+def _attention_keep(scores: LayerScores, count: int) -> list[int]:
+    """The positions of the ``count`` attention experts with the highest load (ties to the lower position)."""
+    if scores.attention_load is None:
+        raise RuntimeError(f"layer {scores.layer}: its attention experts' load was not measured")
+    load = scores.attention_load
+    return sorted(sorted(range(len(load)), key=lambda e: (-load[e], e))[:count])
+
+
+def _attention_report(adapter: FamilyAdapter, scores: LayerScores, keep: list[int]) -> dict[str, Any]:
+    original = adapter.original_attention_expert_ids(scores.layer)
+    return {
+        "attention_kept": [original[e] for e in keep],
+        "attention_removed": [original[e] for e in range(len(original)) if e not in set(keep)],
+        "attention_expert_ids": original,
+        "attention_load": scores.attention_load,
+    }
 
 
 def merge_groups(scores: LayerScores, remove: int, adapter: FamilyAdapter) -> list[list[int]]:

@@ -147,6 +147,11 @@ class PruneExpertsPass(LayerPass):
         keep = self.plan.keep_positions
         if block is None or layer not in keep:
             return block
+        attention = self.plan.attention_keep_positions.get(layer)
+        if capture is not None and attention is not None:
+            allowed = torch.zeros(len(self._adapter.original_attention_expert_ids(layer)), dtype=torch.bool)
+            allowed[attention] = True
+            capture.extra["attention_allowed"] = allowed
         if not self.config.rewrites_from_calibration:
             return block.select(keep[layer])
         if capture is None:
@@ -183,6 +188,10 @@ class PruneExpertsPass(LayerPass):
         self.rewrites[layer_unit(layer)] = done
         return _in_dtypes_of(rewritten, block)
 
+    def rewrite_rest(self, layer: int, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        keep = self.plan.attention_keep_positions.get(layer)
+        return rest if keep is None else self._adapter.select_attention_experts(layer, rest, keep)
+
     def unit_meta(self, unit: str) -> Any:
         return self.rewrites.get(unit)
 
@@ -190,8 +199,16 @@ class PruneExpertsPass(LayerPass):
         self.rewrites[unit] = entry
 
     def stored_rewrite(self):
-        """Plain removal from a quantised release: the kept experts' stored blocks, copied."""
-        return self._stored
+        """Plain removal from a quantised release: the kept experts' stored blocks, copied (and the attention's
+        kept experts where it has its own)."""
+        if self._stored is None or not self.plan.attention_keep_positions:
+            return self._stored
+        stored = self._stored
+
+        def rewrite(layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return self.rewrite_rest(layer, stored(layer, tensors))
+
+        return rewrite
 
     def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The pruned config. A quantised release's ``quantization_config`` stays where its kept experts are copied

@@ -12,7 +12,8 @@ entry is gathered from every layer (and the head) that reads it and added to the
 An encoder-decoder's loss is its decoder's next-token loss on the decoder inputs (every target but the last); the
 gradient at the encoder's output is gathered from every decoder layer's cross-attention input and taken through the
 encoder's final norm to its last layer's output (the decoder's first layer's input gradient, its embeddings', is
-not the encoder's).
+not the encoder's). A
+looped segment (Inkling 2 Loop) is run and backpropagated whole, every pass (:mod:`.looped_fisher`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..layer_carry import LayerCarry
 from ..progress import bar as progress_bar
 from ..sweep import CalibrationSweep, split_windows
 from ..sweep_state import load_with_metadata
+from .looped_fisher import backpropagate_loop, looped_forward
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
 _CARRIED = "carried:"
@@ -76,11 +78,17 @@ def block_output_fisher(
     try:
         with tempfile.TemporaryDirectory(prefix="fisher-inputs-", dir=spill_dir) as spill:
             hidden = [plan.hidden for plan in sweep.plans]
+            loop = adapter.loop_layers if adapter.loop_passes > 1 else range(0)
             for layer in progress_bar(layers, desc="sensitivity (forward)", unit="layer", disable=not progress):
-                if layer >= lowest:
+                if layer in loop[1:]:
+                    continue
+                if layer >= lowest or (loop and layer == loop.start):
                     carried = {f"{_CARRIED}{name}": value for name, value in sweep.carry.tensors().items()}
                     inputs = {str(i): h for i, h in enumerate(hidden)}
                     write_safetensors(f"{spill}/{layer}.safetensors", {**inputs, **carried}, {})
+                if layer in loop:
+                    hidden = looped_forward(sweep, hidden)
+                    continue
                 module, moe = sweep.materialise(layer)
                 del moe
                 sweep.reader.advise(sweep.layer_keys.get(layer + 1, []))
@@ -106,6 +114,12 @@ def block_output_fisher(
                 disable=not progress,
             )
             for layer in below:
+                if layer in loop:
+                    if layer == loop[-1]:
+                        path = f"{spill}/{loop.start}.safetensors"
+                        gradients = backpropagate_loop(sweep, path, gradients, squares, block_gradients)
+                        Path(path).unlink()
+                    continue
                 gradients = _backpropagate_layer(
                     sweep, layer, f"{spill}/{layer}.safetensors", gradients, squares, block_gradients, encoder_gradients
                 )

@@ -70,8 +70,14 @@ class ReplaySchedule:
         return set(moe_layers) if step < round(self.fraction * steps) else set()
 
 
+def _passes(adapter: FamilyAdapter, layer: int) -> int:
+    """How many times one forward calls layer ``layer``'s router (a looped layer's: once per pass)."""
+    return adapter.loop_passes if layer in adapter.loop_layers else 1
+
+
 class RouteCapture:
-    """After each forward, ``routes[layer]`` is ``(ids [T, k], weights [T, k])`` as the router chose them."""
+    """After each forward, ``routes[layer]`` is ``(ids [T, k], weights [T, k])`` as the router chose them (a looped
+    layer's every pass, one after the other: ``[passes · T, k]``)."""
 
     def __init__(self, model: torch.nn.Module, adapter: FamilyAdapter):
         self.routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -81,9 +87,16 @@ class RouteCapture:
         ]
 
     def _hook(self, layer: int):
+        passes, calls = _passes(self._adapter, layer), [0]
+
         def record(module, inputs, output):
             _, weights, ids = self._adapter.route_of(output)
-            self.routes[layer] = (ids.detach(), weights.detach())
+            ids, weights = ids.detach(), weights.detach()
+            if calls[0] % passes:
+                ids = torch.cat([self.routes[layer][0], ids])
+                weights = torch.cat([self.routes[layer][1], weights])
+            calls[0] += 1
+            self.routes[layer] = (ids, weights)
 
         return record
 
@@ -116,12 +129,17 @@ class RouteReplay:
         ]
 
     def _hook(self, layer: int):
+        passes, calls = _passes(self.adapter, layer), [0]
+
         def replace(module, inputs, output):
             logits, _, own_ids = self.adapter.route_of(output)
-            self.own_ids[layer] = own_ids.detach()
+            step, calls[0] = calls[0] % passes, calls[0] + 1
+            own = own_ids.detach()
+            self.own_ids[layer] = torch.cat([self.own_ids[layer], own]) if step else own
             if layer not in self.active:
                 return None
-            ids, recorded = (route.to(own_ids.device) for route in self.routes[layer])
+            rows = slice(step * own_ids.shape[0], (step + 1) * own_ids.shape[0])
+            ids, recorded = (route[rows].to(own_ids.device) for route in self.routes[layer])
             if ids.shape != own_ids.shape:
                 raise RuntimeError(f"layer {layer}: recorded routes {tuple(ids.shape)} vs {tuple(own_ids.shape)}")
             weights = recorded if self.weights == "recorded" else self.rule.weights_for(logits, ids)
