@@ -153,6 +153,19 @@ class LayerPass:
 
 
 @dataclass(frozen=True)
+class InputFacts:
+    """What a pass config's optional ``check_input(facts)`` checks before any work: the input as its config.json
+    and safetensors headers describe it (nothing heavier is read)."""
+
+    model_dir: Path
+    adapter: FamilyAdapter
+    quantized: str | None
+    """The input's ``quant_method`` where it is quantised."""
+    experts_removed: bool = False
+    """An earlier pass of the run removes experts, so config.json no longer gives this pass's expert counts."""
+
+
+@dataclass(frozen=True)
 class PassEntry:
     """One registered pass: its config dataclass and either a layer pass class or a whole-model function
     ``run(source, target, config, *, calibration, options) -> report``."""
@@ -162,6 +175,18 @@ class PassEntry:
     layer_pass: type[LayerPass] | None = None
     run_whole_model: Callable[..., dict[str, Any]] | None = None
     help: str = ""
+    headline: tuple[str, ...] = ()
+    """The parameters a plan line always shows, default or not (every other one shows where it differs)."""
+    quantizes: bool = False
+    """It quantises the model: no later pass may quantise it again or prune it."""
+    prunes: bool = False
+    """It removes parts of the model, so it must come before any pass that :attr:`quantizes`."""
+    removes_experts: bool = False
+    """It removes routed experts: the passes after it cannot take the expert counts from the input's config.json."""
+    shares_ranks: bool = False
+    """Under ``torchrun`` a recipe of this pass alone shares its calibration over the ranks."""
+    card_tags: tuple[str, ...] = ()
+    """The model card's tags for an output this pass made (besides a quantising pass's ``quantized``)."""
 
     @property
     def kind(self) -> str:

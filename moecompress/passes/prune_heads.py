@@ -33,6 +33,7 @@ from ..heads.selection import choose_keep, global_removal_counts, magnitude_scor
 from ..heads.train import GateRun, GateSchedule, Teacher, distill, model_device, train_gates
 from ..loading import load_adapter, load_model, load_tokenizer
 from ..vocabulary import named
+from .base import InputFacts
 from .options import When, check_declared, option, recipe_only
 from .prune_experts import SCOPES, calibration_batches, update_report
 
@@ -152,6 +153,16 @@ class PruneHeadsConfig:
         check_declared(self)
         if self.scope == "global" and self.unit != "kv-group":
             raise refuse(f"{named('scope', 'global')} ranks KV groups; query-head units are pruned per layer")
+
+    def check_input(self, facts: InputFacts) -> None:
+        """Refuse a quantised input, and a ratio its heads cannot give, before any work."""
+        from ..preflight import check_prune_heads
+
+        if facts.quantized:
+            raise UserInputError(
+                f"{facts.model_dir}: already quantised ({facts.quantized}); prune the unquantised model, then quantise"
+            )
+        check_prune_heads(facts.adapter, self, facts.model_dir)
 
 
 def head_layouts(adapter: FamilyAdapter, unit: str) -> list[HeadLayout]:

@@ -44,6 +44,7 @@ from ..quantization.formats.native import ADAPTER_DTYPE
 from ..training.loop import TrainingConfig, prepare_student, round_adapters_to, train_adapters
 from ..training.replay import REPLAY_WEIGHTS, ReplaySchedule
 from ..vocabulary import named
+from .base import InputFacts
 from .options import When, check_declared, option
 from .prune_experts import update_report
 from .quantize import QuantizeConfig, quantize_checkpoint
@@ -127,6 +128,20 @@ class QATConfig:
             raise refuse(
                 f"{named('replay', self.replay)}: use all, none, first:F (0 <= F <= 1) or layers:L1,L2,..."
             ) from None
+
+    def check_input(self, facts: InputFacts) -> None:
+        """Refuse a quantised input (QAT starts from full precision), what the quantize settings refuse, and an
+        input whose routes cannot be replayed, before any work."""
+        from ..preflight import check_seq_len
+
+        if facts.quantized:
+            raise UserInputError(
+                f"{facts.model_dir}: the checkpoint is already quantised ({facts.quantized}); "
+                "start from a bf16/fp16 one"
+            )
+        self.quantize.check_input(facts)
+        facts.adapter.check_route_replay(str(facts.model_dir))
+        check_seq_len(facts.adapter, self.seq_len, named("seq_len"), QATConfig)
 
     def training(self) -> TrainingConfig:
         return TrainingConfig(

@@ -1,7 +1,11 @@
 """The one list of passes: recipe keys and their config dataclasses, layer passes and whole-model passes.
 
-Adding a pass: a module with its config dataclass (``validate()`` raising :class:`UserInputError`) and either a
-:class:`~moecompress.passes.base.LayerPass` subclass or a whole-model function, and one entry here.
+Adding a pass: a module with its config dataclass (``validate()`` raising :class:`UserInputError`, and optionally
+``check_input(facts)``, its checks against the input before any work, given
+:class:`~moecompress.passes.base.InputFacts`) and either a :class:`~moecompress.passes.base.LayerPass` subclass or a
+whole-model function, and one entry here. What the run needs to know of a pass (what it quantises or prunes, the
+plan's headline parameters, the model card's tags) are the entry's attributes; nothing outside ``passes/`` compares
+a pass's name.
 """
 
 from __future__ import annotations
@@ -44,9 +48,42 @@ def _qat(source: Path, target: Path, config: QATConfig, *, calibration, options)
 PASSES: dict[str, PassEntry] = {
     entry.name: entry
     for entry in (
-        PassEntry("prune_experts", PruneExpertsConfig, layer_pass=PruneExpertsPass, help="remove routed experts"),
-        PassEntry("prune_heads", PruneHeadsConfig, run_whole_model=_prune_heads, help="remove attention heads"),
-        PassEntry("quantize", QuantizeConfig, layer_pass=QuantizePass, help="quantise (and compensate) experts"),
-        PassEntry("qat", QATConfig, run_whole_model=_qat, help="quantisation-aware training of the quantised model"),
+        PassEntry(
+            "prune_experts",
+            PruneExpertsConfig,
+            layer_pass=PruneExpertsPass,
+            help="remove routed experts",
+            headline=("method", "ratio", "keep", "scope"),
+            prunes=True,
+            removes_experts=True,
+            shares_ranks=True,
+            card_tags=("expert-pruning",),
+        ),
+        PassEntry(
+            "prune_heads",
+            PruneHeadsConfig,
+            run_whole_model=_prune_heads,
+            help="remove attention heads",
+            headline=("ratio", "unit", "method", "scope"),
+            prunes=True,
+            card_tags=("head-pruning",),
+        ),
+        PassEntry(
+            "quantize",
+            QuantizeConfig,
+            layer_pass=QuantizePass,
+            help="quantise (and compensate) experts",
+            headline=("scheme", "method", "format"),
+            quantizes=True,
+        ),
+        PassEntry(
+            "qat",
+            QATConfig,
+            run_whole_model=_qat,
+            help="quantisation-aware training of the quantised model",
+            headline=("replay", "steps"),
+            quantizes=True,
+            card_tags=("qat",),
+        ),
     )
 }
