@@ -629,7 +629,7 @@ def _run_passes(
 ) -> dict[str, Any]:
     from .evals.perplexity import evaluate
     from .passes.prune_experts import update_report
-    from .pipeline import plan_stages, run_layer_passes
+    from .pipeline import plan_stages, run_layer_passes, run_whole_model_pass
     from .run_summary import attribute_to_input, load_report, measure_outcome
 
     calib = recipe.calibration
@@ -643,7 +643,6 @@ def _run_passes(
     try:
         for index in range(0 if done is None else done + 1, total):
             stage = stages[index]
-            name, config = stage.passes[-1]
             target = state.step(index)
             started = time.monotonic()
             for pass_name in stage.names:
@@ -660,8 +659,8 @@ def _run_passes(
                     source, target, stage.passes, calib, overwrite=True, progress=progress, resume=resume
                 )
             else:
-                report = PASSES[name].run_whole_model(
-                    source, target, config, calibration=calib, options=dict(overwrite=True, progress=progress)
+                report = run_whole_model_pass(
+                    source, target, stage.passes[-1], calib, overwrite=True, progress=progress
                 )
             seconds = time.monotonic() - started
             for pass_name in stage.names:

@@ -125,6 +125,11 @@ class LayerPass:
         """Layer ``layer``'s MoE block after this pass (``capture`` is None when the sweep does not calibrate)."""
         return block
 
+    def rewrite_rest(self, layer: int, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s tensors outside its MoE block (attention, norms) after this pass, in the rewriting
+        sweep, by their stored names."""
+        return rest
+
     def write_layer(self, layer: int, block: Any, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{self.name} does not lay layers out")
 
@@ -168,7 +173,10 @@ class InputFacts:
 @dataclass(frozen=True)
 class PassEntry:
     """One registered pass: its config dataclass and either a layer pass class or a whole-model function
-    ``run(source, target, config, *, calibration, options) -> report``."""
+    ``run(source, target, config, *, calibration, evaluation, overwrite, progress) -> report`` (``calibration``
+    and ``evaluation``: the recipe's :class:`~moecompress.recipes.Calibration` and
+    :class:`~moecompress.recipes.Evaluation` or None), which :func:`~moecompress.pipeline.run_whole_model_pass`
+    calls."""
 
     name: str
     config: type

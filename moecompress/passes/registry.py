@@ -22,7 +22,14 @@ from .quantize import QuantizeConfig
 from .quantize_layer import QuantizePass
 
 
-def _prune_heads(source: Path, target: Path, config: PruneHeadsConfig, *, calibration, options) -> dict[str, Any]:
+def _evaluated(evaluation: Any) -> dict[str, Any]:
+    """A whole-model function's evaluation arguments: none, or the recipe's :class:`~moecompress.recipes.Evaluation`."""
+    if evaluation is None:
+        return {"eval_data": None}
+    return {"eval_data": evaluation.data, "eval_tokens": evaluation.tokens}
+
+
+def _prune_heads(source: Path, target: Path, config: PruneHeadsConfig, *, calibration, evaluation, **options) -> dict:
     from .prune_heads import prune_heads
 
     return prune_heads(
@@ -32,16 +39,22 @@ def _prune_heads(source: Path, target: Path, config: PruneHeadsConfig, *, calibr
         calib=calibration.source,
         calib_tokens=calibration.tokens,
         seq_len=calibration.seq_len,
-        eval_data=None,
+        **_evaluated(evaluation),
         **options,
     )
 
 
-def _qat(source: Path, target: Path, config: QATConfig, *, calibration, options) -> dict[str, Any]:
+def _qat(source: Path, target: Path, config: QATConfig, *, calibration, evaluation, **options) -> dict[str, Any]:
     from .qat import qat_checkpoint
 
     return qat_checkpoint(
-        source, target, config, data=calibration.source, calib_tokens=calibration.tokens, eval_data=None, **options
+        source,
+        target,
+        config,
+        data=calibration.source,
+        calib_tokens=calibration.tokens,
+        **_evaluated(evaluation),
+        **options,
     )
 
 
