@@ -19,9 +19,9 @@ kept expert's spectrum on the pruned, sequentially calibrated block and keeps th
 
 A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result through
 its registry entry (:attr:`~moecompress.passes.base.PassEntry.run_whole_model`, by :func:`run_whole_model_pass`).
-Every pass runs here, one or many: the ``prune``, ``quantize``, ``qat`` and ``prune-heads`` commands, their API
-calls and the library functions ``prune_experts`` and ``quantize_checkpoint`` are one-pass stages
-(:func:`run_one_pass`). Under torchrun the ranks share the measuring sweep
+Every pass runs here, one or many: the ``prune`` and ``quantize`` commands and their API calls are one-pass
+recipes; the ``qat`` and ``prune-heads`` commands and the library functions ``prune_experts`` and
+``quantize_checkpoint`` run :func:`run_one_pass`. Under torchrun the ranks share the measuring sweep
 (:func:`run_layer_passes`); a quantised release pruned without calibration keeps its kept experts as stored
 (:meth:`~moecompress.passes.base.LayerPass.stored_rewrite`).
 :func:`plan_stages` groups a recipe; :func:`describe_plan` is what ``moecompress run --dry-run`` prints.
@@ -376,10 +376,10 @@ def run_one_pass(
     progress: bool,
     resume: bool,
 ) -> dict[str, Any]:
-    """One pass as its own stage: what the ``prune``, ``quantize``, ``qat`` and ``prune-heads`` commands and the
-    library functions ``prune_experts`` and ``quantize_checkpoint`` run, with the calibration seeded by the pass's
-    config and an evaluation when ``eval_data`` is given (a whole-model pass, which keeps no partial state, ignores
-    ``resume``: it starts over)."""
+    """One pass as its own stage: what the ``qat`` and ``prune-heads`` commands and the library functions
+    ``prune_experts`` and ``quantize_checkpoint`` run, with the calibration seeded by the pass's config and an
+    evaluation when ``eval_data`` is given (a whole-model pass, which keeps no partial state, ignores ``resume``:
+    it starts over)."""
     from .recipes import Calibration, Evaluation
 
     calibration = Calibration(
