@@ -185,7 +185,10 @@ def test_a_whole_model_pass_registered_from_outside_runs_from_a_recipe_and_as_on
     from moecompress.pipeline import run_one_pass
 
     source = tiny_with_tokenizer["qwen3_moe"]
-    recipe = parse_recipe({"model": str(source), "passes": [{"scale_norms": {"factor": 0.5}}]})
+    calibration = {"tokens": 256, "seq_len": 32}
+    recipe = parse_recipe(
+        {"model": str(source), "calibration": calibration, "passes": [{"scale_norms": {"factor": 0.5}}]}
+    )
     config = recipe.passes[0][1]
     report = run_recipe(recipe, source, tmp_path / "recipe", progress=False)
     assert report["pass"] == "scale_norms"
