@@ -303,6 +303,8 @@ def prune_heads(
     and as written (loaded back from ``out_dir``) after it. The input (the teacher) and the pruned model are both
     held whole on the run's compute device; the weights come back to the host to be written.
     """
+    from ..pipeline import write_model
+
     config.validate()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
@@ -391,8 +393,6 @@ def prune_heads(
         report["distillation"] = {"parameters": "attention and norms of every decoder layer", "curve": distill_curve}
     if eval_before is not None:
         report["eval_before_distillation"] = {"data": eval_data, **eval_before}
-
-    from ..pipeline import write_model
 
     writer = _PrunedModelWriter(adapter, student_state, new_config, report)
     write_model(model_dir, out_dir, writer, overwrite=overwrite, progress=progress)
