@@ -21,9 +21,10 @@ measured: :meth:`LayerPass.keeps`) and the budget counts the kept experts only. 
 kept expert's spectrum on the pruned, sequentially calibrated block and keeps the ranks it was given.
 
 A whole-model pass (``qat``, ``prune_heads``) is a stage of its own, run on the previous stage's result through
-its registry entry (:attr:`~moecompress.passes.base.PassEntry.run_whole_model`). Every layer pass runs here, one or
-many: the ``prune`` and ``quantize`` commands, their API calls and library functions (``prune_experts``,
-``quantize_checkpoint``) are one-pass stages. Under torchrun the ranks share the measuring sweep
+its registry entry (:attr:`~moecompress.passes.base.PassEntry.run_whole_model`, by :func:`run_whole_model_pass`).
+Every pass runs here, one or many: the ``prune`` and ``quantize`` commands and their API calls are one-pass
+recipes; the ``qat`` and ``prune-heads`` commands and the library functions ``prune_experts`` and
+``quantize_checkpoint`` run :func:`run_one_pass`. Under torchrun the ranks share the measuring sweep
 (:func:`run_layer_passes`); a quantised release pruned without calibration keeps its kept experts as stored
 (:meth:`~moecompress.passes.base.LayerPass.stored_rewrite`).
 :func:`plan_stages` groups a recipe; :func:`describe_plan` is what ``moecompress run --dry-run`` prints.
@@ -392,14 +393,26 @@ def run_one_pass(
     progress: bool,
     resume: bool,
 ) -> dict[str, Any]:
-    """One layer pass as its own stage: what the library functions ``prune_experts`` and ``quantize_checkpoint``
-    run, with the calibration seeded by the pass's config and an evaluation when ``eval_data`` is given."""
+    """One pass as its own stage: what the ``qat`` and ``prune-heads`` commands and the library functions
+    ``prune_experts`` and ``quantize_checkpoint`` run, with the calibration seeded by the pass's config and an
+    evaluation when ``eval_data`` is given (a whole-model pass, which keeps no partial state, ignores ``resume``:
+    it starts over)."""
     from .recipes import Calibration, Evaluation
 
     calibration = Calibration(
         source=calib, tokens=calib_tokens, seq_len=seq_len, seed=config.seed, image_size=image_size
     )
     evaluation = Evaluation(eval_data, eval_tokens) if eval_data else None
+    if PASSES[name].kind == "model":
+        return run_whole_model_pass(
+            model_dir,
+            out_dir,
+            (name, config),
+            calibration,
+            evaluation=evaluation,
+            overwrite=overwrite,
+            progress=progress,
+        )
     return run_layer_passes(
         model_dir,
         out_dir,
@@ -410,6 +423,53 @@ def run_one_pass(
         resume=resume,
         evaluation=evaluation,
     )
+
+
+def run_whole_model_pass(
+    model_dir: Path,
+    out_dir: Path,
+    step: tuple[str, Any],
+    calibration,
+    *,
+    evaluation=None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the whole-model pass ``step`` (``(name, config)``) on ``model_dir`` into ``out_dir`` by way of its
+    registry entry; returns its report (also saved as moecompress_report.json). ``calibration`` is the recipe's
+    :class:`~moecompress.recipes.Calibration`; with ``evaluation`` the pass evaluates its output against the input
+    itself (QAT and head pruning also measure before their training)."""
+    name, config = step
+    return PASSES[name].run_whole_model(
+        Path(model_dir),
+        Path(out_dir),
+        config,
+        calibration=calibration,
+        evaluation=evaluation,
+        overwrite=overwrite,
+        progress=progress,
+    )
+
+
+def write_model(model_dir: Path, out_dir: Path, rewriter: LayerPass, *, overwrite: bool, progress: bool) -> Path:
+    """Write ``model_dir`` into ``out_dir`` through the uncalibrated rewriting sweep with ``rewriter`` its one pass:
+    how a whole-model pass writes what it trained (the rewriter replaces the tensors it changed, as stored or in the
+    layer's view; its :meth:`~LayerPass.report` and :meth:`~LayerPass.finish_config` complete the output). A
+    whole-model pass cannot resume its writing, so a failed write leaves nothing behind."""
+    from .loading import load_adapter
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    adapter = load_adapter(model_dir)
+    writer = CheckpointWriter(out_dir, overwrite=overwrite)
+    context = PassContext(model_dir, adapter, None, writer.state_dir, progress, out_dir=out_dir)
+    try:
+        _rewriting_sweep([rewriter], context, adapter, writer)
+        writer.copy_side_files(model_dir)
+        writer.write_json("moecompress_report.json", rewriter.report())
+        return writer.finish(rewriter.finish_config(dict(adapter.config)))
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def run_layer_passes(

@@ -191,15 +191,18 @@ def _check_passes(
     name_passes: bool,
     vocabulary: Any,
 ) -> None:
+    from dataclasses import replace
+
     from .checkpoint.stock_model import check_stock_model_builds
     from .loading import check_tokenizer_files, load_adapter
+    from .passes.base import InputFacts
+    from .passes.registry import PASSES
 
     adapter = load_adapter(model_dir)
-    quantized = _quantized_method(adapter)
-    pruned_experts = False
+    facts = InputFacts(model_dir, adapter, _quantized_method(adapter))
     for index, (name, config) in enumerate(passes):
         try:
-            _check_pass(model_dir, adapter, name, config, quantized, first_expert_pruning=not pruned_experts)
+            _check_pass(config, facts)
         except OptionError as error:
             error.pass_index = index
             if vocabulary is None and name_passes:
@@ -209,7 +212,8 @@ def _check_passes(
             if not name_passes:
                 raise
             raise UserInputError(f"pass {index + 1} ({name}): {error}") from None
-        pruned_experts = pruned_experts or name == "prune_experts"
+        if PASSES[name].removes_experts:
+            facts = replace(facts, experts_removed=True)
     calibrated = any(_calibrates(name, config) for name, config in passes)
     if calibrated or eval_data is not None:
         check_seq_len(adapter, seq_len)
@@ -238,41 +242,12 @@ def _calibrates(name: str, config: Any) -> bool:
     return bool(needs.measuring or needs.calibration or needs.sensitivity)
 
 
-def _check_pass(
-    model_dir: Path, adapter: Any, name: str, config: Any, quantized: str | None, *, first_expert_pruning: bool
-) -> None:
-    from .passes.quantize import _check_format
-
-    if name in ("prune_experts", "quantize") and quantized:
-        from .checkpoint.decode import native_refusal
-
-        native_refusal(adapter.config, str(model_dir))
-    if name == "prune_heads" and quantized:
-        raise UserInputError(
-            f"{model_dir}: already quantised ({quantized}); prune the unquantised model, then quantise"
-        )
-    if name == "qat" and quantized:
-        raise UserInputError(
-            f"{model_dir}: the checkpoint is already quantised ({quantized}); start from a bf16/fp16 one"
-        )
-    if name == "prune_experts":
-        adapter.check_expert_pruning(str(model_dir), config)
-    if name == "prune_experts" and first_expert_pruning:
-        check_router_sizes(model_dir, adapter)
-        check_prune_counts(adapter, config)
-    elif name == "prune_heads":
-        check_prune_heads(adapter, config, model_dir)
-    elif name in ("quantize", "qat"):
-        quantize = config.quantize if name == "qat" else config
-        _check_format(adapter, quantize, quantize.quant_scheme())
-        check_output_smaller(model_dir, quantize)
-        if quantize.imatrix_out is not None:
-            from .export.imatrix import check_imatrix_target
-
-            check_imatrix_target(Path(quantize.imatrix_out), adapter, [model_dir], type(quantize))
-        if name == "qat":
-            adapter.check_route_replay(str(model_dir))
-            check_seq_len(adapter, config.seq_len, named("seq_len"), type(config))
+def _check_pass(config: Any, facts: Any) -> None:
+    """The pass's own checks against the input (:class:`~moecompress.passes.base.InputFacts`), where its config
+    has a ``check_input``."""
+    check_input = getattr(config, "check_input", None)
+    if check_input is not None:
+        check_input(facts)
 
 
 def check_output_smaller(model_dir: Path, config: Any) -> None:

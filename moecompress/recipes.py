@@ -54,7 +54,7 @@ from .defaults import (
 )
 from .errors import OptionError, UserInputError
 from .files import DiskFullError, is_full, write_json, write_text
-from .passes.options import KINDS, refuse_unused
+from .passes.options import KINDS, nested_configs, refuse_unused
 from .passes.options import short as _short
 from .passes.quantize import QuantizeConfig
 from .passes.registry import PASSES
@@ -299,7 +299,8 @@ def _parse_step(recipe: Recipe, steps: list[Any], index: int, given: list[set[st
         return
     if name == "lowrank":
         previous = recipe.passes[-1] if recipe.passes else None
-        if previous is None or previous[0] != "quantize" or index == 0 or "lowrank" in steps[index - 1]:
+        takes_lowrank = previous is not None and isinstance(previous[1], QuantizeConfig)
+        if not takes_lowrank or index == 0 or "lowrank" in steps[index - 1]:
             raise UserInputError(f"{path}: lowrank must directly follow a quantize pass")
         params = params or {}
         if not isinstance(params, dict) or sorted(set(params) - set(LOWRANK_KEYS), key=str):
@@ -311,27 +312,27 @@ def _parse_step(recipe: Recipe, steps: list[Any], index: int, given: list[set[st
         _validated(config, path)
         given[-1] |= set(params)
         refuse_unused(config, given[-1])
-        recipe.passes[-1] = ("quantize", config)
+        recipe.passes[-1] = (previous[0], config)
         return
+    entry = PASSES[name]
+    quantizing = {other for other, known in PASSES.items() if known.quantizes}
     quantized_at = next(
-        (f"passes[{i}].{next(iter(s))}" for i, s in enumerate(steps[:index]) if set(s) & {"quantize", "qat"}), None
+        (f"passes[{i}].{next(iter(s))}" for i, s in enumerate(steps[:index]) if set(s) & quantizing), None
     )
-    if name in ("prune_experts", "prune_heads") and quantized_at:
+    if entry.prunes and quantized_at:
         raise UserInputError(f"{path}: pruning must come before quantisation ({quantized_at})")
-    if name in ("quantize", "qat") and quantized_at:
+    if entry.quantizes and quantized_at:
         raise UserInputError(f"{path}: the model is already quantised by {quantized_at}")
-    sections: dict[Any, str] = {PASSES[name].config: path}
-    if name == "qat":
-        sections[QuantizeConfig] = f"{path}.quantize"
+    nested = nested_configs(entry.config)
+    sections: dict[Any, str] = {entry.config: path, **{inner: f"{path}.{key}" for key, inner in nested.items()}}
     keys.passes.append(sections)
-    config = _dataclass(PASSES[name].config, params, path)
+    config = _dataclass(entry.config, params, path)
     if "seed" not in (params or {}) and any(f.name == "seed" for f in dataclasses.fields(config)):
         config = dataclasses.replace(config, seed=recipe.calibration.seed)
     _validated(config, path)
     params = params or {}
-    nested = params.get("quantize") if isinstance(params.get("quantize"), dict) else {}
     given.append(set(params))
-    refuse_unused(config, params, {"quantize": set(nested)})
+    refuse_unused(config, params, {key: set(params[key]) for key in nested if isinstance(params.get(key), dict)})
     recipe.passes.append((name, config))
 
 
@@ -371,21 +372,13 @@ def load_recipe(path: Path) -> Recipe:
     return parse_recipe(document, str(path))
 
 
-HEADLINE_KEYS: dict[str, tuple[str, ...]] = {
-    "prune_experts": ("method", "ratio", "keep", "scope"),
-    "prune_heads": ("ratio", "unit", "method", "scope"),
-    "quantize": ("scheme", "method", "format"),
-    "qat": ("replay", "steps"),
-}
-"""What a plan line always shows, default or not; every other parameter shows when it differs from its default."""
-
-
 def describe(recipe: Recipe) -> list[str]:
-    """One line per pass: its headline parameters and every other parameter that differs from the default."""
+    """One line per pass: its headline parameters (:attr:`~moecompress.passes.base.PassEntry.headline`) and every
+    other parameter that differs from the default."""
     lines = []
     for name, config in recipe.passes:
         defaults = type(config)()
-        headline = HEADLINE_KEYS.get(name, ())
+        headline = PASSES[name].headline
         shown = {
             f.name: getattr(config, f.name)
             for f in dataclasses.fields(config)
@@ -563,10 +556,10 @@ def run_recipe(
 def _check_imatrix_outside(recipe: Recipe, out_dir: Path) -> None:
     from .export.imatrix import check_outside_output
 
-    for name, config in recipe.passes:
-        quantize = config.quantize if name == "qat" else config if name == "quantize" else None
-        if quantize is not None and quantize.imatrix_out is not None:
-            check_outside_output(Path(quantize.imatrix_out), out_dir, type(quantize))
+    for _, config in recipe.passes:
+        for part in (config, *(getattr(config, key) for key in nested_configs(type(config)))):
+            if isinstance(part, QuantizeConfig) and part.imatrix_out is not None:
+                check_outside_output(Path(part.imatrix_out), out_dir, QuantizeConfig)
 
 
 def _spelled(recipe: Recipe, error: OptionError) -> OptionError:
@@ -574,7 +567,7 @@ def _spelled(recipe: Recipe, error: OptionError) -> OptionError:
     pass it names is the one whose config owns the option (the only one, for a one-pass recipe)."""
     if recipe.vocabulary is None or error.vocabulary is not None:
         return error
-    owners = [{type(config), *((QuantizeConfig,) if name == "qat" else ())} for name, config in recipe.passes]
+    owners = [{type(config), *nested_configs(type(config)).values()} for _, config in recipe.passes]
     index = next((i for i, own in enumerate(owners) if error.owner in own), 0 if len(owners) == 1 else None)
     return recipe.vocabulary.bind(error, index)
 
@@ -586,9 +579,10 @@ def _check_ranks(recipe: Recipe, resume: bool) -> None:
         raise OptionError(
             f"{named('run.resume', True)} needs a single process, not {ranks} ranks; run it without torchrun"
         )
-    if ranks > 1 and [name for name, _ in recipe.passes] != ["prune_experts"]:
+    if ranks > 1 and not (len(recipe.passes) == 1 and PASSES[recipe.passes[0][0]].shares_ranks):
+        shared = " or ".join(name for name, entry in PASSES.items() if entry.shares_ranks)
         raise UserInputError(
-            f"with {ranks} ranks a recipe can only be one prune_experts pass (the one whose calibration is shared); "
+            f"with {ranks} ranks a recipe can only be one {shared} pass (the one whose calibration is shared); "
             "run the others in a single process"
         )
 
@@ -635,7 +629,7 @@ def _run_passes(
 ) -> dict[str, Any]:
     from .evals.perplexity import evaluate
     from .passes.prune_experts import update_report
-    from .pipeline import plan_stages, run_layer_passes
+    from .pipeline import plan_stages, run_layer_passes, run_whole_model_pass
     from .run_summary import attribute_to_input, load_report, measure_outcome
 
     calib = recipe.calibration
@@ -649,7 +643,6 @@ def _run_passes(
     try:
         for index in range(0 if done is None else done + 1, total):
             stage = stages[index]
-            name, config = stage.passes[-1]
             target = state.step(index)
             started = time.monotonic()
             for pass_name in stage.names:
@@ -666,8 +659,8 @@ def _run_passes(
                     source, target, stage.passes, calib, overwrite=True, progress=progress, resume=resume
                 )
             else:
-                report = PASSES[name].run_whole_model(
-                    source, target, config, calibration=calib, options=dict(overwrite=True, progress=progress)
+                report = run_whole_model_pass(
+                    source, target, stage.passes[-1], calib, overwrite=True, progress=progress
                 )
             seconds = time.monotonic() - started
             for pass_name in stage.names:

@@ -1,7 +1,8 @@
 """A pass is one module and one registry line: a layer pass registered from this file (its config dataclass, its
 LayerPass subclass, one :data:`~moecompress.passes.registry.PASSES` entry) runs from ``moecompress run``, a recipe
 and the API through the pipeline, with the same output, and is planned, described and refused like the built-in
-passes."""
+passes; a whole-model pass registered from here runs from a recipe and as a one-pass pipeline run (as the ``qat``
+and ``prune-heads`` commands do) with the same output, written by the pipeline's writer."""
 
 import json
 from dataclasses import asdict, dataclass, field, replace
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 
 import moecompress
 from moecompress.errors import OptionError
-from moecompress.passes.base import LayerPass, Needs, PassEntry
+from moecompress.passes.base import InputFacts, LayerPass, Needs, PassEntry
 from moecompress.passes.options import check_declared, option
 from moecompress.passes.registry import PASSES
 from moecompress.recipes import parse_recipe, run_recipe
@@ -126,3 +127,98 @@ def test_a_registered_pass_is_validated_like_the_built_in_ones(scale_down, tiny_
 def test_an_unregistered_pass_is_unknown():
     with pytest.raises(moecompress.errors.UserInputError, match="unknown pass"):
         parse_recipe({"passes": [{"scale_down": {}}]})
+
+
+@dataclass(frozen=True)
+class ScaleNormsConfig:
+    factor: float = field(default=2.0, metadata=option("What every decoder layer's norm weights are multiplied by."))
+    seed: int = field(default=0, metadata=option("Unused; a one-pass run seeds its calibration with it."))
+
+    def validate(self) -> None:
+        check_declared(self)
+
+    def check_input(self, facts: InputFacts) -> None:
+        CHECKED_INPUTS.append(facts)
+
+
+CHECKED_INPUTS: list[InputFacts] = []
+
+
+class ScaledNorms(LayerPass):
+    """What the toy whole-model pass writes: the input with its layers' norm weights scaled."""
+
+    name = "scale_norms"
+
+    def __init__(self, config, adapter):
+        super().__init__(config)
+        self.adapter = adapter
+
+    def rewrite_rest(self, layer, rest):
+        scaled = {}
+        for key, tensor in rest.items():
+            norm = self.adapter.classify_key(key) == "norms"
+            scaled[key] = (tensor.float() * self.config.factor).to(tensor.dtype) if norm else tensor
+        return scaled
+
+    def report(self):
+        return {"pass": self.name, "factor": self.config.factor}
+
+
+def _scale_norms(source, target, config, *, calibration, evaluation, overwrite, progress):
+    from moecompress.loading import load_adapter
+    from moecompress.pipeline import write_model
+
+    write_model(source, target, ScaledNorms(config, load_adapter(source)), overwrite=overwrite, progress=progress)
+    return {"pass": "scale_norms", "factor": config.factor, "evaluated": evaluation is not None}
+
+
+@pytest.fixture
+def scale_norms(monkeypatch):
+    CHECKED_INPUTS.clear()
+    monkeypatch.setitem(PASSES, "scale_norms", PassEntry("scale_norms", ScaleNormsConfig, run_whole_model=_scale_norms))
+
+
+def test_a_whole_model_pass_registered_from_outside_runs_from_a_recipe_and_as_one_pass(
+    scale_norms, tiny_with_tokenizer, tmp_path
+):
+    from moecompress.loading import load_adapter
+    from moecompress.pipeline import run_one_pass
+
+    source = tiny_with_tokenizer["qwen3_moe"]
+    calibration = {"tokens": 256, "seq_len": 32}
+    recipe = parse_recipe(
+        {"model": str(source), "calibration": calibration, "passes": [{"scale_norms": {"factor": 0.5}}]}
+    )
+    config = recipe.passes[0][1]
+    report = run_recipe(recipe, source, tmp_path / "recipe", progress=False)
+    assert report["pass"] == "scale_norms"
+    assert [(facts.model_dir, facts.quantized) for facts in CHECKED_INPUTS] == [(source, None)]
+    one = run_one_pass(
+        "scale_norms",
+        config,
+        source,
+        tmp_path / "one",
+        calib="builtin:prose",
+        calib_tokens=256,
+        seq_len=32,
+        image_size=32,
+        eval_data=None,
+        eval_tokens=None,
+        overwrite=False,
+        progress=False,
+        resume=False,
+    )
+    assert one == {"pass": "scale_norms", "factor": 0.5, "evaluated": False}
+    written = tmp_path / "one" / "model.safetensors"
+    assert written.read_bytes() == (tmp_path / "recipe" / "model.safetensors").read_bytes()
+    original, scaled = load_file(source / "model.safetensors"), load_file(written)
+    adapter = load_adapter(source)
+    norms = [key for key in original if adapter.layer_of_key(key) is not None and adapter.classify_key(key) == "norms"]
+    assert norms and scaled.keys() == original.keys()
+    for key, tensor in original.items():
+        expected = (tensor.float() * 0.5).to(tensor.dtype) if key in norms else tensor
+        assert torch.equal(scaled[key], expected), key
+    assert json.loads((tmp_path / "one" / "moecompress_report.json").read_text()) == {
+        "pass": "scale_norms",
+        "factor": 0.5,
+    }

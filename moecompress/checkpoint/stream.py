@@ -7,20 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import UserInputError
 from ..families import FamilyAdapter, MoEWeights, adapter_for
-from ..families.base import Layout
 from ..memory import release_freed_memory
 from ..progress import bar as progress_bar
 from .reader import CheckpointReader
 from .writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
 
 LayerFn = Callable[[int, MoEWeights], MoEWeights]
-LayerWriter = Callable[
-    [int, "MoEWeights | None", dict[str, "torch.Tensor"], "Layout | None"], dict[str, "torch.Tensor"]
-]
 
 
 def group_keys_by_layer(reader: CheckpointReader, adapter: FamilyAdapter) -> tuple[dict[int, list[str]], list[str]]:
@@ -66,20 +60,17 @@ def rewrite_checkpoint(
     out_dir: str | os.PathLike[str],
     layer_fn: LayerFn | None = None,
     *,
-    layer_writer: LayerWriter | None = None,
     config: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
-    extra_json: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout (the writer
-    of a whole-model pass; layer passes write through :mod:`moecompress.pipeline`).
+    """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout: a copy (with
+    other shard sizes) or a rewrite of the MoE views for tests and scripts. The passes write through
+    :mod:`moecompress.pipeline` (whole-model passes by :func:`~moecompress.pipeline.write_model`).
 
-    ``layer_fn`` receives each MoE layer's view and returns its replacement; ``layer_writer`` (default: the
-    adapter's ``join_layer``) turns a layer's view and other tensors into the tensors to write; ``config``
-    replaces the source's config.json; ``extra_json`` files (a report) are written inside the same atomic finish.
-    Peak memory is one layer's tensors. A failure removes the work directory.
+    ``layer_fn`` receives each MoE layer's view and returns its replacement; ``config`` replaces the source's
+    config.json. Peak memory is one layer's tensors. A failure removes the work directory.
     """
     source = Path(source)
     check_output_is_not_input(source, Path(out_dir))
@@ -89,18 +80,15 @@ def rewrite_checkpoint(
         writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
         try:
             writer.add(reader.read(outside), unit=OUTSIDE_UNIT)
-            join = layer_writer if layer_writer is not None else adapter.join_layer
             for layer, keys in progress_bar(layers.items(), desc="writing", unit="layer", disable=not progress):
                 moe, rest, layout = adapter.split_layer(layer, reader.pending(keys), consume=True)
                 if moe is not None and layer_fn is not None:
                     moe = layer_fn(layer, moe)
-                written = join(layer, moe, rest, layout)
+                written = adapter.join_layer(layer, moe, rest, layout)
                 writer.add(written, unit=layer_unit(layer))
                 del moe, rest, written
                 release_freed_memory()
             writer.copy_side_files(source)
-            for name, content in (extra_json or {}).items():
-                writer.write_json(name, content)
             return writer.finish(config if config is not None else reader.config)
         except (UserInputError, OSError):
             writer.abort()

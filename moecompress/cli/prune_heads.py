@@ -61,9 +61,11 @@ def prune_heads_command(
     without either it is refused.
     """
     from ..checkpoint import resolve_model
+    from ..defaults import DEFAULT_IMAGE_SIZE
     from ..device import using_device
     from ..loading import quiet_transformers
-    from ..passes.prune_heads import PruneHeadsConfig, prune_heads
+    from ..passes.prune_heads import PruneHeadsConfig
+    from ..pipeline import run_one_pass
 
     quiet_transformers()
     config = config_from_options(PruneHeadsConfig, options)
@@ -84,17 +86,20 @@ def prune_heads_command(
     )
     started = time.monotonic()
     with using_device(chosen_device()):
-        report = prune_heads(
+        report = run_one_pass(
+            "prune_heads",
+            config,
             model_dir,
             out_dir,
-            config,
             calib=calib,
             calib_tokens=calib_tokens,
             seq_len=seq_len,
+            image_size=DEFAULT_IMAGE_SIZE,
             eval_data=None if no_eval else eval_data,
             eval_tokens=eval_tokens,
             overwrite=overwrite,
             progress=True,
+            resume=resume,
         )
     click.echo(
         f"removed {report['units_before'] - report['units_after']} of {report['units_before']} {config.unit}s "

@@ -67,9 +67,11 @@ def qat_command(
     pass keeps no partial state), --restart discards it; without either it is refused.
     """
     from ..checkpoint import resolve_model
+    from ..defaults import DEFAULT_IMAGE_SIZE
     from ..device import using_device
     from ..errors import UserInputError
-    from ..passes.qat import QATConfig, qat_checkpoint
+    from ..passes.qat import QATConfig
+    from ..pipeline import run_one_pass
 
     if options["lowrank_rank"] is not None:
         if options["lowrank_budget"] is not None:
@@ -94,16 +96,20 @@ def qat_command(
     )
     started = time.monotonic()
     with using_device(chosen_device()):
-        report = qat_checkpoint(
+        report = run_one_pass(
+            "qat",
+            config,
             model_dir,
             out_dir,
-            config,
-            data=calib,
+            calib=calib,
             calib_tokens=calib_tokens,
+            seq_len=seq_len,
+            image_size=DEFAULT_IMAGE_SIZE,
             eval_data=None if no_eval else eval_data,
             eval_tokens=eval_tokens,
             overwrite=overwrite,
             progress=True,
+            resume=resume,
         )
     qat = report["qat"]
     experts = report["footprint"]["classes"].get("experts", {})

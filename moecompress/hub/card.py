@@ -18,10 +18,21 @@ from typing import Any
 import yaml
 
 REPORT_NAME = "moecompress_report.json"
-QUANTIZING_PASSES = frozenset({"quantize", "qat"})
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
 _MAX_CHAIN = 16
+
+
+def _entry(name: str) -> Any:
+    """The registered pass a report names (None for a pass this version does not know)."""
+    from ..passes.registry import PASSES
+
+    return PASSES.get(name)
+
+
+def _quantizes(name: str) -> bool:
+    entry = _entry(name)
+    return entry is not None and entry.quantizes
 
 
 @dataclass(frozen=True)
@@ -72,11 +83,12 @@ def report_chain(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def steps_of(chain: Sequence[dict[str, Any]]) -> list[PassStep]:
-    """The recipe's passes, one per report; QAT's report keeps its quantisation settings beside its config."""
+    """The recipe's passes, one per report; a report with ``quantize_config`` (QAT's) keeps its quantisation
+    settings beside its config, the recipe's nested ``quantize``."""
     steps = []
     for report in chain:
         config = dict(report.get("config") or {})
-        if report["pass"] == "qat" and report.get("quantize_config") is not None:
+        if report.get("quantize_config") is not None:
             config["quantize"] = report["quantize_config"]
         steps.append(PassStep(report["pass"], config))
     return steps
@@ -97,7 +109,7 @@ def base_model_relation(steps: Sequence[PassStep]) -> str:
     several models, and not quantised; it is a full set of weights derived from one base model's, which is what
     the Hub's ``finetune`` stands for (its catch-all for derived full weights), so pruned outputs say ``finetune``.
     """
-    return "quantized" if any(step.name in QUANTIZING_PASSES for step in steps) else "finetune"
+    return "quantized" if any(_quantizes(step.name) for step in steps) else "finetune"
 
 
 def hub_id_of_source(source: str | None) -> str | None:
@@ -236,22 +248,19 @@ def _pipeline_tag(architecture: str) -> str | None:
 def _tags(chain: Sequence[dict[str, Any]]) -> list[str]:
     tags = ["moe", "moecompress"]
     for report in chain:
-        name = report["pass"]
-        if name in QUANTIZING_PASSES:
+        entry = _entry(report["pass"])
+        if entry is None:
+            continue
+        if entry.quantizes:
             scheme = (report.get("scheme") or {}).get("name") or (report.get("config") or {}).get("scheme")
             tags += ["quantized", *([str(scheme)] if scheme else [])]
-            settings = report.get("quantize_config") if name == "qat" else report.get("config")
+            settings = report.get("quantize_config", report.get("config"))
             from ..quantization.formats import OUTPUT_FORMATS
 
             layout = OUTPUT_FORMATS.get((settings or {}).get("format"))
             if layout is not None and layout.card_tag:
                 tags.append(layout.card_tag)
-        if name == "qat":
-            tags.append("qat")
-        if name == "prune_experts":
-            tags.append("expert-pruning")
-        if name == "prune_heads":
-            tags.append("head-pruning")
+        tags += entry.card_tags
     return list(dict.fromkeys(tags))
 
 

@@ -126,8 +126,8 @@ class LayerPass:
         return block
 
     def rewrite_rest(self, layer: int, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Layer ``layer``'s tensors outside its MoE block (on-disk keys) after this pass: unchanged but where the
-        pass removes experts of the attention too (JetMoE's MoA)."""
+        """Layer ``layer``'s tensors outside its MoE block (attention, norms), by their stored names, after this pass
+        in the rewriting sweep: unchanged unless the pass rewrites them (JetMoE's attention experts, pruned heads)."""
         return rest
 
     def write_layer(self, layer: int, block: Any, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,15 +158,43 @@ class LayerPass:
 
 
 @dataclass(frozen=True)
+class InputFacts:
+    """What a pass config's optional ``check_input(facts)`` checks before any work: the input as its config.json
+    and safetensors headers describe it (nothing heavier is read)."""
+
+    model_dir: Path
+    adapter: FamilyAdapter
+    quantized: str | None
+    """The input's ``quant_method`` where it is quantised."""
+    experts_removed: bool = False
+    """An earlier pass of the run removes experts, so config.json no longer gives this pass's expert counts."""
+
+
+@dataclass(frozen=True)
 class PassEntry:
     """One registered pass: its config dataclass and either a layer pass class or a whole-model function
-    ``run(source, target, config, *, calibration, options) -> report``."""
+    ``run(source, target, config, *, calibration, evaluation, overwrite, progress) -> report`` (``calibration``
+    and ``evaluation``: the recipe's :class:`~moecompress.recipes.Calibration` and
+    :class:`~moecompress.recipes.Evaluation` or None), which :func:`~moecompress.pipeline.run_whole_model_pass`
+    calls."""
 
     name: str
     config: type
     layer_pass: type[LayerPass] | None = None
     run_whole_model: Callable[..., dict[str, Any]] | None = None
     help: str = ""
+    headline: tuple[str, ...] = ()
+    """The parameters a plan line always shows, default or not (every other one shows where it differs)."""
+    quantizes: bool = False
+    """It quantises the model: no later pass may quantise it again or prune it."""
+    prunes: bool = False
+    """It removes parts of the model, so it must come before any pass that :attr:`quantizes`."""
+    removes_experts: bool = False
+    """It removes routed experts: the passes after it cannot take the expert counts from the input's config.json."""
+    shares_ranks: bool = False
+    """Under ``torchrun`` a recipe of this pass alone shares its calibration over the ranks."""
+    card_tags: tuple[str, ...] = ()
+    """The model card's tags for an output this pass made (besides a quantising pass's ``quantized``)."""
 
     @property
     def kind(self) -> str:

@@ -94,6 +94,12 @@ def declared_fields(cls: type) -> list[tuple[dataclasses.Field, Option | None]]:
     return [(f, option_of(f)) for f in dataclasses.fields(cls)]
 
 
+def nested_configs(cls: type) -> dict[str, type]:
+    """The fields of config class ``cls`` that hold a whole config of their own, by name (QAT's ``quantize``)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
 def flag_of(field: dataclasses.Field, declared: Option) -> str:
     return declared.flag or "--" + field.name.replace("_", "-")
 

@@ -46,6 +46,7 @@ from ..loading import load_tokenizer
 from ..sweep import LayerCapture
 from ..sweep_state import LayerResult
 from ..vocabulary import named
+from .base import InputFacts
 from .expert_scores import layer_expert_stats
 from .maep_weights import TOKEN_WEIGHTS
 from .options import When, check_declared, option, recipe_only
@@ -188,6 +189,19 @@ class PruneExpertsConfig:
         check_declared(self)
         if (self.ratio is None) == (self.keep is None):
             raise refuse(f"give exactly one of {named('ratio')} and {named('keep')}")
+
+    def check_input(self, facts: InputFacts) -> None:
+        """Refuse an input this pass cannot prune, and counts its layers cannot keep (where config.json still gives
+        them), before any work."""
+        from ..checkpoint.decode import native_refusal
+        from ..preflight import check_prune_counts, check_router_sizes
+
+        if facts.quantized:
+            native_refusal(facts.adapter.config, str(facts.model_dir))
+        facts.adapter.check_expert_pruning(str(facts.model_dir), self)
+        if not facts.experts_removed:
+            check_router_sizes(facts.model_dir, facts.adapter)
+            check_prune_counts(facts.adapter, self)
 
     @property
     def rewrites_from_calibration(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from ..calibration.batches import consecutive_windows, tokenize_documents
 from ..calibration.sources import load_documents
-from ..checkpoint import CheckpointReader, rewrite_checkpoint
+from ..checkpoint import CheckpointReader
 from ..checkpoint.stream import check_output_is_not_input
 from ..checkpoint.writer import output_exists
 from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
@@ -33,6 +33,7 @@ from ..heads.selection import choose_keep, global_removal_counts, magnitude_scor
 from ..heads.train import GateRun, GateSchedule, Teacher, distill, model_device, train_gates
 from ..loading import load_adapter, load_model, load_tokenizer
 from ..vocabulary import named
+from .base import InputFacts, LayerPass
 from .options import When, check_declared, option, recipe_only
 from .prune_experts import SCOPES, calibration_batches, update_report
 
@@ -152,6 +153,16 @@ class PruneHeadsConfig:
         check_declared(self)
         if self.scope == "global" and self.unit != "kv-group":
             raise refuse(f"{named('scope', 'global')} ranks KV groups; query-head units are pruned per layer")
+
+    def check_input(self, facts: InputFacts) -> None:
+        """Refuse a quantised input, and a ratio its heads cannot give, before any work."""
+        from ..preflight import check_prune_heads
+
+        if facts.quantized:
+            raise UserInputError(
+                f"{facts.model_dir}: already quantised ({facts.quantized}); prune the unquantised model, then quantise"
+            )
+        check_prune_heads(facts.adapter, self, facts.model_dir)
 
 
 def head_layouts(adapter: FamilyAdapter, unit: str) -> list[HeadLayout]:
@@ -292,6 +303,8 @@ def prune_heads(
     and as written (loaded back from ``out_dir``) after it. The input (the teacher) and the pruned model are both
     held whole on the run's compute device; the weights come back to the host to be written.
     """
+    from ..pipeline import write_model
+
     config.validate()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
@@ -381,7 +394,8 @@ def prune_heads(
     if eval_before is not None:
         report["eval_before_distillation"] = {"data": eval_data, **eval_before}
 
-    _write(model_dir, out_dir, adapter, student_state, new_config, report, overwrite, progress)
+    writer = _PrunedModelWriter(adapter, student_state, new_config, report)
+    write_model(model_dir, out_dir, writer, overwrite=overwrite, progress=progress)
     model = student = teacher = None  # free both models before evaluation loads two more
     if eval_data:
         report["eval"] = evaluation_report(
@@ -391,36 +405,32 @@ def prune_heads(
     return report
 
 
-def _write(
-    model_dir: Path,
-    out_dir: Path,
-    adapter: FamilyAdapter,
-    student_state: dict[str, torch.Tensor],
-    new_config: dict[str, Any],
-    report: dict[str, Any],
-    overwrite: bool,
-    progress: bool,
-) -> None:
-    """Stream the input to ``out_dir`` with every layer's attention and norm tensors taken from the pruned (and
-    distilled) model, cast back to their on-disk dtype."""
+class _PrunedModelWriter(LayerPass):
+    """Writes the pruned model (:func:`~moecompress.pipeline.write_model`): the input with every layer's attention
+    and norm tensors taken from the pruned (and distilled) model, cast back to their on-disk dtype, and config.json
+    with the new head counts."""
 
-    def layer_writer(layer, moe, rest, layout):
-        prefix = adapter.layer_prefix(layer)
+    name = "prune_heads"
+
+    def __init__(
+        self, adapter: FamilyAdapter, student_state: dict[str, torch.Tensor], config: dict, report: dict[str, Any]
+    ):
+        super().__init__(None)
+        self.adapter, self.student_state, self.new_config, self.written = adapter, student_state, config, report
+
+    def rewrite_rest(self, layer: int, rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        prefix = self.adapter.layer_prefix(layer)
         replaced = {}
         for key, tensor in rest.items():
-            if adapter.classify_key(key) in ("attention", "norms"):
-                runtime = prefix + adapter.runtime_local_key(layer, key)
-                replaced[key] = student_state[runtime].to(tensor.dtype).contiguous()
+            if self.adapter.classify_key(key) in ("attention", "norms"):
+                runtime = prefix + self.adapter.runtime_local_key(layer, key)
+                replaced[key] = self.student_state[runtime].to(tensor.dtype).contiguous()
             else:
                 replaced[key] = tensor
-        return adapter.join_layer(layer, moe, replaced, layout)
+        return replaced
 
-    rewrite_checkpoint(
-        model_dir,
-        out_dir,
-        layer_writer=layer_writer,
-        config=new_config,
-        overwrite=overwrite,
-        progress=progress,
-        extra_json={"moecompress_report.json": report},
-    )
+    def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        return self.new_config
+
+    def report(self) -> dict[str, Any]:
+        return self.written

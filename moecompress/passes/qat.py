@@ -8,7 +8,8 @@ those adapters by distillation from the full-precision model with its routes rep
 2. That checkpoint is loaded through the plugin as the student, the input as the teacher; both are held whole
    (this is one of the passes allowed to), on the run's compute device (bf16 on CUDA, float32 on the CPU).
 3. The adapters train; the held-out evaluation runs before (= PTQ) and after, against the teacher.
-4. The output is the PTQ checkpoint with the trained adapters in place of the initial ones, written atomically.
+4. The output is the PTQ checkpoint as stored with the trained adapters in place of the initial ones, written
+   atomically by the pipeline's writer (:func:`~moecompress.pipeline.write_model`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from ..calibration.batches import consecutive_windows, sampled_windows, tokenize_documents
 from ..calibration.sources import load_documents
-from ..checkpoint import CheckpointReader, CheckpointWriter
+from ..checkpoint import CheckpointReader
 from ..checkpoint.stream import check_output_is_not_input
 from ..checkpoint.writer import hidden_dir, output_exists
 from ..defaults import (
@@ -44,6 +45,7 @@ from ..quantization.formats.native import ADAPTER_DTYPE
 from ..training.loop import TrainingConfig, prepare_student, round_adapters_to, train_adapters
 from ..training.replay import REPLAY_WEIGHTS, ReplaySchedule
 from ..vocabulary import named
+from .base import InputFacts, LayerPass
 from .options import When, check_declared, option
 from .prune_experts import update_report
 from .quantize import QuantizeConfig, quantize_checkpoint
@@ -128,6 +130,20 @@ class QATConfig:
                 f"{named('replay', self.replay)}: use all, none, first:F (0 <= F <= 1) or layers:L1,L2,..."
             ) from None
 
+    def check_input(self, facts: InputFacts) -> None:
+        """Refuse a quantised input (QAT starts from full precision), what the quantize settings refuse, and an
+        input whose routes cannot be replayed, before any work."""
+        from ..preflight import check_seq_len
+
+        if facts.quantized:
+            raise UserInputError(
+                f"{facts.model_dir}: the checkpoint is already quantised ({facts.quantized}); "
+                "start from a bf16/fp16 one"
+            )
+        self.quantize.check_input(facts)
+        facts.adapter.check_route_replay(str(facts.model_dir))
+        check_seq_len(facts.adapter, self.seq_len, named("seq_len"), QATConfig)
+
     def training(self) -> TrainingConfig:
         return TrainingConfig(
             steps=self.steps,
@@ -144,38 +160,49 @@ def _adapter_key(name: str) -> bool:
     return ".lowrank." in name and name.endswith(("_L", "_R"))
 
 
-def write_with_adapters(
-    source: Path, out_dir: Path, student: torch.nn.Module, report: dict[str, Any], overwrite: bool
-) -> None:
-    """``source``'s tensors with every adapter replaced by the student's (as stored: bf16), atomically. A stored
-    adapter's module is found in the student under the name transformers' conversion gives it at load
-    (``model.layers`` is ``model.language_model.layers`` where a release keeps its text model under its own names)."""
-    from ..quantization.hf_quantizer import loaded_module_names
+class _TrainedAdapters(LayerPass):
+    """Writes QAT's output (:func:`~moecompress.pipeline.write_model`): the PTQ checkpoint ``source`` as stored,
+    every adapter replaced by the student's (as stored: bf16). A stored adapter's module is found in the student
+    under the name transformers' conversion gives it at load (``model.layers`` is ``model.language_model.layers``
+    where a release keeps its text model under its own names)."""
 
-    trained = {name: p.detach() for name, p in student.named_parameters() if _adapter_key(name)}
-    writer = CheckpointWriter(out_dir, overwrite=overwrite)
-    try:
+    name = "qat"
+
+    def __init__(self, source: Path, student: torch.nn.Module, report: dict[str, Any]):
+        from ..quantization.hf_quantizer import loaded_module_names
+
+        super().__init__(None)
+        self.trained = {name: p.detach() for name, p in student.named_parameters() if _adapter_key(name)}
         with CheckpointReader(source) as reader:
-            config = dict(reader.config)
             modules = sorted({key.partition(".lowrank.")[0] for key in reader.keys() if _adapter_key(key)})
-            loaded = loaded_module_names(student, modules)
-            for key in reader.keys():
-                if _adapter_key(key):
-                    module, _, rest = key.partition(".lowrank.")
-                    name = f"{loaded[module]}.lowrank.{rest}"
-                    if name not in trained:
-                        raise RuntimeError(f"{key}: the student has no such adapter")
-                    writer.add({key: trained.pop(name).to(ADAPTER_DTYPE).cpu()})
-                else:
-                    writer.add(reader.read([key], check_finite=False))
-        if trained:
-            raise RuntimeError(f"trained adapters missing from the checkpoint: {sorted(trained)[:3]}")
-        writer.copy_side_files(source)
-        writer.write_json("moecompress_report.json", report)
-        writer.finish(config)
-    except BaseException:
-        writer.abort()
-        raise
+        self.loaded = loaded_module_names(student, modules)
+        self.written = report
+
+    def _replaced(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, tensor in tensors.items():
+            if _adapter_key(key):
+                module, _, rest = key.partition(".lowrank.")
+                name = f"{self.loaded[module]}.lowrank.{rest}"
+                if name not in self.trained:
+                    raise RuntimeError(f"{key}: the student has no such adapter")
+                tensor = self.trained.pop(name).to(ADAPTER_DTYPE).cpu()
+            out[key] = tensor
+        return out
+
+    def stored_rewrite(self):
+        return lambda layer, tensors: self._replaced(tensors)
+
+    def write_outside(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._replaced(tensors)
+
+    def finish_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        if self.trained:
+            raise RuntimeError(f"trained adapters missing from the checkpoint: {sorted(self.trained)[:3]}")
+        return config
+
+    def report(self) -> dict[str, Any]:
+        return self.written
 
 
 def qat_checkpoint(
@@ -195,6 +222,8 @@ def qat_checkpoint(
     ``data`` feeds both the PTQ calibration (``calib_tokens``) and the training windows (its calibration part
     for built-in sources); ``eval_data``'s held-out part measures before and after.
     """
+    from ..pipeline import write_model
+
     config.validate()
     out_dir = Path(out_dir)
     check_output_is_not_input(model_dir, out_dir)
@@ -266,7 +295,9 @@ def qat_checkpoint(
         )
         if before is not None and after is not None:
             report["eval"] = {"data": eval_data, "before": before.to_json(), "after": after.to_json()}
-        write_with_adapters(ptq_dir, out_dir, student, report, overwrite)
+        write_model(
+            ptq_dir, out_dir, _TrainedAdapters(ptq_dir, student, report), overwrite=overwrite, progress=progress
+        )
     finally:
         shutil.rmtree(ptq_dir, ignore_errors=True)
         with suppress(OSError):

@@ -34,6 +34,7 @@ from ..quantization.sensitivity import SENSITIVITIES
 from ..sweep_state import LayerResult
 from ..view_experts import ExpertSource
 from ..vocabulary import named
+from .base import InputFacts
 from .options import When, check_declared, option, recipe_only
 
 TARGETS: tuple[str, ...] = ("experts", "shared_experts", "attention", "lm_head")
@@ -286,6 +287,20 @@ class QuantizeConfig:
                 f"stored in the {_holding('holds_adapters')} format only, not {named('format', self.format)}"
             )
         self.quant_scheme()
+
+    def check_input(self, facts: InputFacts) -> None:
+        """Refuse, before any work, an input this scheme and format cannot be applied to or would not shrink,
+        and an importance-matrix file that could not be written for it."""
+        from ..preflight import check_output_smaller
+
+        if facts.quantized:
+            native_refusal(facts.adapter.config, str(facts.model_dir))
+        _check_format(facts.adapter, self, self.quant_scheme())
+        check_output_smaller(facts.model_dir, self)
+        if self.imatrix_out is not None:
+            from ..export.imatrix import check_imatrix_target
+
+            check_imatrix_target(Path(self.imatrix_out), facts.adapter, [facts.model_dir], QuantizeConfig)
 
 
 def _holding(place: str) -> str:
