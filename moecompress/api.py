@@ -2,10 +2,10 @@
 ``moecompress``.
 
 Each call does what the command of the same name does: the compressing calls build the one-pass recipe the CLI
-builds and run it through :func:`moecompress.recipes.run_recipe`, so options, validation, resume and the output
+builds and run it through :func:`moecompress.runner.recipes.run_recipe`, so options, validation, resume and the output
 are the CLI's. Options are the fields of the pass's config dataclass (:class:`~moecompress.passes.prune_experts.
 PruneExpertsConfig`, :class:`~moecompress.passes.quantize.QuantizeConfig`), calibration and evaluation those of
-:class:`~moecompress.recipes.Calibration` and :class:`~moecompress.recipes.Evaluation`; every name and value is
+:class:`~moecompress.runner.recipes.Calibration` and :class:`~moecompress.runner.recipes.Evaluation`; every name and value is
 checked before any work. Results are typed (:class:`PruneResult`, :class:`QuantizeResult`, :class:`RunResult`,
 :class:`~moecompress.evals.perplexity.EvalResult`). Progress output is off unless ``progress=True``.
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .evals.perplexity import EvalResult
     from .passes.prune_experts import PruneExpertsConfig
     from .passes.quantize import QuantizeConfig
-    from .recipes import Recipe
+    from .runner.recipes import Recipe
 
 _DEFAULT = object()
 """``evaluation`` left out: the recipes' default evaluation (the CLI's, without ``--no-eval``)."""
@@ -106,8 +106,8 @@ def prune(
 
     ``options`` are :class:`~moecompress.passes.prune_experts.PruneExpertsConfig`'s fields (``method``,
     ``ratio``, ``keep``, ``scope``, ...); giving ``keep`` alone prunes to that count (as ``--keep`` does).
-    ``calibration`` takes :class:`~moecompress.recipes.Calibration`'s fields (``source``, ``tokens``,
-    ``seq_len``, ``seed``, ``image_size``), ``evaluation`` :class:`~moecompress.recipes.Evaluation`'s (``data``,
+    ``calibration`` takes :class:`~moecompress.runner.recipes.Calibration`'s fields (``source``, ``tokens``,
+    ``seq_len``, ``seed``, ``image_size``), ``evaluation`` :class:`~moecompress.runner.recipes.Evaluation`'s (``data``,
     ``tokens``), or None to skip it. ``overwrite`` replaces an existing ``out``; an interrupted run's partial work
     is refused unless ``resume`` (continue it) or ``restart`` (discard it), as on the command line. ``device``
     (``auto``, the default: CUDA when torch sees one; ``cpu``, ``cuda``, ``cuda:N``) is where the layers compute.
@@ -174,11 +174,11 @@ def run(
     device: str | None = None,
 ) -> RunResult:
     """Run a recipe (a YAML file's path, the same document as a dict, or a parsed
-    :class:`~moecompress.recipes.Recipe`) into ``out``; ``model`` replaces the recipe's model (as ``run --model``),
+    :class:`~moecompress.runner.recipes.Recipe`) into ``out``; ``model`` replaces the recipe's model (as ``run --model``),
     ``device`` the recipe's ``device:`` (as ``run --device``).
     """
     from .errors import UserInputError
-    from .recipes import Recipe, describe, load_recipe, parse_recipe
+    from .runner.recipes import Recipe, describe, load_recipe, parse_recipe
     from .vocabulary import Arguments, RecipeKeys
 
     if isinstance(recipe, Recipe):
@@ -221,7 +221,7 @@ def evaluate(
     from .errors import OptionError
     from .evals.perplexity import evaluate as evaluate_dirs
     from .loading import load_adapter
-    from .preflight import check_data_spec, check_eval_window, check_seq_len
+    from .runner.preflight import check_data_spec, check_eval_window, check_seq_len
     from .vocabulary import Arguments, named
 
     arguments = Arguments(
@@ -267,7 +267,7 @@ def _one_pass(
     error messages naming the API's argument instead of the recipe's key path."""
     from .errors import OptionError, UserInputError
     from .passes.registry import PASSES
-    from .recipes import parse_recipe
+    from .runner.recipes import parse_recipe
     from .vocabulary import Arguments
 
     names = [f.name for f in dataclasses.fields(PASSES[pass_name].config)]
@@ -363,13 +363,13 @@ def _run(
     device: str | None = None,
 ) -> dict[str, Any]:
     """The recipe run as the commands run it (:func:`moecompress.cli.run_options.run_and_summarise`, which also
-    prints): the recipe and the output checked before any work, then :func:`~moecompress.recipes.run_recipe`.
+    prints): the recipe and the output checked before any work, then :func:`~moecompress.runner.recipes.run_recipe`.
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) overrides the recipe's ``device:``."""
-    from . import run_lock
     from .device import parse_device
     from .errors import OptionError
-    from .preflight import check_output, discard_partial_work
-    from .recipes import check_recipe, run_recipe
+    from .runner import lock as run_lock
+    from .runner.preflight import check_output, discard_partial_work
+    from .runner.recipes import check_recipe, run_recipe
 
     if device is not None:
         parse_device(device, "device")

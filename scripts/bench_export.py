@@ -26,7 +26,9 @@ from pathlib import Path
 
 import moecompress
 from moecompress.export.to_gguf import export_gguf
-from moecompress.synthetic import write_synthetic_qwen3_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import write_synthetic_qwen3_moe
 
 BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
 

@@ -46,7 +46,9 @@ from pathlib import Path
 import psutil
 
 from moecompress.checkpoint import resolve_model
-from moecompress.synthetic import write_synthetic_qwen3_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import write_synthetic_qwen3_moe
 
 SHAPES = dict(hidden=2048, experts=128, inter=768, heads=32, kv_heads=4, head_dim=128, top_k=8)
 REAL_VOCAB = 151936
@@ -160,7 +162,7 @@ main()
 RUN_CHAINED_COUNTING_IO = (
     COUNT_IO
     + """
-from moecompress.recipes import load_recipe, run_recipe
+from moecompress.runner.recipes import load_recipe, run_recipe
 recipe, model, out = (Path(arg) for arg in sys.argv[2:5])
 run_recipe(load_recipe(recipe), model, out, progress=False, chained=True)
 """

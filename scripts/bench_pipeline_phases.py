@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 import moecompress
 assert moecompress.__file__.startswith(code), moecompress.__file__
 from moecompress.checkpoint import resolve_model
-from moecompress.synthetic import write_synthetic_qwen3_moe
+from synthetic import write_synthetic_qwen3_moe
 if not (checkpoint / "config.json").exists():
     write_synthetic_qwen3_moe(checkpoint, 3, 1024, 64, 512, resolve_model("builtin:tiny-moe"), heads=8, kv_heads=2,
                               head_dim=128, top_k=8, vocab_size=2048)
@@ -49,12 +49,12 @@ def bar(items, desc="", **kwargs):
     start = time.process_time()
     yield from unwrapped(items, desc=desc, **kwargs)
     phases[desc] = phases.get(desc, 0.0) + time.process_time() - start
-import moecompress.mtp_sweep, moecompress.passes.prune_experts, moecompress.passes.quantize, moecompress.pipeline
-import moecompress.quantization.sensitivity, moecompress.recipes, moecompress.sweep
+import moecompress.sweep.mtp, moecompress.passes.prune_experts, moecompress.passes.quantize, moecompress.runner.pipeline
+import moecompress.quantization.sensitivity, moecompress.runner.recipes, moecompress.sweep.engine
 for module in list(sys.modules.values()):
     if getattr(module, "__name__", "").startswith("moecompress") and getattr(module, "progress_bar", None) is unwrapped:
         module.progress_bar = bar
-from moecompress.recipes import load_recipe, run_recipe
+from moecompress.runner.recipes import load_recipe, run_recipe
 def written():
     return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["wchar"])
 shutil.rmtree(out, ignore_errors=True)

@@ -26,6 +26,7 @@ import os
 import platform
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +36,9 @@ import torch
 import moecompress  # noqa: F401  (registers the native format with transformers)
 from moecompress.loading import quiet_transformers
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.synthetic import write_synthetic_qwen3_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import write_synthetic_qwen3_moe
 
 QWEN3_30B_A3B = dict(hidden=2048, experts=128, inter=768, heads=32, kv_heads=4, head_dim=128, top_k=8)
 

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from moecompress.checkpoint import resolve_model
-from moecompress.synthetic import write_synthetic_qwen3_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import write_synthetic_qwen3_moe
 
 BASELINE = """
 import sys

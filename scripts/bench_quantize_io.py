@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +24,9 @@ import torch
 
 from moecompress.loading import quiet_transformers
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.synthetic import write_synthetic_qwen3_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import write_synthetic_qwen3_moe
 
 
 def copy_files(source: Path, target: Path) -> float:

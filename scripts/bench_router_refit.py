@@ -37,7 +37,7 @@ from moecompress.passes.router_refit import (
     DEFAULT_STEPS,
     recalibrate_router,
 )
-from moecompress.sweep import CalibrationSweep
+from moecompress.sweep.engine import CalibrationSweep
 
 
 def captures(model_dir: Path, source: str, tokens: int, seq_len: int) -> dict[int, tuple]:

@@ -220,8 +220,9 @@ def tiny_config(model_type: str) -> tuple[dict[str, Any], str]:
     default)."""
     from transformers import AutoConfig
 
-    from moecompress.synthetic import _RELEASE_CONFIG, TINY_CONFIGS
-    from moecompress.synthetic import tiny_config as family_config
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from synthetic import _RELEASE_CONFIG, TINY_CONFIGS
+    from synthetic import tiny_config as family_config
 
     if model_type in RELEASE_ONLY:
         return {**family_config(model_type).to_dict(), **_RELEASE_CONFIG[model_type]}, "TINY_CONFIGS + release"
@@ -413,7 +414,7 @@ def check_recipe(source: Path, work: Path) -> None:
 
     import yaml
 
-    from moecompress.recipes import parse_recipe, run_recipe
+    from moecompress.runner.recipes import parse_recipe, run_recipe
 
     document = yaml.safe_load((ROOT / "recipes" / "default.yaml").read_text())
     document.pop("model", None)
@@ -447,7 +448,8 @@ CHECK_FUNCTIONS = dict(
 
 def run_checks(entry: MoEType, work: Path) -> None:
     """The five checks of issue 42 on a tiny checkpoint of ``entry``'s type, each ``ok`` or why not."""
-    from moecompress.synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer_for
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer_for
 
     if entry.model_type not in TINY_CONFIGS:
         entry.checks = dict.fromkeys(CHECKS, "no tiny checkpoint")

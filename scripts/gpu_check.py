@@ -157,7 +157,9 @@ def large_layers(device: str, sizes: dict, work: Path, timeout: float) -> dict[s
     """Prune (MAEP), int4 GPTQ and int4 GPTQ + low-rank on a 2-layer checkpoint of ``sizes["shape"]``; seconds per
     layer is the wall time over the layer count (reading, calibration set-up and writing included)."""
     from moecompress.checkpoint import resolve_model
-    from moecompress.synthetic import write_synthetic_qwen3_moe
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from synthetic import write_synthetic_qwen3_moe
 
     layers = 2
     source = work / "large"

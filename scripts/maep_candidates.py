@@ -28,7 +28,7 @@ from moecompress.checkpoint import resolve_model
 from moecompress.loading import load_adapter, load_model, load_tokenizer, quiet_transformers
 from moecompress.passes.expert_scores import layer_expert_stats
 from moecompress.passes.prune_experts import calibration_batches
-from moecompress.sweep import CalibrationSweep
+from moecompress.sweep.engine import CalibrationSweep
 
 
 class MaskedModel:

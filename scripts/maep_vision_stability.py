@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from moecompress.loading import load_adapter, quiet_transformers
 from moecompress.passes.prune_experts import PruneExpertsConfig, calibration_batches, score_layer
-from moecompress.sweep import CalibrationSweep
+from moecompress.sweep.engine import CalibrationSweep
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,7 +49,8 @@ def signals(
 
 
 def build_default_model(directory: Path) -> Path:
-    from moecompress.synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
 
     TINY_CONFIGS["qwen3_vl_moe"]["text_config"].update(num_experts=16, num_hidden_layers=3)
     path = save_tiny_model("qwen3_vl_moe", directory, seed=0)

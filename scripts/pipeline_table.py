@@ -57,9 +57,9 @@ def _with_adapters(block):
 def _child(recipe_path: Path, variant: str, seed: int, out: Path) -> None:
     import dataclasses
 
-    from moecompress import pipeline
     from moecompress.checkpoint import resolve_model
-    from moecompress.recipes import load_recipe, run_recipe
+    from moecompress.runner import pipeline
+    from moecompress.runner.recipes import load_recipe, run_recipe
 
     recipe = load_recipe(recipe_path)
     recipe.calibration = dataclasses.replace(recipe.calibration, seed=seed)

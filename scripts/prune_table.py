@@ -29,7 +29,7 @@ from table_io import run_facts, write_results
 import moecompress.passes.expert_merge
 import moecompress.passes.prune_experts as prune_module
 import moecompress.passes.router_refit
-import moecompress.pipeline  # noqa: F401
+import moecompress.runner.pipeline  # noqa: F401
 from moecompress.calibration.batches import TokenWindows, consecutive_windows, sampled_windows, tokenize_documents
 from moecompress.calibration.sources import load_documents
 from moecompress.checkpoint import CheckpointReader, resolve_model

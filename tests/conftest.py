@@ -5,8 +5,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest
 import torch
-
-from moecompress.synthetic import FAMILIES, save_tiny_model, tiny_tokenizer
+from synthetic import FAMILIES, save_tiny_model, tiny_tokenizer
 
 torch.set_num_threads(2)
 
@@ -14,7 +13,7 @@ torch.set_num_threads(2)
 @pytest.fixture(autouse=True)
 def commit_every_layer(monkeypatch):
     """Sweeps commit after every layer, so a test that stops a run can stop it between any two layers."""
-    monkeypatch.setattr("moecompress.sweep_state.COMMIT_INTERVAL_S", 0.0)
+    monkeypatch.setattr("moecompress.sweep.state.COMMIT_INTERVAL_S", 0.0)
 
 
 @pytest.fixture(scope="session")

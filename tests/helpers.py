@@ -8,7 +8,7 @@ import sys
 CLI_COMMITTING_EVERY_LAYER = [
     sys.executable,
     "-c",
-    "import moecompress.sweep_state as s; s.COMMIT_INTERVAL_S = 0.0; from moecompress.cli.main import main; main()",
+    "import moecompress.sweep.state as s; s.COMMIT_INTERVAL_S = 0.0; from moecompress.cli.main import main; main()",
 ]
 """The console entry point in a fresh interpreter whose sweeps commit after every layer (as in the tests' own
 process, tests/conftest.py), so a test that kills it can kill it between any two layers."""

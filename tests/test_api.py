@@ -138,19 +138,19 @@ def test_run_takes_a_recipe_file_and_a_model_override(tmp_path):
     ],
 )
 def test_a_wrong_option_is_refused_before_any_work(tmp_path, monkeypatch, call, error, message):
-    import moecompress.recipes
+    import moecompress.runner.recipes
 
     def no_work(*args, **kwargs):
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(moecompress.recipes, "run_recipe", no_work)
+    monkeypatch.setattr(moecompress.runner.recipes, "run_recipe", no_work)
     with pytest.raises(error, match=message):
         call(tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_partial_work_is_refused_unless_resume_or_restart(tmp_path, monkeypatch):
-    import moecompress.recipes
+    import moecompress.runner.recipes
 
     class Started(Exception):
         pass
@@ -158,7 +158,7 @@ def test_partial_work_is_refused_unless_resume_or_restart(tmp_path, monkeypatch)
     def started(*args, **kwargs):
         raise Started
 
-    monkeypatch.setattr(moecompress.recipes, "run_recipe", started)
+    monkeypatch.setattr(moecompress.runner.recipes, "run_recipe", started)
     partial = tmp_path / ".out.run"
     partial.mkdir()
     with pytest.raises(UserInputError, match="partial work"):
@@ -268,7 +268,7 @@ def test_evaluate_blames_the_window_not_a_default_the_caller_did_not_set():
     """A window longer than the default token count names the window, which the caller set, and says the count is
     a default; a count the caller gave is named itself."""
     from moecompress.errors import OptionError
-    from moecompress.preflight import check_eval_window
+    from moecompress.runner.preflight import check_eval_window
     from moecompress.vocabulary import Arguments
 
     arguments = Arguments("evaluate", {("calibration", "seq_len"): "seq_len", ("evaluation", "tokens"): "max_tokens"})

@@ -2,7 +2,7 @@
 
 import torch
 
-from moecompress.attention_replay import AttentionReplay
+from moecompress.sweep.attention_replay import AttentionReplay
 
 
 class Layer(torch.nn.Module):

@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 from helpers import load_stock
+from synthetic import save_tiny_model
 
 from moecompress.families import adapter_for
-from moecompress.layer_carry import LayerCarry
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import save_tiny_model
+from moecompress.sweep.engine import CalibrationSweep
+from moecompress.sweep.layer_carry import LayerCarry
 
 SMALL_BUDGETS = {
     "glm_moe_dsa": {"index_topk": 8},

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from synthetic import save_tiny_model, tiny_tokenizer
 
 from moecompress.errors import UserInputError
 from moecompress.evals.choice import (
@@ -14,7 +15,6 @@ from moecompress.evals.choice import (
     summarize,
 )
 from moecompress.loading import load_adapter, load_model
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
 
 def test_items_have_the_stated_shapes_and_places():

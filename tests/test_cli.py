@@ -7,8 +7,7 @@ import sys
 
 import pytest
 from helpers import run_cli
-
-from moecompress.synthetic import FAMILIES, TINY_CONFIGS
+from synthetic import FAMILIES, TINY_CONFIGS
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("compressed_tensors")
 
+import synthetic
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -27,7 +28,6 @@ from compressed_tensors.utils.match import match_name
 from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
-from moecompress import synthetic
 from moecompress.families import adapter_for, families_declaring
 from moecompress.kernels import w4a8
 from moecompress.quantization.experts import QuantizedMoE

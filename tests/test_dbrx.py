@@ -6,11 +6,11 @@ import re
 import pytest
 import torch
 from helpers import run_cli
+from synthetic import TINY_CONFIGS, build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
-from moecompress.synthetic import TINY_CONFIGS, build_tiny_model
 
 E, INTER, H = 8, 32, 64
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 from helpers import load_stock
+from synthetic import TINY_CONFIGS, tiny_config
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.stream import group_keys_by_layer
 from moecompress.errors import UserInputError
 from moecompress.families import MoEWeights, adapter_for
 from moecompress.families.token_table import merged, table_route
-from moecompress.synthetic import TINY_CONFIGS, tiny_config
 
 
 def _adapter(directory):
@@ -107,7 +107,7 @@ def test_merging_sends_each_members_rows_to_its_group():
 def with_tokenizer(tiny_checkpoints, tmp_path_factory):
     import shutil
 
-    from moecompress.synthetic import tiny_tokenizer
+    from synthetic import tiny_tokenizer
 
     directory = tmp_path_factory.mktemp("deepseek_v4") / "source"
     shutil.copytree(tiny_checkpoints["deepseek_v4"], directory)
@@ -124,7 +124,7 @@ def _layer(directory, layer):
 
 def test_calibration_counts_what_the_table_sends(with_tokenizer):
     from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
-    from moecompress.sweep import CalibrationSweep
+    from moecompress.sweep.engine import CalibrationSweep
 
     ids = torch.randint(3, 384, (2, 32), generator=torch.Generator().manual_seed(1))
     sweep = CalibrationSweep(with_tokenizer, [{"input_ids": ids}], torch.zeros(64, dtype=torch.long), ["text"])

@@ -14,7 +14,7 @@ import torch
 import moecompress
 from moecompress.device import compute_device, parse_device, using_device
 from moecompress.errors import UserInputError
-from moecompress.recipes import parse_recipe
+from moecompress.runner.recipes import parse_recipe
 
 CALIBRATION = {"tokens": 512, "seq_len": 64}
 EVALUATION = {"tokens": 256}
@@ -126,7 +126,7 @@ def test_accelerated_sweep_path_on_cpu(tmp_path: Path, monkeypatch) -> None:
     on the CPU: the same bytes as the plain path, and layers after the first were read by the prefetch thread."""
     import threading
 
-    from moecompress import sweep
+    from moecompress.sweep import engine as sweep
 
     options = dict(method="maep", ratio=0.25, calibration=CALIBRATION, evaluation=None, device="cpu")
     plain = moecompress.prune("builtin:tiny-moe", tmp_path / "plain", **options)

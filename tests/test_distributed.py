@@ -164,7 +164,7 @@ def test_two_gloo_ranks_write_what_one_process_writes(tmp_path):
 def test_more_than_one_rank_refuses_resume_and_other_passes(passes, monkeypatch, tmp_path):
     from moecompress.passes.prune_experts import PruneExpertsConfig
     from moecompress.passes.quantize import QuantizeConfig
-    from moecompress.recipes import Calibration, Recipe, run_recipe
+    from moecompress.runner.recipes import Calibration, Recipe, run_recipe
 
     monkeypatch.setattr(distributed, "init_from_environment", lambda: True)
     monkeypatch.setattr(distributed, "world_size", lambda: 2)

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from helpers import load_stock, run_cli
+from synthetic import save_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.errors import UserInputError
@@ -16,7 +17,6 @@ from moecompress.families import adapter_for
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 from moecompress.quantization.scheme import QuantScheme
 from moecompress.quantization.slicing import columns_of
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
 FAMILY = "ernie4_5_vl_moe"
 CALIB = dict(calib="builtin:prose", calib_tokens=256, seq_len=64, eval_tokens=None, progress=False)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from synthetic import FAMILIES, SENTINELS, save_tiny_model, tiny_tokenizer
 
 from moecompress.calibration.batches import TokenWindows
 from moecompress.calibration.span_corruption import corrupt_spans
@@ -13,7 +14,6 @@ from moecompress.loading import load_model
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 from moecompress.passes.prune_heads import PruneHeadsConfig, prune_heads
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.synthetic import FAMILIES, SENTINELS, save_tiny_model, tiny_tokenizer
 
 FIGURES = ("perplexity", "kl", "routing_agreement", "reference_perplexity")
 SMALL = dict(calib_tokens=1024, seq_len=64, progress=False)

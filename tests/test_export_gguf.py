@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import run_cli
+from synthetic import tiny_tokenizer
 
 import moecompress
 from moecompress.checkpoint import CheckpointReader, CheckpointWriter
@@ -34,7 +35,6 @@ from moecompress.families import adapter_for
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 from moecompress.quantization.scheme import QuantScheme
 from moecompress.quantization.schemes.ggml_blocks import FORMATS
-from moecompress.synthetic import tiny_tokenizer
 
 BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
 SCHEMES = {

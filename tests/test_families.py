@@ -5,11 +5,11 @@ import shutil
 import pytest
 import torch
 from helpers import load_stock, stock_inputs, tree_hashes
+from synthetic import FAMILIES, build_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
-from moecompress.synthetic import FAMILIES, build_tiny_model, tiny_tokenizer
 
 
 def _load_stock(directory, config_dict):

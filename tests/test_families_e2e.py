@@ -10,10 +10,10 @@ import torch
 import transformers
 from click.testing import CliRunner
 from helpers import plain_perplexity
+from synthetic import FAMILIES, tiny_tokenizer_for
 
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
-from moecompress.synthetic import FAMILIES, tiny_tokenizer_for
 
 E2E_FAMILIES = FAMILIES
 SEQ_LEN, TOKENS = 64, 512
@@ -119,7 +119,7 @@ FP8_FAMILIES = ("glm4_moe", "kimi_k2", "qwen3_next", "minimax_m2")
 
 @pytest.fixture(scope="module")
 def fp8_release(with_tokenizer, tmp_path_factory):
-    from moecompress.synthetic_quantized import convert_to_block_fp8
+    from synthetic_quantized import convert_to_block_fp8
 
     root = tmp_path_factory.mktemp("fp8")
     return lambda family: convert_to_block_fp8(with_tokenizer(family), root / family)

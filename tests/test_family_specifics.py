@@ -3,9 +3,9 @@ the stock router module), refusals."""
 
 import pytest
 import torch
+from synthetic import TINY_CONFIGS, tiny_config
 
 from moecompress.families import adapter_for
-from moecompress.synthetic import TINY_CONFIGS, tiny_config
 
 
 @pytest.mark.parametrize(
@@ -78,10 +78,10 @@ def test_kimi_k2_stock_load_stated_in_the_docs_loads_the_release_and_its_outputs
 
     from click.testing import CliRunner
     from helpers import load_stock
+    from synthetic import save_tiny_model, tiny_tokenizer
     from transformers import DeepseekV3ForCausalLM
 
     from moecompress.cli.main import app
-    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
     assert KIMI_K2_STOCK_LOAD in (Path(__file__).parents[1] / "docs" / "families.md").read_text()
     release = save_tiny_model("kimi_k2", tmp_path / "release")
@@ -114,10 +114,10 @@ def test_kimi_k25_in_save_pretrained_layout_is_read_pruned_and_quantised_as_its_
     import transformers
     from click.testing import CliRunner
     from safetensors import safe_open
+    from synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
 
     from moecompress.cli.main import app
-    from moecompress.summary import summarize
-    from moecompress.synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
+    from moecompress.evals.checkpoint_summary import summarize
 
     saved, release = tmp_path / "saved", tmp_path / "release"
     build_tiny_model("kimi_k25").save_pretrained(saved)
@@ -184,8 +184,7 @@ def test_config_stock_transformers_cannot_run_is_one_line_exit_2_before_work(cas
     import json
 
     from helpers import run_cli
-
-    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+    from synthetic import save_tiny_model, tiny_tokenizer
 
     patch, message = STOCK_FAILURES[case]
     source = save_tiny_model("qwen3_moe", tmp_path / "model")
@@ -226,10 +225,10 @@ def test_ergo_experts_normalise_with_their_own_weights_when_pruned_and_quantised
     from click.testing import CliRunner
     from helpers import load_stock
     from safetensors import safe_open
+    from synthetic import save_tiny_model, tiny_tokenizer
 
     import moecompress  # noqa: F401 - the plugin
     from moecompress.cli.main import app
-    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
     source = save_tiny_model("ergo", tmp_path / "source")
     tiny_tokenizer().save_pretrained(source)

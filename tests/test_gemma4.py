@@ -11,13 +11,13 @@ import torch
 from click.testing import CliRunner
 from helpers import load_stock
 from safetensors.torch import load_file
+from synthetic import TINY_CONFIGS, build_tiny_model, save_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
-from moecompress.synthetic import TINY_CONFIGS, build_tiny_model, save_tiny_model, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 

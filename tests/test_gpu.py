@@ -118,7 +118,7 @@ def test_cuda_runs_are_deterministic(tmp_path: Path) -> None:
 
 def test_layers_run_on_the_device(tmp_path: Path, monkeypatch) -> None:
     """The sweep's layer forward happens on CUDA (not silently on the host)."""
-    from moecompress import sweep
+    from moecompress.sweep import engine as sweep
 
     seen: list[str] = []
     original = sweep.CalibrationSweep.forward_layer

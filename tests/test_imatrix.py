@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import load_stock, run_cli
+from synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
 
 import moecompress
 from moecompress.errors import UserInputError
@@ -26,7 +27,6 @@ from moecompress.families.qwen_moe import Qwen3MoeAdapter
 from moecompress.loading import load_adapter
 from moecompress.passes.prune_experts import calibration_batches
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
 
 BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
 TOKENS, SEQ_LEN = 512, 128

@@ -9,12 +9,12 @@ import torch
 from click.testing import CliRunner
 from helpers import load_stock
 from safetensors.torch import load_file
+from synthetic import tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
-from moecompress.synthetic import tiny_tokenizer
 
 ROUTED, SHARED, TOP_K = 8, 2, 2
 INKLING = ("inkling_text", "inkling_mm_model")

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 from helpers import load_stock
+from synthetic import save_tiny_model
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.stream import group_keys_by_layer
 from moecompress.families import adapter_for
 from moecompress.quantization.sensitivity import block_output_fisher, next_token_loss
-from moecompress.sweep import CalibrationSweep
-from moecompress.sweep_state import SweepState
-from moecompress.synthetic import save_tiny_model
+from moecompress.sweep.engine import CalibrationSweep
+from moecompress.sweep.state import SweepState
 
 FAMILIES = ("inkling2_text", "inkling2")
 

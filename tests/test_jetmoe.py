@@ -9,11 +9,11 @@ import torch
 from click.testing import CliRunner
 from helpers import load_stock, run_cli
 from safetensors.torch import load_file
+from synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
 
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.families.jetmoe import JetMoeRoutedBlock
-from moecompress.synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
 
 E, H = 8, 64
 
@@ -179,8 +179,8 @@ def _swept_last_hidden(source, report, attention: bool) -> list[torch.Tensor]:
     """The calibration sweep's last hidden states when each layer is recomputed as the rewriting sweep recomputes a
     pruned layer: the kept MLP experts placed at their indices, the removed ones (and, with ``attention``, the
     removed MoA experts) routed around."""
-    from moecompress.pipeline import _replacement
-    from moecompress.sweep import CalibrationSweep
+    from moecompress.runner.pipeline import _replacement
+    from moecompress.sweep.engine import CalibrationSweep
 
     batches = [{"input_ids": _ids()}]
     sweep = CalibrationSweep(source, batches, torch.zeros(48, dtype=torch.long), ["text"], progress=False)

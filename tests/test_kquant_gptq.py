@@ -12,13 +12,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from helpers import run_cli
 from safetensors import safe_open
+from synthetic import TINY_CONFIGS, auto_class_for, tiny_tokenizer
 
 import moecompress
 from moecompress.quantization.experts import input_importance
 from moecompress.quantization.gptq import gptq_quantize
 from moecompress.quantization.scheme import QuantizedTensor, QuantScheme
 from moecompress.quantization.schemes.kquants import KQuant
-from moecompress.synthetic import TINY_CONFIGS, auto_class_for, tiny_tokenizer
 
 KQUANTS = {"q2_k": "Q4_0", "q3_k": "Q4_0", "q4_k": "Q5_0", "q5_k": "Q5_1", "q6_k": "Q8_0"}
 

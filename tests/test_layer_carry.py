@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 from helpers import load_stock
+from synthetic import save_tiny_model
 
-from moecompress.layer_carry import LayerCarry
-from moecompress.sweep import CalibrationSweep
-from moecompress.sweep_state import SweepState
-from moecompress.synthetic import save_tiny_model
+from moecompress.sweep.engine import CalibrationSweep
+from moecompress.sweep.layer_carry import LayerCarry
+from moecompress.sweep.state import SweepState
 
 FAMILY = "mistral_large4"
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import load_stock, plain_perplexity
+from synthetic import tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.quantization.experts import routed_inputs
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import tiny_tokenizer
+from moecompress.sweep.engine import CalibrationSweep
 
 KEEP = [0, 2, 3, 5, 6, 7]
 

@@ -7,12 +7,12 @@ import torch
 from click.testing import CliRunner
 from helpers import load_stock
 from safetensors.torch import load_file
+from synthetic import tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
-from moecompress.synthetic import tiny_tokenizer
 
 FFN, IDENTITY = 8, 4
 

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 from helpers import load_stock
+from synthetic import save_tiny_model
 
 from moecompress.families import adapter_for
-from moecompress.pipeline import _replacement
 from moecompress.quantization.sensitivity import block_output_fisher, next_token_loss
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import save_tiny_model
+from moecompress.runner.pipeline import _replacement
+from moecompress.sweep.engine import CalibrationSweep
 
 FAMILIES = ("inkling2_loop_text", "inkling2_loop")
 
@@ -188,9 +188,9 @@ def test_a_layer_scope_prune_loads_in_stock_transformers_and_routes_as_the_maske
 
     import transformers
     from click.testing import CliRunner
+    from synthetic import tiny_tokenizer
 
     from moecompress.cli.main import app
-    from moecompress.synthetic import tiny_tokenizer
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "scripts"))
     from family_sweep import _mask_experts

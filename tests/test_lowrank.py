@@ -26,7 +26,7 @@ from moecompress.quantization.lowrank import (
 )
 from moecompress.quantization.scheme import QuantScheme
 from moecompress.quantization.sensitivity import block_output_fisher, layer_sensitivity, stored_layer_sensitivity
-from moecompress.sweep import CalibrationSweep
+from moecompress.sweep.engine import CalibrationSweep
 
 
 def _value(gains, loads, ranks):

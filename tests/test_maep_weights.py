@@ -10,7 +10,7 @@ from moecompress.loading import load_adapter, load_model
 from moecompress.passes.expert_scores import brute_force_delta_h
 from moecompress.passes.maep_weights import maep_token_weights
 from moecompress.passes.prune_experts import PruneExpertsConfig, score_layer
-from moecompress.sweep import LayerCapture
+from moecompress.sweep.engine import LayerCapture
 
 
 def _batches():

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from synthetic import save_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
 QWEN_MTP = ("qwen3_next", "qwen3_5_moe")
 MTP = "mtp.layers.0."
@@ -106,8 +106,8 @@ def _reference_moe_inputs(model, source, ids):
 
 @pytest.mark.parametrize("family", QWEN_MTP)
 def test_qwen_mtp_capture_equals_the_stock_formulas(qwen_sources, family):
-    from moecompress.mtp_sweep import mtp_captures
-    from moecompress.sweep import CalibrationSweep
+    from moecompress.sweep.engine import CalibrationSweep
+    from moecompress.sweep.mtp import mtp_captures
 
     source = qwen_sources[family]
     ids = torch.randint(3, 384, (2, 16), generator=torch.Generator().manual_seed(7))
@@ -277,9 +277,9 @@ def test_compressed_tensors_output_quantises_the_deepseek_mtp_layer_the_same_way
     """--format compressed-tensors of a block-FP8 DeepSeek-V3 with an MTP layer: the MTP experts are stored like the
     main layers' (the expert targets are patterns that match them), and stock transformers loads the output."""
     import transformers
+    from synthetic_quantized import add_mtp_layer, convert_to_block_fp8
 
     from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-    from moecompress.synthetic_quantized import add_mtp_layer, convert_to_block_fp8
 
     bf16 = add_mtp_layer(save_tiny_model("deepseek_v3", tmp_path / "bf16", seed=3))
     fp8 = convert_to_block_fp8(bf16, tmp_path / "fp8")
@@ -298,9 +298,9 @@ def test_calibrated_quantize_refuses_an_mtp_layer_without_its_feed_before_work(t
     """GPTQ needs the MTP layer's inputs; an MTP layer stored without enorm/hnorm/eh_proj cannot be calibrated:
     one line, exit 2, before any sweep (RTN and --mtp drop still work)."""
     from safetensors.torch import load_file, save_file
+    from synthetic_quantized import add_mtp_layer
 
     from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-    from moecompress.synthetic_quantized import add_mtp_layer
 
     source = add_mtp_layer(save_tiny_model("deepseek_v3", tmp_path / "bf16", seed=3))
     tiny_tokenizer().save_pretrained(source)

@@ -9,13 +9,13 @@ import torch
 from click.testing import CliRunner
 from helpers import load_stock
 from safetensors import safe_open
+from synthetic import save_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+from moecompress.sweep.engine import CalibrationSweep
 
 NORM = "model.language_model.layers.{}.mlp.experts.post_expert_norm.weight"
 

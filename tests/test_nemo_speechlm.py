@@ -8,12 +8,12 @@ import pytest
 import torch
 from helpers import load_stock
 from safetensors.torch import load_file, save_file
+from synthetic import save_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.stream import group_keys_by_layer
 from moecompress.families import adapter_for
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
+from moecompress.sweep.engine import CalibrationSweep
 
 FAMILY = "nemo_speechlm"
 

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from helpers import load_stock, plain_perplexity
 from safetensors import safe_open
 from safetensors.torch import load_file
+from synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
@@ -24,8 +25,7 @@ from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_s
 from moecompress.quantization.experts import quantize_experts_rtn
 from moecompress.quantization.modules import QuantizedExperts
 from moecompress.quantization.scheme import QuantScheme
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
+from moecompress.sweep.engine import CalibrationSweep
 
 ROOT = Path(__file__).resolve().parent.parent
 

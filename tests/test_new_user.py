@@ -14,8 +14,8 @@ from moecompress import progress
 from moecompress.cli.main import app
 from moecompress.defaults import DEFAULT_EVAL_TOKENS
 from moecompress.errors import UserInputError
-from moecompress.preflight import check_partial_work, discard_partial_work
-from moecompress.recipes import Evaluation, describe, load_recipe
+from moecompress.runner.preflight import check_partial_work, discard_partial_work
+from moecompress.runner.recipes import Evaluation, describe, load_recipe
 
 ROOT = Path(__file__).parent.parent
 
@@ -185,7 +185,7 @@ def test_report_plot_labels_do_not_overlap():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from moecompress.run_summary import draw_runs
+    from moecompress.runner.summary import draw_runs
 
     runs = [
         (name, {"bytes": [7.2e6, size], "perplexity": [33.2, ppl]})
@@ -218,7 +218,7 @@ def test_inspect_says_when_loading_needs_import_moecompress(tmp_path):
     import shutil
 
     from moecompress.checkpoint import resolve_model
-    from moecompress.summary import _needs_plugin, summarize
+    from moecompress.evals.checkpoint_summary import _needs_plugin, summarize
 
     native = tmp_path / "native"
     shutil.copytree(resolve_model("builtin:tiny-moe"), native)
@@ -239,7 +239,7 @@ def test_a_line_held_by_a_command_that_ended_does_not_delay_the_next_commands_li
     command ends, whichever entry it came through: it is not printed late, and the next command's start line
     keeps its own short hold."""
     import moecompress
-    from moecompress.recipes import run_recipe
+    from moecompress.runner.recipes import run_recipe
 
     monkeypatch.setattr(progress, "MODE", "lines")
     progress.event("pass", "an earlier command started", starting=True)

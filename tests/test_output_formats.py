@@ -14,7 +14,7 @@ import moecompress
 from moecompress.errors import OptionError
 from moecompress.quantization.formats import FORMATS, OutputFormat, native, register, unregister
 from moecompress.quantization.scheme import QuantizedTensor, QuantScheme
-from moecompress.recipes import parse_recipe, run_recipe
+from moecompress.runner.recipes import parse_recipe, run_recipe
 
 MARKER = "toy-dequantised"
 

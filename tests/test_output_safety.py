@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import moecompress
-from moecompress import run_lock
 from moecompress.checkpoint import resolve_model
 from moecompress.errors import UserInputError
+from moecompress.runner import lock as run_lock
 
 _SPEC = importlib.util.spec_from_file_location(
     "bad_input_table", Path(__file__).parent.parent / "scripts" / "bad_input_table.py"

@@ -149,7 +149,7 @@ def test_docs_recipe_keys_is_what_the_declarations_give():
 def test_keep_alone_prunes_to_that_count_from_the_command_line_and_from_a_recipe():
     """The default ratio applies only when neither ratio nor keep is given, in the config itself, so ``--keep 4``
     and a recipe's ``{keep: 4}`` mean the same (a recipe needed ``ratio: null`` before)."""
-    from moecompress.recipes import parse_recipe
+    from moecompress.runner.recipes import parse_recipe
 
     params = dict(app.commands["prune"].make_context("prune", ["M", "--out", "O", "--keep", "4"]).params)
     from_cli = config_from_options(PASSES["prune_experts"].config, params)
@@ -260,7 +260,7 @@ def test_every_declared_range_and_choice_is_refused_by_every_caller_in_its_spell
     """Issue 37 item 3: the declarations alone refuse a value (no hand check in validate() needed): a recipe names
     the key's path, the API the argument, the command line the flag, each with the same reason."""
     import moecompress
-    from moecompress.recipes import parse_recipe
+    from moecompress.runner.recipes import parse_recipe
 
     recipe = _refusal(lambda: parse_recipe({"model": "builtin:tiny-moe", "passes": [{pass_name: {key: value}}]}))
     assert recipe.startswith(f"passes[0].{pass_name}.{key} {value} "), recipe

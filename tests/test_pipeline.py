@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from moecompress.passes.prune_experts import PruneExpertsConfig
 from moecompress.passes.quantize import QuantizeConfig, _components_for_budget
-from moecompress.pipeline import _replacement, plan_stages, run_layer_passes
-from moecompress.recipes import Calibration, parse_recipe, run_recipe
+from moecompress.runner.pipeline import _replacement, plan_stages, run_layer_passes
+from moecompress.runner.recipes import Calibration, parse_recipe, run_recipe
 
 DEFAULT = Path(__file__).parent.parent / "recipes" / "default.yaml"
 CALIBRATION = {"source": "builtin:prose", "tokens": 512, "seq_len": 64, "seed": 2}
@@ -156,8 +156,8 @@ def test_view_experts_compute_what_the_block_computes():
     from moecompress.loading import load_adapter
     from moecompress.quantization.experts import quantize_experts_rtn
     from moecompress.quantization.scheme import QuantScheme
-    from moecompress.sweep import CalibrationSweep
-    from moecompress.view_experts import ExpertSource, ViewExperts
+    from moecompress.sweep.engine import CalibrationSweep
+    from moecompress.sweep.view_experts import ExpertSource, ViewExperts
 
     model = resolve_model("builtin:tiny-moe")
     adapter = load_adapter(model)
@@ -177,7 +177,7 @@ def test_view_experts_compute_what_the_block_computes():
 
 def test_a_recipe_file_with_both_kinds_parses_through_the_registry():
     from moecompress.passes.registry import PASSES
-    from moecompress.recipes import pass_names
+    from moecompress.runner.recipes import pass_names
 
     assert pass_names() == (*PASSES, "lowrank", "eval")
     assert {name for name, entry in PASSES.items() if entry.kind == "layer"} == {"prune_experts", "quantize"}

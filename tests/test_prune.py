@@ -14,7 +14,7 @@ from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import MoEWeights, adapter_for
 from moecompress.passes.prune_experts import PruneExpertsConfig, choose_removals, score_layer
-from moecompress.sweep import LayerCapture
+from moecompress.sweep.engine import LayerCapture
 
 PLAIN_PERPLEXITY = r"""
 import json, math, sys

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_cli, tree_hashes
+from synthetic import save_tiny_model, tiny_tokenizer
 
 from moecompress.calibration.batches import consecutive_windows, tokenize_documents
 from moecompress.calibration.sources import load_documents
@@ -17,7 +18,6 @@ from moecompress.heads import GateMasks, HeadGates, HeadLayout
 from moecompress.heads.train import GateSchedule, train_gates
 from moecompress.loading import load_adapter, load_model, load_tokenizer
 from moecompress.passes.prune_heads import build_pruned_model, head_layouts
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
 HEAD_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 FAST = ["--steps", "4", "--distill-steps", "2", "--calib-tokens", "256", "--seq-len", "32", "--batch-size", "4"]

@@ -20,7 +20,7 @@ from moecompress.export.llama_cpp import ENV_VAR, find_converter
 from moecompress.families import adapter_for
 from moecompress.passes.expert_merge import merge_experts
 from moecompress.passes.prune_experts import PruneExpertsConfig, calibration_batches, prune_experts
-from moecompress.sweep import CalibrationSweep
+from moecompress.sweep.engine import CalibrationSweep
 
 TINY = Path(moecompress.__file__).parent / "assets" / "tiny-moe"
 CALIB = dict(calib="builtin:prose", calib_tokens=1024, seq_len=128)
@@ -239,8 +239,8 @@ def test_a_killed_merge_with_router_refit_resumes_to_the_same_bytes(tmp_path):
 
 
 def test_merging_a_fp8_release_writes_a_plain_checkpoint_stock_transformers_loads(tmp_path):
-    from moecompress.synthetic import save_tiny_model, tiny_tokenizer
-    from moecompress.synthetic_quantized import convert_to_block_fp8
+    from synthetic import save_tiny_model, tiny_tokenizer
+    from synthetic_quantized import convert_to_block_fp8
 
     bf16 = save_tiny_model("deepseek_v3", tmp_path / "bf16")
     tiny_tokenizer().save_pretrained(bf16)

@@ -189,7 +189,7 @@ def test_the_ptq_intermediate_is_partial_work_of_the_output_and_is_removed(tiny_
     """While qat trains, its PTQ checkpoint lies in the output's hidden run directory, which the partial-work check
     (``--resume``/``--restart``) knows; a finished run leaves nothing beside the output."""
     from moecompress.passes import qat
-    from moecompress.preflight import partial_work
+    from moecompress.runner.preflight import partial_work
 
     out, seen = tmp_path / "q", []
     real = qat.train_adapters

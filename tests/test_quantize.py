@@ -238,7 +238,7 @@ def test_quantize_refuses_an_already_quantised_input(tiny_checkpoints, tmp_path)
 
 
 def test_sweep_replacement_changes_what_later_layers_see(tiny_checkpoints):
-    from moecompress.sweep import CalibrationSweep
+    from moecompress.sweep.engine import CalibrationSweep
 
     source = tiny_checkpoints["qwen3_moe"]
     batches = [{"input_ids": _ids(3)}]

@@ -7,12 +7,12 @@ import re
 import pytest
 import torch
 from safetensors.torch import save_file
+from synthetic import TINY_CONFIGS, save_tiny_model
+from synthetic_quantized import add_mtp_layer, convert_to_block_fp8, quantize_block_fp8
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.decoders.compressed_tensors import unpack_int32_codes
 from moecompress.checkpoint.decoders.fp8 import dequantize_block_fp8
-from moecompress.synthetic import TINY_CONFIGS, save_tiny_model
-from moecompress.synthetic_quantized import add_mtp_layer, convert_to_block_fp8, quantize_block_fp8
 
 
 def _tiny_deepseek(root, name, seed=0, **overrides):
@@ -161,8 +161,9 @@ def releases(tmp_path_factory):
     """Tiny releases in their hub layouts, each with a tokenizer: block-FP8 DeepSeek-V3 with an MTP layer and an
     expert width of 160 (two 128-blocks, the second partial), gpt-oss MXFP4, compressed-tensors INT4 g32
     (symmetric, experts only: Kimi-K2-Thinking's scheme) DeepSeek-V3."""
+    from synthetic import tiny_tokenizer
+
     from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-    from moecompress.synthetic import tiny_tokenizer
 
     root = tmp_path_factory.mktemp("releases")
     tokenizer = tiny_tokenizer()
@@ -461,8 +462,8 @@ def test_mtp_calibration_sees_the_mtp_modules_moe_inputs(releases):
     import torch.nn.functional as F
     import transformers
 
-    from moecompress.mtp_sweep import mtp_captures
-    from moecompress.sweep import CalibrationSweep
+    from moecompress.sweep.engine import CalibrationSweep
+    from moecompress.sweep.mtp import mtp_captures
 
     source = releases["bf16"]
     ids = torch.randint(3, 384, (2, 16), generator=torch.Generator().manual_seed(7))
@@ -520,9 +521,10 @@ def test_mtp_layer_is_pruned_by_its_own_calibration(releases, tmp_path):
 
 def test_top_level_mtp_module_is_dropped_on_request(tmp_path):
     """Qwen3-Next / Qwen3.5 ship their MTP module as top-level ``mtp.*`` tensors: --mtp drop leaves them out."""
+    from synthetic import tiny_tokenizer
+
     from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
     from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-    from moecompress.synthetic import tiny_tokenizer
 
     source = save_tiny_model("qwen3_next", tmp_path / "source")
     tiny_tokenizer().save_pretrained(source)

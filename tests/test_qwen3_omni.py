@@ -9,12 +9,12 @@ import transformers
 from click.testing import CliRunner
 from helpers import load_stock
 from safetensors.torch import load_file
+from synthetic import save_tiny_model, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.hub import build_card
-from moecompress.synthetic import save_tiny_model, tiny_tokenizer
 
 PASSED_THROUGH = ("talker.", "code2wav.", "thinker.audio_tower.", "thinker.visual.")
 

@@ -9,7 +9,7 @@ import torch
 from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint import reader as reader_module
 from moecompress.device import is_accelerated
-from moecompress.sweep import CalibrationSweep
+from moecompress.sweep.engine import CalibrationSweep
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
 

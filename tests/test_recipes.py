@@ -12,7 +12,7 @@ from moecompress.errors import UserInputError
 from moecompress.hub.card import human_bytes
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-from moecompress.recipes import load_recipe, parse_recipe, run_recipe
+from moecompress.runner.recipes import load_recipe, parse_recipe, run_recipe
 
 DEFAULT = Path(__file__).parent.parent / "recipes" / "default.yaml"
 

@@ -18,7 +18,7 @@ import yaml
 from helpers import CLI_COMMITTING_EVERY_LAYER, tree_hashes
 
 from moecompress.checkpoint import CheckpointWriter
-from moecompress.sweep_state import SweepState
+from moecompress.sweep.state import SweepState
 
 RECIPE = {
     "model": "builtin:tiny-moe",
@@ -150,7 +150,7 @@ def test_a_sweep_state_resumes_after_its_last_commit(tmp_path):
 
 
 def test_a_sweep_state_commits_when_its_interval_has_passed_and_after_the_last_layer(tmp_path, monkeypatch):
-    import moecompress.sweep_state as sweep_state
+    import moecompress.sweep.state as sweep_state
 
     monkeypatch.setattr(sweep_state, "COMMIT_INTERVAL_S", 3600.0)
     state = SweepState(tmp_path / "s")

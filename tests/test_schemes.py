@@ -14,7 +14,7 @@ from helpers import load_stock, run_cli
 import moecompress
 from moecompress.quantization.scheme import SCHEMES, QuantScheme
 from moecompress.quantization.schemes import SchemeKind, register, unregister
-from moecompress.recipes import parse_recipe, run_recipe
+from moecompress.runner.recipes import parse_recipe, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEME_MODULES = {ROOT / "moecompress/quantization/scheme.py"} | set(

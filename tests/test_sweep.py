@@ -4,11 +4,11 @@ import pytest
 import torch
 import transformers
 from helpers import load_stock, stock_inputs
+from synthetic import FAMILIES
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.families import adapter_for
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import FAMILIES
+from moecompress.sweep.engine import CalibrationSweep
 
 
 def _stock_moe_inputs(model, adapter, batches, module_name=None) -> dict:
@@ -76,8 +76,9 @@ def test_sweep_matches_stock_forward(family, capture_attention, tiny_checkpoints
 
 def test_sweep_with_images_matches_stock_forward(tiny_checkpoints):
     """Vision tokens, M-RoPE positions and deepstack features injected between layers are all reproduced."""
+    from synthetic import tiny_tokenizer
+
     from moecompress.calibration.vision import builtin_image_captions, image_processor_for, vision_batches
-    from moecompress.synthetic import tiny_tokenizer
 
     source = tiny_checkpoints["qwen3_vl_moe"]
     config = CheckpointReader(source).config
@@ -101,7 +102,7 @@ def test_a_capture_in_the_compute_dtype_shares_the_layer_experts_and_is_released
     """``moe_in_compute_dtype``: the view's experts are the very float32 tensors the layer computes with (one
     copy, not two: the layer's experts module computes from the view), equal to the checkpoint's bf16 values; every
     capture's tensors are dropped when the next layer is asked for, and the experts module lets go of them."""
-    from moecompress.synthetic import write_synthetic_qwen3_moe
+    from synthetic import write_synthetic_qwen3_moe
 
     source = tmp_path / "bf16"
     write_synthetic_qwen3_moe(source, 2, 64, 4, 32, heads=4, kv_heads=2, top_k=2)
@@ -140,7 +141,7 @@ def test_the_text_head_holds_no_input_embeddings_and_computes_the_stock_logits(
     """The head for text batches leaves the input embeddings as a zero-size placeholder, keeps an untied 16-bit
     head in its dtype (``UpcastingHead``), and gives the stock model's logits for the same last hidden states (in
     both the 16-bit family checkpoint and a float32 copy)."""
-    from moecompress import sweep as sweep_module
+    from moecompress.sweep import engine as sweep_module
 
     source = tiny_checkpoints["qwen3_moe"]
     if bf16:
@@ -175,7 +176,7 @@ def test_a_replacing_sweep_skips_the_original_experts_and_computes_the_same(
     """``replaces``: the capturing forward leaves the routed experts out; with a replacement (here the block's own
     weights) the layer is computed through it, without one it is run again in full: the same inputs and outputs
     as a sweep that computes the original block first, with one expert computation per batch and layer fewer."""
-    from moecompress.view_experts import ExpertSource
+    from moecompress.sweep.view_experts import ExpertSource
 
     source = tiny_checkpoints["qwen3_moe"]
     adapter = adapter_for(CheckpointReader(source).config)
@@ -207,7 +208,7 @@ def test_a_replacing_sweep_skips_the_original_experts_and_computes_the_same(
 def test_a_replacing_sweep_computes_each_attention_once_and_can_leave_the_last_layer(tiny_checkpoints, monkeypatch):
     """With a replacement the recomputing forward takes the attention outputs of the capturing one (the same
     outputs as computing it again); ``last_outputs_unused`` leaves the last layer's replacement uncomputed."""
-    from moecompress.view_experts import ExpertSource
+    from moecompress.sweep.view_experts import ExpertSource
 
     source = tiny_checkpoints["qwen3_moe"]
     adapter = adapter_for(CheckpointReader(source).config)

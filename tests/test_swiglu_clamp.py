@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import load_stock, run_cli
+from synthetic import save_tiny_model
 
 from moecompress import quantization
 from moecompress.checkpoint import CheckpointReader
@@ -20,7 +21,6 @@ from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 from moecompress.quantization.compensation import output_reach
 from moecompress.quantization.experts import quantize_experts_calibrated, quantize_experts_rtn, routed_inputs
 from moecompress.quantization.scheme import QuantScheme
-from moecompress.synthetic import save_tiny_model
 
 FAMILIES = ("step3p7", "bailing_hybrid")
 CLAMPED = {"step3p7": 2, "bailing_hybrid": 1}
@@ -72,7 +72,7 @@ def test_each_layer_computes_its_stock_experts_clamp_included(checkpoints, famil
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_activation_without_its_layer_is_refused_where_the_clamp_varies(family):
-    from moecompress.synthetic import tiny_config
+    from synthetic import tiny_config
 
     adapter = adapter_for(tiny_config(family).to_dict())
     with pytest.raises(ValueError, match="depends on the layer"):

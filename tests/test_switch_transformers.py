@@ -180,7 +180,7 @@ def test_a_pruned_checkpoint_loads_in_stock_transformers_with_the_masked_models_
 
 def _sweep(adapter, model, tmp_path, monkeypatch, batches):
     """The layer sweep over ``batches``, every source token tagged 0 and every decoder token 1."""
-    import moecompress.sweep as sweep_module
+    import moecompress.sweep.engine as sweep_module
 
     model.save_pretrained(tmp_path / "source")
     monkeypatch.setattr(sweep_module, "adapter_for", lambda config, source=None: SwitchTransformersAdapter(config))
@@ -254,7 +254,7 @@ def test_the_layer_sweep_runs_the_encoder_then_the_decoder_on_its_output_as_the_
 def test_a_resumed_sweep_restores_the_encoder_output_and_the_position_biases(
     adapter, model, tmp_path, monkeypatch, stop
 ):
-    from moecompress.sweep_state import SweepState
+    from moecompress.sweep.state import SweepState
 
     batches = _batches()
     state = SweepState(tmp_path / "state")
@@ -344,9 +344,10 @@ def test_the_low_rank_compensation_measures_each_expert_on_the_tokens_the_stock_
 def _seq2seq_source(tmp_path, monkeypatch):
     """A tiny checkpoint with a tokenizer that has T5's sentinels, the family's adapter patched in for the sweep
     (the family itself is refused)."""
+    from synthetic import tiny_tokenizer
+
     import moecompress.evals.streamed as streamed_module
-    import moecompress.sweep as sweep_module
-    from moecompress.synthetic import tiny_tokenizer
+    import moecompress.sweep.engine as sweep_module
 
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(100)]})
@@ -372,7 +373,7 @@ def test_calibration_batches_are_span_corrupted_and_the_sweep_tags_each_stack_wi
     the decoder starting at ``decoder_start_token_id``), the sweep taking the decoder's tags out of the batches,
     and the head's logits those of the stock forward on the same source and decoder input."""
     import moecompress.passes.prune_experts as prune_experts
-    import moecompress.sweep as sweep_module
+    import moecompress.sweep.engine as sweep_module
     from moecompress.calibration.batches import sampled_windows, tokenize_documents
     from moecompress.calibration.sources import load_documents
     from moecompress.calibration.span_corruption import DECODER_TAGS, corrupt_spans, model_inputs, sentinel_ids
@@ -517,10 +518,10 @@ def test_quantized_experts_load_per_stack_and_take_the_one_hot_dispatch(tmp_path
     and loads through the plugin; each quantised block computes what the stock block computes with the dequantised
     experts, the tokens past an expert's capacity (an all-zero dispatch row) given nothing."""
     import transformers
+    from synthetic import save_tiny_model
 
     import moecompress  # noqa: F401 - the plugin
     from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
-    from moecompress.synthetic import save_tiny_model
 
     source = save_tiny_model("switch_transformers", tmp_path / "source")
     quantize_checkpoint(source, tmp_path / "q", QuantizeConfig(scheme="mxfp4"), progress=False)

@@ -18,7 +18,7 @@ from moecompress.errors import OptionError
 from moecompress.passes.base import InputFacts, LayerPass, Needs, PassEntry
 from moecompress.passes.options import check_declared, option
 from moecompress.passes.registry import PASSES
-from moecompress.recipes import parse_recipe, run_recipe
+from moecompress.runner.recipes import parse_recipe, run_recipe
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def test_a_registered_pass_shares_a_pipeline_stage_with_the_built_in_ones(scale_
         "passes": [{"prune_experts": {"method": "frequency", "ratio": 0.25}}, {"scale_down": {"factor": 2.0}}],
     }
     recipe = parse_recipe(document)
-    from moecompress.pipeline import plan_stages
+    from moecompress.runner.pipeline import plan_stages
 
     assert [stage.names for stage in plan_stages(recipe.passes)] == [["prune_experts", "scale_down"]]
     both = run_recipe(recipe, source, tmp_path / "both", progress=False)
@@ -166,7 +166,7 @@ class ScaledNorms(LayerPass):
 
 def _scale_norms(source, target, config, *, calibration, evaluation, overwrite, progress):
     from moecompress.loading import load_adapter
-    from moecompress.pipeline import write_model
+    from moecompress.runner.pipeline import write_model
 
     write_model(source, target, ScaledNorms(config, load_adapter(source)), overwrite=overwrite, progress=progress)
     return {"pass": "scale_norms", "factor": config.factor, "evaluated": evaluation is not None}
@@ -182,7 +182,7 @@ def test_a_whole_model_pass_registered_from_outside_runs_from_a_recipe_and_as_on
     scale_norms, tiny_with_tokenizer, tmp_path
 ):
     from moecompress.loading import load_adapter
-    from moecompress.pipeline import run_one_pass
+    from moecompress.runner.pipeline import run_one_pass
 
     source = tiny_with_tokenizer["qwen3_moe"]
     calibration = {"tokens": 256, "seq_len": 32}

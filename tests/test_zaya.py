@@ -10,13 +10,13 @@ import pytest
 import torch
 from helpers import load_stock
 from safetensors.torch import load_file, save_file
+from synthetic import tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.families import adapter_for
-from moecompress.layer_carry import LayerCarry
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
-from moecompress.sweep import CalibrationSweep
-from moecompress.synthetic import tiny_tokenizer
+from moecompress.sweep.engine import CalibrationSweep
+from moecompress.sweep.layer_carry import LayerCarry
 
 EXPERTS = 8
 SKIP_SCALE, EXPERT_BIAS = 8.0, -0.5

@@ -9,7 +9,7 @@ alike (so the batches stay rectangular) at positions drawn from the seed; the so
 EOS. Each token keeps its tag; a sentinel takes its span's first token's, EOS the window's last token's.
 
 The decoder's tags travel inside each batch under :data:`DECODER_TAGS` (so that splitting the batches, as sharding
-does, keeps them with their tokens); :class:`~moecompress.sweep.CalibrationSweep` takes them out as its
+does, keeps them with their tokens); :class:`~moecompress.sweep.engine.CalibrationSweep` takes them out as its
 ``decoder_tags`` and :func:`model_inputs` drops them before a forward.
 """
 

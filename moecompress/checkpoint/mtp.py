@@ -225,7 +225,7 @@ class QuantizeMtp:
 def quantize_mtp_plan(model_dir, adapter: FamilyAdapter, mode: str, calibrated: bool = False) -> QuantizeMtp:
     """The MTP plan of a quantisation; ``calibrated`` (GPTQ, salient weights, low-rank adapters need each layer's
     MoE inputs) refuses, before any work, an MTP layer whose stored tensors lack what feeds it."""
-    from ..mtp_sweep import mtp_feed
+    from ..sweep.mtp import mtp_feed
     from .reader import CheckpointReader
 
     check_mode(mode)

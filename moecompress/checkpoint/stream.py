@@ -45,7 +45,7 @@ OUTSIDE_UNIT = "outside"
 
 
 def align_resumed_sweep(state: Any, writer: CheckpointWriter) -> None:
-    """Line a rewriting sweep's resumable state (a :class:`~moecompress.sweep_state.SweepState`) up with the
+    """Line a rewriting sweep's resumable state (a :class:`~moecompress.sweep.state.SweepState`) up with the
     writer: the sweep starts again at layer 0 when the writer lost the unit of a layer the sweep committed, and the
     writer keeps only the units of the layers before where the sweep resumes (and the outside unit)."""
     start = state.start_layer
@@ -67,7 +67,7 @@ def rewrite_checkpoint(
 ) -> Path:
     """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout: a copy (with
     other shard sizes) or a rewrite of the MoE views for tests and scripts. The passes write through
-    :mod:`moecompress.pipeline` (whole-model passes by :func:`~moecompress.pipeline.write_model`).
+    :mod:`moecompress.runner.pipeline` (whole-model passes by :func:`~moecompress.runner.pipeline.write_model`).
 
     ``layer_fn`` receives each MoE layer's view and returns its replacement; ``config`` replaces the source's
     config.json. Peak memory is one layer's tensors. A failure removes the work directory.

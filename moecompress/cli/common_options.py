@@ -182,11 +182,11 @@ SECTION_FIELDS = {
 def refuse_unused_common(passes: list[tuple[str, Any]], evaluating: bool, source: str) -> None:
     """Refuse the shared options the command line gave that the run would ignore: ``--eval-data`` and
     ``--eval-tokens`` with ``--no-eval``, calibration options where no pass calibrates
-    (:func:`~moecompress.recipes.refuse_unused_calibration`)."""
+    (:func:`~moecompress.runner.recipes.refuse_unused_calibration`)."""
     from click.core import ParameterSource
 
     from ..errors import OptionError
-    from ..recipes import refuse_unused_calibration
+    from ..runner.recipes import refuse_unused_calibration
     from ..vocabulary import named
 
     ctx = click.get_current_context(silent=True)

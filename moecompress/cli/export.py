@@ -214,9 +214,9 @@ def export_command(
     difference between GGML's values and ours for every expert tensor, is written beside the file as
     FILE.report.json (for bf16: moecompress_export.json inside the directory).
     """
-    from .. import run_lock
     from ..checkpoint import resolve_model
-    from ..preflight import check_not_in_inputs
+    from ..runner import lock as run_lock
+    from ..runner.preflight import check_not_in_inputs
 
     source = resolve_model(model)
     check_not_in_inputs(out, [source], f"--out {out}")

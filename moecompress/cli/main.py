@@ -78,7 +78,7 @@ def inspect_command(model: str, as_json: bool) -> None:
     Only config.json and the safetensors headers are read, so this is instant even for 400B models.
     """
     from ..checkpoint import resolve_model
-    from ..summary import summarize
+    from ..evals.checkpoint_summary import summarize
 
     summary = summarize(resolve_model(model))
     if as_json:
@@ -159,7 +159,7 @@ def eval_command(
     from ..evals.perplexity import evaluate
     from ..files import write_json
     from ..loading import load_adapter
-    from ..preflight import (
+    from ..runner.preflight import (
         check_data_spec,
         check_eval_window,
         check_file_target,
@@ -250,7 +250,7 @@ def prune_command(
     from ..calibration import distributed
     from ..checkpoint import resolve_model
     from ..passes.prune_experts import PruneExpertsConfig
-    from ..recipes import Calibration, Evaluation, Recipe
+    from ..runner.recipes import Calibration, Evaluation, Recipe
 
     config = config_from_options(PruneExpertsConfig, options)
     config.validate()

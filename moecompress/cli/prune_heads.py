@@ -65,7 +65,7 @@ def prune_heads_command(
     from ..device import using_device
     from ..loading import quiet_transformers
     from ..passes.prune_heads import PruneHeadsConfig
-    from ..pipeline import run_one_pass
+    from ..runner.pipeline import run_one_pass
 
     quiet_transformers()
     config = config_from_options(PruneHeadsConfig, options)

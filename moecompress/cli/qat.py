@@ -71,7 +71,7 @@ def qat_command(
     from ..device import using_device
     from ..errors import UserInputError
     from ..passes.qat import QATConfig
-    from ..pipeline import run_one_pass
+    from ..runner.pipeline import run_one_pass
 
     if options["lowrank_rank"] is not None:
         if options["lowrank_budget"] is not None:

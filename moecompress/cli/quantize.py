@@ -60,7 +60,7 @@ def quantize_command(
     """
     from ..checkpoint import resolve_model
     from ..passes.quantize import QuantizeConfig
-    from ..recipes import Calibration, Evaluation, Recipe
+    from ..runner.recipes import Calibration, Evaluation, Recipe
 
     config = config_from_options(QuantizeConfig, options)
     config.validate()

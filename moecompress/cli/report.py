@@ -25,8 +25,8 @@ def report_command(directories: tuple[Path, ...], plot_path: Path | None, as_jso
     measured from the output and the source model named in the report, when that is still at hand.
     """
     from ..errors import UserInputError
-    from ..preflight import check_file_target, check_not_in_inputs
-    from ..run_summary import format_table, load_report, outcome_of, plot_runs
+    from ..runner.preflight import check_file_target, check_not_in_inputs
+    from ..runner.summary import format_table, load_report, outcome_of, plot_runs
 
     if plot_path is not None:
         check_not_in_inputs(plot_path, list(directories), f"--plot {plot_path}")

@@ -40,7 +40,7 @@ def run_command(
     """
     from ..checkpoint import resolve_model
     from ..errors import UserInputError
-    from ..recipes import describe, load_recipe
+    from ..runner.recipes import describe, load_recipe
 
     parsed = load_recipe(recipe)
     name = model or parsed.model
@@ -53,14 +53,14 @@ def run_command(
     )
     steps = [f"  {index + 1}. {line}" for index, line in enumerate(describe(parsed))]
     if dry_run:
-        from ..pipeline import describe_plan
+        from ..runner.pipeline import describe_plan
 
         click.echo("\n".join([header, *steps, "plan:", *(f"  {line}" for line in describe_plan(parsed))]))
         return
     if out_dir is None:
         raise UserInputError("--out is required (or pass --dry-run)")
     if overwrite:
-        from ..preflight import check_not_replacing_inputs
+        from ..runner.preflight import check_not_replacing_inputs
 
         check_not_replacing_inputs(out_dir, [recipe])
 

@@ -1,5 +1,5 @@
 """Options every pipeline command shares (``--resume``, ``--quiet``, ``--log-json``) and the one way they all
-run: a recipe (a one-pass recipe for the shortcut commands) through :func:`~moecompress.recipes.run_recipe`,
+run: a recipe (a one-pass recipe for the shortcut commands) through :func:`~moecompress.runner.recipes.run_recipe`,
 ending with the summary table."""
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def run_options(command: Callable) -> Callable:
 def check_before_work(out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool) -> None:
     """The output-side checks every writing command makes before any work: --out is not the input nor inside it,
     can be created, is not there already (unless --overwrite), and no interrupted run's partial work is there
-    unless --resume or --restart says what to do with it (:func:`~moecompress.preflight.check_output`). The
+    unless --resume or --restart says what to do with it (:func:`~moecompress.runner.preflight.check_output`). The
     output's lock it takes is given back when the command ends."""
-    from .. import run_lock
-    from ..preflight import check_output
+    from ..runner import lock as run_lock
+    from ..runner.preflight import check_output
 
     context = click.get_current_context()
     restart = context.meta.get("moecompress.restart", False)
@@ -70,7 +70,7 @@ def check_before_work(out_dir: Path, model_dir: Path, *, overwrite: bool, resume
 
 def start_over_if_asked(out_dir: Path) -> None:
     """With --restart, remove an interrupted run's partial work (called once every check has passed)."""
-    from ..preflight import discard_partial_work
+    from ..runner.preflight import discard_partial_work
 
     if click.get_current_context().meta.get("moecompress.restart", False):
         discard_partial_work(out_dir)
@@ -93,7 +93,7 @@ def check_one_pass_before_work(
     """Every check a one-pass command that runs its pass directly (not as a recipe) makes before any work: the
     output, then the pass against the input's config.json (``eval_data`` None: no evaluation), then --restart's
     discard."""
-    from ..preflight import check_passes
+    from ..runner.preflight import check_passes
     from .common_options import refuse_unused_common
 
     refuse_unused_common([(pass_name, config)], eval_data is not None, calib)
@@ -124,8 +124,8 @@ def run_and_summarise(
     import dataclasses
 
     from ..calibration import distributed
-    from ..recipes import check_recipe, run_recipe
-    from ..run_summary import format_table
+    from ..runner.recipes import check_recipe, run_recipe
+    from ..runner.summary import format_table
     from .common_options import chosen_device, refuse_unused_common
 
     refuse_unused_common(recipe.passes, recipe.evaluation is not None, recipe.calibration.source)

@@ -1,14 +1,14 @@
 """Streamed evaluation: the model and its reference run side by side over the same windows, one decoder layer at
 a time, so that evaluating needs the memory of a layer, not of two models.
 
-Each model's decoder is planned once by a :class:`~moecompress.sweep.CalibrationSweep` (its embeddings turn the
+Each model's decoder is planned once by a :class:`~moecompress.sweep.engine.CalibrationSweep` (its embeddings turn the
 windows into the first layer's hidden states, and every layer's call arguments are recorded). Then, layer by
 layer, the reference's layer is built from its checkpoint, run over every window and freed, and the model's
 likewise; the routers' choices of the two are compared while both are at hand. Last, batch by batch, each model's
 final norm and output projection turn its last hidden states into logits, whose NLL and KL are summed at once.
 
 Held at any time: one decoder layer (its routed experts as stored, bf16 or packed, and converted to float32 one
-expert at a time as the whole-model evaluation's float32 computes: :mod:`moecompress.view_experts`; the rest in
+expert at a time as the whole-model evaluation's float32 computes: :mod:`moecompress.sweep.view_experts`; the rest in
 float32), both models' float32 hidden states of all windows (tokens x hidden x 4 B each), one batch's logits per
 model, and, while planning and while computing the logits, the embeddings and output projection (at the end, both
 models' at once). A layer runs over up to 16 windows at once (a quantised layer unpacks its experts once per call);
@@ -40,7 +40,7 @@ from ..quantization.hf_quantizer import (
     decode_salient_bitmaps,
     replace_quantized_modules,
 )
-from ..sweep import CalibrationSweep, split_windows
+from ..sweep.engine import CalibrationSweep, split_windows
 from .perplexity import EvalResult, EvalTotals, forward_batches, moe_token_bytes, window_sums, windows_per_forward
 from .routing import routing_agreement
 
@@ -120,7 +120,7 @@ class LayerStream(CalibrationSweep):
         self._widening = _WideningReader(self.reader, self.dtype)
 
     def _read_layer(self, layer: int):
-        """Experts that compute from the view (:mod:`moecompress.view_experts`) are read in their stored dtype and
+        """Experts that compute from the view (:mod:`moecompress.sweep.view_experts`) are read in their stored dtype and
         converted one expert at a time as they are used; a stock experts module's are read into float32."""
         if self._computes_from_view(layer):
             return super()._read_layer(layer)

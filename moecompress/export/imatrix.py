@@ -91,7 +91,7 @@ def check_imatrix_target(
 ) -> None:
     """Refused before any work (naming ``imatrix_out`` of ``owner``, a config class): a family without a known
     llama.cpp naming, a target that cannot be written, or one inside an input or the output."""
-    from ..preflight import check_file_target, check_not_in_inputs
+    from ..runner.preflight import check_file_target, check_not_in_inputs
 
     label = named("imatrix_out", path)
     if out_dir is not None:
@@ -182,12 +182,12 @@ class ImatrixCollector:
         return sorted(int(path.stem.removeprefix("layer-")) for path in self.directory.glob("layer-*.safetensors"))
 
     def attach(self, sweep: Any, drain=None) -> None:
-        """Hook the stock modules of ``sweep``'s decoder layers (a :class:`~moecompress.sweep.CalibrationSweep`
+        """Hook the stock modules of ``sweep``'s decoder layers (a :class:`~moecompress.sweep.engine.CalibrationSweep`
         about to run): the inputs of attention, shared-expert and dense-MLP matrices, and, on the last layer, the
         output head's input. A layer's sums are complete after its forward of every batch; later forwards (the
         sweep runs a layer again with its quantised experts) are not counted. ``drain``, if given, is called
         before the file is written, to let the sweep run the layers after the last MoE layer."""
-        from ..mtp_sweep import _final_norm_path, _norm
+        from ..sweep.mtp import _final_norm_path, _norm
 
         adapter = sweep.adapter
         batches, last = len(sweep.plans), adapter.num_layers - 1

@@ -17,8 +17,8 @@ from ..errors import OptionError, UserInputError
 from ..families import adapter_for
 from ..files import DiskFullError
 from ..memory import release_freed_memory
-from ..preflight import check_replaceable
 from ..progress import bar as progress_bar
+from ..runner.preflight import check_replaceable
 from ..vocabulary import named
 from .source import NativeSource, SourceLayer, check_exportable, fold, quant_config
 

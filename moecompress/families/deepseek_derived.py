@@ -12,7 +12,7 @@ On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_
   model built from that config (``DeepseekV3ForCausalLM``, which the release's ``architectures`` names).
 - GLM-5 (``glm_moe_dsa``): MLA with DeepSeek-V3.2's sparse-attention indexer; each decoder layer hands its indexer's
   top-k to the next (a ``"shared"`` layer reuses it), so the layer returns ``(hidden, top-k)``; the layer sweep
-  carries that top-k (:mod:`moecompress.layer_carry`).
+  carries that top-k (:mod:`moecompress.sweep.layer_carry`).
 - MiniCPM-5 MoE (``minicpm5_moe``): grouped-query attention whose query projection also holds a per-head output gate
   (on disk ``self_attn.q_proj``, ``self_attn.q_gate_proj`` at runtime); ``mlp_layer_types``.
 """

@@ -7,7 +7,7 @@ vision tower ``model.visual``.
 
 Each decoder layer returns ``(hidden, top-k)`` and the next takes that top-k as ``prev_topk_indices`` (an
 ``indexer_types`` ``shared`` layer attends over it instead of running an indexer); the layer sweep carries it
-(:mod:`moecompress.layer_carry`).
+(:mod:`moecompress.sweep.layer_carry`).
 
 On disk (transformers' ``glm5_next`` renames reversed, as ``save_pretrained`` writes them): per-expert
 ``mlp.experts.{e}.{gate,up,down}_proj``, ``hc_{attn,ffn}_{fn,base,scale}`` (``{attn,ffn}_hc.*`` at runtime), a KDA

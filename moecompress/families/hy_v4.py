@@ -7,7 +7,7 @@ sparse-attention indexer, and hyper-connections around attention and MLP (decode
 
 Each decoder layer returns ``(hidden, top-k)`` and the next takes that top-k as ``prev_topk_indices`` (an
 ``indexer_types`` ``shared`` layer attends over it instead of running an indexer); the layer sweep carries it
-(:mod:`moecompress.layer_carry`).
+(:mod:`moecompress.sweep.layer_carry`).
 
 The release's names are transformers' ``hy_v4`` renames (``conversion_mapping.py``) reversed, as ``save_pretrained``
 writes them: ``hc_pre.hc_{attn,mlp}_layer.hc_{fn,base,scale}``, ``self_attn.learnable_sink_param``, ``linear_gate``

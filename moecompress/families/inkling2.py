@@ -5,7 +5,7 @@ Every decoder layer takes, beside its input, ``block_states`` ``[B, S, n, H]``: 
 earlier block boundary (every ``n_layers_per_attn_res_block``-th layer, layer 0 first), stacked; the attention's
 and the MoE block's inputs are attention over that stack plus the running state, and so is the final norm's input
 (``final_input``). The sweep carries the stack per calibration batch (:attr:`FamilyAdapter.block_states_argument`,
-:class:`~moecompress.layer_carry.LayerCarry`).
+:class:`~moecompress.sweep.layer_carry.LayerCarry`).
 
 The router ``mlp.gate.weight`` ``[E, H]`` (float32) scores by sigmoid; the choice is the top-k of the scores plus
 ``mlp.gate.e_score_correction_bias``, the chosen scores renormalised and times ``route_scale``. An expert computes

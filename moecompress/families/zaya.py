@@ -7,7 +7,7 @@ one skip expert that computes nothing. Softmax over all of them, the top-k (k = 
 ``balancing_biases`` (the skip expert's is always -1: stock transformers sets it at load), weighted by the uncorrected
 probability, not renormalised; a token sent to the skip expert gets no MoE output. Each decoder layer returns
 ``(hidden, router state)`` and the next takes that state as its second argument; the layer sweep carries it
-(:mod:`moecompress.layer_carry`).
+(:mod:`moecompress.sweep.layer_carry`).
 
 The view's router weight is ``out_proj.weight`` ``[E + 1, R]`` and the router's input the MLP's output before it
 (:attr:`router_input_module`, captured by the sweep: the stock modules compute the projection, the carried state and

@@ -1,4 +1,4 @@
-"""The pass protocol: what the pipeline (:mod:`moecompress.pipeline`) asks of a pass.
+"""The pass protocol: what the pipeline (:mod:`moecompress.runner.pipeline`) asks of a pass.
 
 A *layer pass* works on one decoder layer at a time inside the pipeline's sweeps:
 
@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..families import FamilyAdapter
-from ..sweep import LayerCapture
-from ..sweep_state import LayerResult
+from ..sweep.engine import LayerCapture
+from ..sweep.state import LayerResult
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class LayerPass:
         """Global decisions from every layer's measurements."""
 
     def attach_sweep(self, sweep: Any) -> None:
-        """The rewriting sweep (a :class:`~moecompress.sweep.CalibrationSweep`) before it runs, for a pass that
+        """The rewriting sweep (a :class:`~moecompress.sweep.engine.CalibrationSweep`) before it runs, for a pass that
         hooks the stock modules of its model."""
 
     def rewrite(self, layer: int, block: Any, capture: LayerCapture | None) -> Any:
@@ -174,8 +174,8 @@ class InputFacts:
 class PassEntry:
     """One registered pass: its config dataclass and either a layer pass class or a whole-model function
     ``run(source, target, config, *, calibration, evaluation, overwrite, progress) -> report`` (``calibration``
-    and ``evaluation``: the recipe's :class:`~moecompress.recipes.Calibration` and
-    :class:`~moecompress.recipes.Evaluation` or None), which :func:`~moecompress.pipeline.run_whole_model_pass`
+    and ``evaluation``: the recipe's :class:`~moecompress.runner.recipes.Calibration` and
+    :class:`~moecompress.runner.recipes.Evaluation` or None), which :func:`~moecompress.runner.pipeline.run_whole_model_pass`
     calls."""
 
     name: str

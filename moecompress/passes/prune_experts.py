@@ -16,7 +16,7 @@ Methods:
 
 ``recalibrate_router`` refits the surviving router rows on the calibration tokens so the compressed layer's output
 reproduces the original layer's (:mod:`moecompress.passes.router_refit`). Merging and recalibration change weights
-from calibration inputs, so they run in the pipeline's calibrated rewriting sweep (:mod:`moecompress.pipeline`).
+from calibration inputs, so they run in the pipeline's calibrated rewriting sweep (:mod:`moecompress.runner.pipeline`).
 
 ``scope="layer"`` removes the same number from every MoE layer; ``scope="global"`` ranks all experts of all
 layers together after dividing each layer's scores by the layer's mean expert score, so counts may differ by
@@ -43,8 +43,8 @@ from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter
 from ..files import write_json
 from ..loading import load_tokenizer
-from ..sweep import LayerCapture
-from ..sweep_state import LayerResult
+from ..sweep.engine import LayerCapture
+from ..sweep.state import LayerResult
 from ..vocabulary import named
 from .base import InputFacts
 from .expert_scores import layer_expert_stats
@@ -194,7 +194,7 @@ class PruneExpertsConfig:
         """Refuse an input this pass cannot prune, and counts its layers cannot keep (where config.json still gives
         them), before any work."""
         from ..checkpoint.decode import native_refusal
-        from ..preflight import check_prune_counts, check_router_sizes
+        from ..runner.preflight import check_prune_counts, check_router_sizes
 
         if facts.quantized:
             native_refusal(facts.adapter.config, str(facts.model_dir))
@@ -618,13 +618,13 @@ def prune_experts(
     resume: bool = False,
 ) -> dict[str, Any]:
     """Score, choose and write a pruned checkpoint (one prune_experts pass of the pipeline,
-    :mod:`moecompress.pipeline`); returns the report also saved as moecompress_report.json.
+    :mod:`moecompress.runner.pipeline`); returns the report also saved as moecompress_report.json.
 
     With ``eval_data`` the written checkpoint is evaluated against the input (perplexity, KL, routing agreement)
     and the results join the report. With ``resume`` a killed run continues with the same bytes. Under
-    ``torchrun`` the ranks share the measuring sweep and rank 0 alone writes (:func:`~moecompress.pipeline.
+    ``torchrun`` the ranks share the measuring sweep and rank 0 alone writes (:func:`~moecompress.runner.pipeline.
     run_layer_passes`)."""
-    from ..pipeline import run_one_pass
+    from ..runner.pipeline import run_one_pass
 
     return run_one_pass(
         "prune_experts",

@@ -1,4 +1,4 @@
-"""Expert pruning as a layer pass of the pipeline (:mod:`moecompress.pipeline`), built on
+"""Expert pruning as a layer pass of the pipeline (:mod:`moecompress.runner.pipeline`), built on
 :mod:`moecompress.passes.prune_experts` (scores, the choice of removals, the report)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from ..checkpoint.mtp import mtp_layers, plan_stored_prune
 from ..checkpoint.stream import layer_unit
 from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter, MoEWeights
-from ..sweep import LayerCapture
-from ..sweep_state import LayerResult
+from ..sweep.engine import LayerCapture
+from ..sweep.state import LayerResult
 from ..vocabulary import named
 from .base import LayerPass, Needs, PassContext
 from .maep_weights import pipeline_token_weights

@@ -156,7 +156,7 @@ class PruneHeadsConfig:
 
     def check_input(self, facts: InputFacts) -> None:
         """Refuse a quantised input, and a ratio its heads cannot give, before any work."""
-        from ..preflight import check_prune_heads
+        from ..runner.preflight import check_prune_heads
 
         if facts.quantized:
             raise UserInputError(
@@ -303,7 +303,7 @@ def prune_heads(
     and as written (loaded back from ``out_dir``) after it. The input (the teacher) and the pruned model are both
     held whole on the run's compute device; the weights come back to the host to be written.
     """
-    from ..pipeline import write_model
+    from ..runner.pipeline import write_model
 
     config.validate()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -406,7 +406,7 @@ def prune_heads(
 
 
 class _PrunedModelWriter(LayerPass):
-    """Writes the pruned model (:func:`~moecompress.pipeline.write_model`): the input with every layer's attention
+    """Writes the pruned model (:func:`~moecompress.runner.pipeline.write_model`): the input with every layer's attention
     and norm tensors taken from the pruned (and distilled) model, cast back to their on-disk dtype, and config.json
     with the new head counts."""
 

@@ -9,7 +9,7 @@ those adapters by distillation from the full-precision model with its routes rep
    (this is one of the passes allowed to), on the run's compute device (bf16 on CUDA, float32 on the CPU).
 3. The adapters train; the held-out evaluation runs before (= PTQ) and after, against the teacher.
 4. The output is the PTQ checkpoint as stored with the trained adapters in place of the initial ones, written
-   atomically by the pipeline's writer (:func:`~moecompress.pipeline.write_model`).
+   atomically by the pipeline's writer (:func:`~moecompress.runner.pipeline.write_model`).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class QATConfig:
     def check_input(self, facts: InputFacts) -> None:
         """Refuse a quantised input (QAT starts from full precision), what the quantize settings refuse, and an
         input whose routes cannot be replayed, before any work."""
-        from ..preflight import check_seq_len
+        from ..runner.preflight import check_seq_len
 
         if facts.quantized:
             raise UserInputError(
@@ -161,7 +161,7 @@ def _adapter_key(name: str) -> bool:
 
 
 class _TrainedAdapters(LayerPass):
-    """Writes QAT's output (:func:`~moecompress.pipeline.write_model`): the PTQ checkpoint ``source`` as stored,
+    """Writes QAT's output (:func:`~moecompress.runner.pipeline.write_model`): the PTQ checkpoint ``source`` as stored,
     every adapter replaced by the student's (as stored: bf16). A stored adapter's module is found in the student
     under the name transformers' conversion gives it at load (``model.layers`` is ``model.language_model.layers``
     where a release keeps its text model under its own names)."""
@@ -222,7 +222,7 @@ def qat_checkpoint(
     ``data`` feeds both the PTQ calibration (``calib_tokens``) and the training windows (its calibration part
     for built-in sources); ``eval_data``'s held-out part measures before and after.
     """
-    from ..pipeline import write_model
+    from ..runner.pipeline import write_model
 
     config.validate()
     out_dir = Path(out_dir)

@@ -31,8 +31,8 @@ from ..quantization.salient import BITMAP_CODES
 from ..quantization.scheme import SCHEMES, QuantizedTensor, QuantScheme
 from ..quantization.schemes import SCHEME_KINDS, kind_of
 from ..quantization.sensitivity import SENSITIVITIES
-from ..sweep_state import LayerResult
-from ..view_experts import ExpertSource
+from ..sweep.state import LayerResult
+from ..sweep.view_experts import ExpertSource
 from ..vocabulary import named
 from .base import InputFacts
 from .options import When, check_declared, option, recipe_only
@@ -291,7 +291,7 @@ class QuantizeConfig:
     def check_input(self, facts: InputFacts) -> None:
         """Refuse, before any work, an input this scheme and format cannot be applied to or would not shrink,
         and an importance-matrix file that could not be written for it."""
-        from ..preflight import check_output_smaller
+        from ..runner.preflight import check_output_smaller
 
         if facts.quantized:
             native_refusal(facts.adapter.config, str(facts.model_dir))
@@ -454,10 +454,10 @@ def quantize_checkpoint(
     progress: bool = True,
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Quantise ``model_dir`` into ``out_dir`` (one quantize pass of the pipeline, :mod:`moecompress.pipeline`);
+    """Quantise ``model_dir`` into ``out_dir`` (one quantize pass of the pipeline, :mod:`moecompress.runner.pipeline`);
     returns the report also saved as moecompress_report.json. With ``eval_data`` the output is evaluated against
     the input; with ``resume`` a killed run continues with the same bytes."""
-    from ..pipeline import run_one_pass
+    from ..runner.pipeline import run_one_pass
 
     return run_one_pass(
         "quantize",

@@ -1,4 +1,4 @@
-"""Quantisation and low-rank compensation as a layer pass of the pipeline (:mod:`moecompress.pipeline`), built on
+"""Quantisation and low-rank compensation as a layer pass of the pipeline (:mod:`moecompress.runner.pipeline`), built on
 :mod:`moecompress.passes.quantize` (the quantisers, the rank allocation, the per-layer rewriting work)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from ..checkpoint.decode import describe_input
 from ..checkpoint.mtp import quantize_mtp_plan, without_mtp
 from ..evals.footprint import checkpoint_footprint
 from ..export.imatrix import ImatrixCollector, check_imatrix_target
-from ..preflight import data_paths
 from ..quantization.formats import format_of
 from ..quantization.sensitivity import stored_layer_sensitivity
-from ..sweep_state import LayerResult
+from ..runner.preflight import data_paths
+from ..sweep.state import LayerResult
 from .base import LayerPass, Needs, PassContext
 from .quantize import (
     QuantizeConfig,

@@ -2,7 +2,7 @@
 its layers run once per pass, so the segment is run forward whole from its spilled input and backpropagated whole.
 
 A looped MoE layer's values are those of every pass, in the order its calibration capture holds its inputs: batch
-by batch, each batch pass by pass (:meth:`~moecompress.sweep.CalibrationSweep._looped_segment`).
+by batch, each batch pass by pass (:meth:`~moecompress.sweep.engine.CalibrationSweep._looped_segment`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from ..device import host_buffer, to_compute
-from ..layer_carry import LayerCarry
-from ..sweep import CalibrationSweep
+from ..sweep.engine import CalibrationSweep
+from ..sweep.layer_carry import LayerCarry
 
 _CARRIED = "carried:"
 

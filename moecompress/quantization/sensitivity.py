@@ -30,10 +30,10 @@ from safetensors.torch import load_file
 from ..device import host_buffer, to_compute
 from ..evals.perplexity import windows_per_forward
 from ..files import write_safetensors
-from ..layer_carry import LayerCarry
 from ..progress import bar as progress_bar
-from ..sweep import CalibrationSweep, split_windows
-from ..sweep_state import load_with_metadata
+from ..sweep.engine import CalibrationSweep, split_windows
+from ..sweep.layer_carry import LayerCarry
+from ..sweep.state import load_with_metadata
 from .looped_fisher import backpropagate_loop, looped_forward
 
 SENSITIVITIES: tuple[str, ...] = ("none", "fisher", "fisher-token")
@@ -167,7 +167,7 @@ def _head_gradients(
 ) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
     """Per batch, ``∂loss/∂(last hidden states)``, and the gradient at each block-stack entry the head reads, by
     its layer (none where the family has no stack). Text-only batches go through the head a few windows at a time
-    and without the input embeddings (:meth:`~moecompress.sweep.CalibrationSweep.text_head_logits`): at
+    and without the input embeddings (:meth:`~moecompress.sweep.engine.CalibrationSweep.text_head_logits`): at
     Qwen3-30B-A3B's 151,936-token vocabulary a batch of 8 windows of 256 has 1.2 GB of float32 logits, and the
     loss's backward as much again. The summed loss is a sum over windows, so each window's gradient is the same
     whichever windows share its head call."""

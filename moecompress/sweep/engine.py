@@ -22,17 +22,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..calibration.span_corruption import DECODER_TAGS, model_inputs
+from ..checkpoint import CheckpointReader, group_keys_by_layer
+from ..checkpoint.stock_model import stock_config, stock_failures
+from ..device import HOST, compute_device, host_buffer, is_accelerated, to_compute
+from ..errors import UserInputError
+from ..families import FamilyAdapter, MoEWeights, adapter_for
+from ..memory import release_freed_memory
+from ..progress import bar as progress_bar
 from .attention_replay import AttentionReplay
-from .calibration.span_corruption import DECODER_TAGS, model_inputs
-from .checkpoint import CheckpointReader, group_keys_by_layer
-from .checkpoint.stock_model import stock_config, stock_failures
-from .device import HOST, compute_device, host_buffer, is_accelerated, to_compute
-from .errors import UserInputError
-from .families import FamilyAdapter, MoEWeights, adapter_for
 from .layer_carry import LayerCarry
-from .memory import release_freed_memory
-from .progress import bar as progress_bar
-from .sweep_state import LayerResult, SweepState
+from .state import LayerResult, SweepState
 from .view_experts import ExpertSource, ViewExperts, install, release_all, takes_routed_tokens
 
 

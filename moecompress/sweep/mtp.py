@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .checkpoint.mtp import mtp_layers
-from .families import FamilyAdapter
-from .sweep import CalibrationSweep, LayerCapture, _attention_received
+from ..checkpoint.mtp import mtp_layers
+from ..families import FamilyAdapter
+from .engine import CalibrationSweep, LayerCapture, _attention_received
 
 MTP_EXTRAS = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 

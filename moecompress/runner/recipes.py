@@ -37,11 +37,10 @@ from typing import Any
 
 import yaml
 
-from . import recipe_yaml
-from .calibration import distributed
-from .checkpoint.stream import check_output_is_not_input
-from .checkpoint.writer import INCOMPLETE_MARKER, file_sha256, hidden_dir, output_exists
-from .defaults import (
+from ..calibration import distributed
+from ..checkpoint.stream import check_output_is_not_input
+from ..checkpoint.writer import INCOMPLETE_MARKER, file_sha256, hidden_dir, output_exists
+from ..defaults import (
     CALIBRATION_LEAST,
     DEFAULT_CALIB_TOKENS,
     DEFAULT_DATA,
@@ -52,15 +51,16 @@ from .defaults import (
     DEVICE_CHOICES,
     EVAL_TOKENS_LEAST,
 )
-from .errors import OptionError, UserInputError
-from .files import DiskFullError, is_full, write_json, write_text
-from .passes.options import KINDS, nested_configs, refuse_unused
-from .passes.options import short as _short
-from .passes.quantize import QuantizeConfig
-from .passes.registry import PASSES
-from .progress import end_of_command, event
+from ..errors import OptionError, UserInputError
+from ..files import DiskFullError, is_full, write_json, write_text
+from ..passes.options import KINDS, nested_configs, refuse_unused
+from ..passes.options import short as _short
+from ..passes.quantize import QuantizeConfig
+from ..passes.registry import PASSES
+from ..progress import end_of_command, event
+from ..vocabulary import RecipeKeys, named
+from . import recipe_yaml
 from .threads import check_resume_threads, thread_count
-from .vocabulary import RecipeKeys, named
 
 LOWRANK_KEYS = (
     "lowrank_budget",
@@ -244,7 +244,7 @@ def parse_recipe(document: Any, source: str = "recipe") -> Recipe:
         raise UserInputError(f"{_short(unknown[0])}: unknown key; a recipe takes model, calibration, passes, device")
     device = document.get("device")
     if device is not None:
-        from .device import parse_device
+        from ..device import parse_device
 
         if not isinstance(device, str):
             raise UserInputError(f"device: expected {DEVICE_CHOICES}, got {_short(device)}")
@@ -505,7 +505,7 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     return {"moecompress": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -523,7 +523,7 @@ def run_recipe(
     """Run the passes in order, then the evaluation; returns the last pass's report with the recipe, the earlier
     passes' reports, the evaluation and the outcome (the summary table's figures) added.
 
-    Consecutive layer passes run as one pipeline (:mod:`moecompress.pipeline`: shared sweeps, the output written
+    Consecutive layer passes run as one pipeline (:mod:`moecompress.runner.pipeline`: shared sweeps, the output written
     once); a whole-model pass runs on the previous stage's output, kept in the run's hidden directory. With
     ``chained`` every pass is its own stage writing a whole checkpoint, as recipes ran before the pipeline (kept for
     the comparison in docs/pipeline.md). The output directory appears, in one rename, only at the very end. With
@@ -534,7 +534,7 @@ def run_recipe(
     the ranks: rank 0 alone creates the run directory and the output and evaluates, the others take part in the
     measuring sweep, wait for rank 0 and return the same report. The output is that of a single-process run.
     """
-    from .device import using_device
+    from ..device import using_device
 
     try:
         model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
@@ -554,7 +554,7 @@ def run_recipe(
 
 
 def _check_imatrix_outside(recipe: Recipe, out_dir: Path) -> None:
-    from .export.imatrix import check_outside_output
+    from ..export.imatrix import check_outside_output
 
     for _, config in recipe.passes:
         for part in (config, *(getattr(config, key) for key in nested_configs(type(config)))):
@@ -627,10 +627,10 @@ def _run_passes(
     resume: bool,
     chained: bool = False,
 ) -> dict[str, Any]:
-    from .evals.perplexity import evaluate
-    from .passes.prune_experts import update_report
+    from ..evals.perplexity import evaluate
+    from ..passes.prune_experts import update_report
     from .pipeline import plan_stages, run_layer_passes, run_whole_model_pass
-    from .run_summary import attribute_to_input, load_report, measure_outcome
+    from .summary import attribute_to_input, load_report, measure_outcome
 
     calib = recipe.calibration
     stages = plan_stages(recipe.passes, chained=chained)

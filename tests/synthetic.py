@@ -1353,7 +1353,7 @@ _RELEASE_CLASS = {"qwen3_omni_moe": "AutoModelForMultimodalLM"}
 def auto_class_for(config) -> Any:
     import transformers
 
-    from .families import adapter_for
+    from moecompress.families import adapter_for
 
     return getattr(transformers, _RELEASE_CLASS.get(config.model_type) or adapter_for(config.to_dict()).auto_class)
 
@@ -1568,7 +1568,7 @@ def write_synthetic_qwen3_moe(
     def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
         return (scale * torch.randn(*shape, generator=generator)).to(torch.bfloat16)
 
-    from .checkpoint import CheckpointWriter
+    from moecompress.checkpoint import CheckpointWriter
 
     writer = CheckpointWriter(directory, max_shard_bytes=max_shard_bytes)
     outside = {"model.embed_tokens.weight": rand(vocab_size, hidden), "model.norm.weight": torch.ones(hidden)}

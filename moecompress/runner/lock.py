@@ -17,14 +17,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import OptionError
+from ..errors import OptionError
 
 _held: dict[Path, tuple[int, list[Path]]] = {}
 """This process's locks: output directory -> (descriptor, parent directories made for the lock file)."""
 
 
 def lock_path(out_dir: str | os.PathLike[str]) -> Path:
-    from .checkpoint.writer import hidden_dir
+    from ..checkpoint.writer import hidden_dir
 
     return hidden_dir(Path(out_dir).absolute(), "lock")
 

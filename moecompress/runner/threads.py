@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import OptionError
-from .vocabulary import named
+from ..errors import OptionError
+from ..vocabulary import named
 
 
 def thread_count() -> int:

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from .calibration.builtin_corpus import BUILTIN_NAMES
-from .calibration.sources import PARTS, check_data_files, parse_hf_spec
-from .checkpoint.writer import INCOMPLETE_MARKER
-from .defaults import DEFAULT_EVAL_TOKENS
-from .errors import OptionError, UserInputError
-from .vocabulary import named
+from ..calibration.builtin_corpus import BUILTIN_NAMES
+from ..calibration.sources import PARTS, check_data_files, parse_hf_spec
+from ..checkpoint.writer import INCOMPLETE_MARKER
+from ..defaults import DEFAULT_EVAL_TOKENS
+from ..errors import OptionError, UserInputError
+from ..vocabulary import named
 
 RESTART_HINT = f"continue it with {named('run.resume', True)}, or discard it with {named('run.restart', True)}"
 
@@ -91,7 +91,7 @@ def check_router_sizes(model_dir: Path, adapter: Any) -> None:
     """Each MoE layer's router, as its safetensors header says, has one row per expert config.json promises; the
     counts below are decided from config.json, so a disagreement is named first (the reader names it again on
     reading the layer)."""
-    from .checkpoint import CheckpointReader
+    from ..checkpoint import CheckpointReader
 
     with CheckpointReader(model_dir, decode=False) as reader:
         for layer in adapter.moe_layers():
@@ -107,7 +107,7 @@ def check_prune_counts(adapter: Any, config: Any) -> None:
     """The selection of :func:`~moecompress.passes.prune_experts.choose_removals` run on placeholder scores: every
     count it refuses (more kept than there are experts, fewer than top-k, uneven splits, group limits) depends
     on the config and the layer sizes only, so it is refused here before the scores are measured."""
-    from .passes.prune_experts import LayerScores, choose_removals, group_limit
+    from ..passes.prune_experts import LayerScores, choose_removals, group_limit
 
     layers = adapter.moe_layers()
     sizes = {layer: adapter.experts_in_layer(layer) for layer in layers}
@@ -136,8 +136,8 @@ def check_prune_counts(adapter: Any, config: Any) -> None:
 
 
 def check_prune_heads(adapter: Any, config: Any, model_dir: Path) -> None:
-    from .heads.selection import removal_counts
-    from .passes.prune_heads import _check_input, head_layouts
+    from ..heads.selection import removal_counts
+    from ..passes.prune_heads import _check_input, head_layouts
 
     layouts = head_layouts(adapter, config.unit)
     _check_input(adapter, layouts, model_dir, config.unit)
@@ -193,10 +193,10 @@ def _check_passes(
 ) -> None:
     from dataclasses import replace
 
-    from .checkpoint.stock_model import check_stock_model_builds
-    from .loading import check_tokenizer_files, load_adapter
-    from .passes.base import InputFacts
-    from .passes.registry import PASSES
+    from ..checkpoint.stock_model import check_stock_model_builds
+    from ..loading import check_tokenizer_files, load_adapter
+    from ..passes.base import InputFacts
+    from ..passes.registry import PASSES
 
     adapter = load_adapter(model_dir)
     facts = InputFacts(model_dir, adapter, _quantized_method(adapter))
@@ -233,7 +233,7 @@ def _check_passes(
 def _calibrates(name: str, config: Any) -> bool:
     """Whether the pass reads calibration windows (a whole-model pass always; a layer pass where it measures,
     calibrates or asks for a sensitivity: plain RTN quantisation reads none)."""
-    from .passes.registry import PASSES
+    from ..passes.registry import PASSES
 
     entry = PASSES[name]
     if entry.layer_pass is None:
@@ -255,7 +255,7 @@ def check_output_smaller(model_dir: Path, config: Any) -> None:
     weight, makes the experts at least as large as the input's is refused: the output would not be compressed."""
     if not config.lowrank_budget:
         return
-    from .evals.footprint import checkpoint_footprint
+    from ..evals.footprint import checkpoint_footprint
 
     experts = checkpoint_footprint(model_dir).classes.get("experts")
     if experts is None or not experts.weights:
@@ -283,7 +283,7 @@ def scheme_bits_per_weight(scheme: Any) -> float:
 
 def partial_work(out_dir: Path) -> list[Path]:
     """The hidden directories an interrupted run into ``out_dir`` leaves beside it."""
-    from .checkpoint.writer import PARTIAL_WORK, hidden_dir
+    from ..checkpoint.writer import PARTIAL_WORK, hidden_dir
 
     found = [hidden_dir(Path(out_dir).absolute(), kind) for kind in PARTIAL_WORK]
     return [path for path in found if path.exists()]
@@ -302,7 +302,7 @@ def check_partial_work(out_dir: Path, *, resume: bool, restart: bool) -> None:
 
 def discard_partial_work(out_dir: Path) -> None:
     """Remove an interrupted run's partial work; under ``torchrun`` rank 0 alone removes it, the others wait."""
-    from .calibration import distributed
+    from ..calibration import distributed
 
     distributed.on_writer(lambda: _remove_partial_work(out_dir), share=False)
 
@@ -328,14 +328,14 @@ def check_output(
     calls :func:`discard_partial_work` after them. ``overwrite`` replaces only what :func:`check_replaceable`
     allows.
 
-    The output's lock (:mod:`~moecompress.run_lock`) is taken before the partial work is looked at and held until
+    The output's lock (:mod:`~moecompress.runner.lock`) is taken before the partial work is looked at and held until
     the caller releases it or the process ends, so a run still going into ``out_dir`` refuses this one. Refusals
     are :class:`~moecompress.errors.OptionError`: the caller's layer spells ``out`` and ``overwrite``.
 
     Under ``torchrun`` rank 0 alone looks at the output, since it alone writes there, and its verdict (or error)
     reaches every rank: a slower rank would otherwise find the partial work rank 0 has already started for the
     same command and refuse."""
-    from .calibration import distributed
+    from ..calibration import distributed
 
     distributed.init_from_environment()
     checks = dict(overwrite=overwrite, resume=resume, restart=restart, discard=discard)
@@ -345,8 +345,8 @@ def check_output(
 def _check_output(
     out_dir: Path, model_dir: Path, *, overwrite: bool, resume: bool, restart: bool, discard: bool
 ) -> None:
-    from . import run_lock
-    from .checkpoint.stream import check_output_is_not_input
+    from ..checkpoint.stream import check_output_is_not_input
+    from . import lock as run_lock
 
     check_output_is_not_input(model_dir, out_dir)
     label = named("run.out", out_dir)

@@ -10,7 +10,7 @@ A recipe's consecutive layer passes (:mod:`moecompress.passes.registry`) form on
 3. one rewriting sweep: per decoder layer, read once, calibrate (if a pass needs routed inputs), apply the passes
    in recipe order (prune experts -> quantise -> low-rank adapters), write the layer once, and recompute its
    outputs through the rewritten block (pruned, quantised) as the next layer's inputs (sequential calibration;
-   the recomputing forward reuses the layer's attention outputs, :mod:`moecompress.attention_replay`, and the last
+   the recomputing forward reuses the layer's attention outputs, :mod:`moecompress.sweep.attention_replay`, and the last
    layer is not recomputed where no MTP layer reads its outputs). Each sweep asks the kernel to read the next layer
    ahead while it computes one (:meth:`~moecompress.checkpoint.CheckpointReader.advise`).
 
@@ -39,19 +39,19 @@ from typing import Any
 
 import torch
 
-from .calibration import distributed
-from .checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
-from .checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
-from .errors import OptionError, UserInputError
-from .families import FamilyAdapter, MoEWeights
-from .memory import release_freed_memory
-from .passes.base import CalibrationData, LayerPass, PassContext
-from .passes.registry import PASSES
-from .progress import bar as progress_bar
-from .sweep import CalibrationSweep
-from .sweep_state import LayerResult, SweepState
-from .view_experts import ExpertSource
-from .vocabulary import named
+from ..calibration import distributed
+from ..checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
+from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
+from ..errors import OptionError, UserInputError
+from ..families import FamilyAdapter, MoEWeights
+from ..memory import release_freed_memory
+from ..passes.base import CalibrationData, LayerPass, PassContext
+from ..passes.registry import PASSES
+from ..progress import bar as progress_bar
+from ..sweep.engine import CalibrationSweep
+from ..sweep.state import LayerResult, SweepState
+from ..sweep.view_experts import ExpertSource
+from ..vocabulary import named
 
 CALIBRATION_BATCH = 8
 
@@ -118,7 +118,7 @@ def plan_sweeps(passes: list[LayerPass]) -> Sweeps:
 
 
 def describe_plan(recipe) -> list[str]:
-    """The plan of ``recipe`` (a :class:`~moecompress.recipes.Recipe`): its stages, the sweeps of each with the
+    """The plan of ``recipe`` (a :class:`~moecompress.runner.recipes.Recipe`): its stages, the sweeps of each with the
     passes in them, and how many times each reads a checkpoint. Nothing is read to make it."""
     lines, reads = [], 0
     stages = plan_stages(recipe.passes)
@@ -199,7 +199,7 @@ def _measuring_sweep(passes: list[LayerPass], context: PassContext) -> None:
         capture.result = _combine(parts)
     mtp_scorers = [p for _, p in measuring if getattr(p.config, "mtp", "drop") == "keep"]
     if mtp_scorers:
-        from .mtp_sweep import mtp_captures
+        from ..sweep.mtp import mtp_captures
 
         for capture in mtp_captures(sweep, shard.batches):
             for p in mtp_scorers:
@@ -304,7 +304,7 @@ def _stored_rewrite(passes: list[LayerPass], sweeps: Sweeps):
 
 
 def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: FamilyAdapter, writer) -> None:
-    from .checkpoint.mtp import mtp_layers
+    from ..checkpoint.mtp import mtp_layers
 
     sweeps = plan_sweeps(passes)
     write = _LayerWriter(passes, adapter, writer)
@@ -359,7 +359,7 @@ def _rewriting_sweep(passes: list[LayerPass], context: PassContext, adapter: Fam
 def _write_mtp_layers(sweep: CalibrationSweep, write: _LayerWriter, writer, dropped, batches) -> None:
     """The MTP layers of a calibrated rewriting sweep, each with its capture (its own MoE inputs, computed from the
     main layers' outputs as rewritten), after the main layers."""
-    from .checkpoint.mtp import mtp_layers
+    from ..checkpoint.mtp import mtp_layers
 
     pending = [
         layer
@@ -368,7 +368,7 @@ def _write_mtp_layers(sweep: CalibrationSweep, write: _LayerWriter, writer, drop
     ]
     if not pending:
         return
-    from .mtp_sweep import mtp_captures
+    from ..sweep.mtp import mtp_captures
 
     for capture in mtp_captures(sweep, batches):
         if capture.layer in pending:
@@ -437,7 +437,7 @@ def run_whole_model_pass(
 ) -> dict[str, Any]:
     """Run the whole-model pass ``step`` (``(name, config)``) on ``model_dir`` into ``out_dir`` by way of its
     registry entry; returns its report (also saved as moecompress_report.json). ``calibration`` is the recipe's
-    :class:`~moecompress.recipes.Calibration`; with ``evaluation`` the pass evaluates its output against the input
+    :class:`~moecompress.runner.recipes.Calibration`; with ``evaluation`` the pass evaluates its output against the input
     itself (QAT and head pruning also measure before their training)."""
     name, config = step
     return PASSES[name].run_whole_model(
@@ -456,7 +456,7 @@ def write_model(model_dir: Path, out_dir: Path, rewriter: LayerPass, *, overwrit
     how a whole-model pass writes what it trained (the rewriter replaces the tensors it changed, as stored or in the
     layer's view; its :meth:`~LayerPass.report` and :meth:`~LayerPass.finish_config` complete the output). A
     whole-model pass cannot resume its writing, so a failed write leaves nothing behind."""
-    from .loading import load_adapter
+    from ..loading import load_adapter
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     adapter = load_adapter(model_dir)
@@ -486,18 +486,18 @@ def run_layer_passes(
     """Run one stage of layer passes on ``model_dir`` into ``out_dir``; returns the last pass's report, with the
     earlier passes' reports under ``previous_passes`` (also saved as moecompress_report.json).
 
-    ``calibration`` is the recipe's :class:`~moecompress.recipes.Calibration`; its windows are drawn with the first
+    ``calibration`` is the recipe's :class:`~moecompress.runner.recipes.Calibration`; its windows are drawn with the first
     pass's seed (the recipe's unless the pass sets its own), and every sweep shares them. With ``resume`` a killed
     run continues: the sensitivity, the measured layers and the written layers are kept, and the output is
-    byte-identical to an uninterrupted run's. With ``evaluation`` (a :class:`~moecompress.recipes.Evaluation`) the
+    byte-identical to an uninterrupted run's. With ``evaluation`` (a :class:`~moecompress.runner.recipes.Evaluation`) the
     output is evaluated against the input and the result joins the report as ``eval``.
 
     Under ``torchrun`` (``WORLD_SIZE`` above 1) the ranks share the measuring sweep's batches; rank 0 alone creates
     ``out_dir``, decides, writes and evaluates, the others wait for it and return the same report. The output is
     byte-identical to a single-process run's; a stage whose rewriting sweep calibrates, and ``resume``, need a
     single process."""
-    from .loading import load_adapter
-    from .passes.prune_experts import calibration_batches, update_report
+    from ..loading import load_adapter
+    from ..passes.prune_experts import calibration_batches, update_report
 
     for _, config in passes:
         config.validate()
@@ -560,7 +560,7 @@ def run_layer_passes(
             p.finished(out_dir)
         report = _stage_report(layer_passes)
         if evaluation is not None:
-            from .evals.perplexity import evaluation_report
+            from ..evals.perplexity import evaluation_report
 
             report["eval"] = evaluation_report(
                 out_dir,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .families import FamilyAdapter, MoEWeights
+from ..families import FamilyAdapter, MoEWeights
 
 
 @dataclass
@@ -84,7 +84,7 @@ class ExpertSource:
         )
 
     def to(self, device: torch.device) -> ExpertSource:
-        from .device import moe_on
+        from ..device import moe_on
 
         return replace(self, view=moe_on(self.view, device))
 

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .files import write_safetensors
+from ..files import write_safetensors
 
 LayerResult = tuple[dict[str, torch.Tensor], Any]
 """A consumer's result for one layer: named tensors and JSON-ready metadata."""
@@ -92,7 +92,7 @@ class SweepState:
         self.last_layer, self._hidden, self._results, self._uncommitted = None, None, {}, {}
 
     def carried(self) -> dict[str, torch.Tensor]:
-        """The state the committed layers hand to later ones (:class:`~moecompress.layer_carry.LayerCarry`)."""
+        """The state the committed layers hand to later ones (:class:`~moecompress.sweep.layer_carry.LayerCarry`)."""
         path = self.directory / _CARRIED
         return load_file(str(path)) if path.is_file() else {}
 

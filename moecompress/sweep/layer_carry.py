@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from .device import to_compute
-from .families import FamilyAdapter
+from ..device import to_compute
+from ..families import FamilyAdapter
 
 
 class LayerCarry:

@@ -8,11 +8,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointReader
-from .checkpoint.consistency import check_against_config
-from .evals.footprint import checkpoint_footprint
-from .families import PARAM_CLASSES, adapter_for
-from .quantization.formats import written_format
+from ..checkpoint import CheckpointReader
+from ..checkpoint.consistency import check_against_config
+from ..families import PARAM_CLASSES, adapter_for
+from ..quantization.formats import written_format
+from .footprint import checkpoint_footprint
 
 
 def summarize(directory: Path) -> dict[str, Any]:

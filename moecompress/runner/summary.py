@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointReader
-from .errors import OptionError, UserInputError
-from .evals.footprint import checkpoint_footprint
-from .families import adapter_for
-from .files import write_bytes
-from .vocabulary import named
+from ..checkpoint import CheckpointReader
+from ..errors import OptionError, UserInputError
+from ..evals.footprint import checkpoint_footprint
+from ..families import adapter_for
+from ..files import write_bytes
+from ..vocabulary import named
 
 REPORT_NAME = "moecompress_report.json"
 
