@@ -2,11 +2,11 @@
 ``moecompress``.
 
 Each call does what the command of the same name does: the compressing calls build the one-pass recipe the CLI
-builds and run it through :func:`moecompress.runner.recipes.run_recipe`, so options, validation, resume and the output
-are the CLI's. Options are the fields of the pass's config dataclass (:class:`~moecompress.passes.prune_experts.
+builds and run it through :func:`moecompress.runner.recipes.run_recipe`, so options, validation, resume and the
+output are the CLI's. Options are the fields of the pass's config dataclass (:class:`~moecompress.passes.prune_experts.
 PruneExpertsConfig`, :class:`~moecompress.passes.quantize.QuantizeConfig`), calibration and evaluation those of
-:class:`~moecompress.runner.recipes.Calibration` and :class:`~moecompress.runner.recipes.Evaluation`; every name and value is
-checked before any work. Results are typed (:class:`PruneResult`, :class:`QuantizeResult`, :class:`RunResult`,
+:class:`~moecompress.runner.recipes.Calibration` and :class:`~moecompress.runner.recipes.Evaluation`; every name and
+value is checked before any work. Results are typed (:class:`PruneResult`, :class:`QuantizeResult`, :class:`RunResult`,
 :class:`~moecompress.evals.perplexity.EvalResult`). Progress output is off unless ``progress=True``.
 
 Heavy modules (torch, transformers) are imported inside the calls, so ``import moecompress`` stays light.
@@ -174,8 +174,8 @@ def run(
     device: str | None = None,
 ) -> RunResult:
     """Run a recipe (a YAML file's path, the same document as a dict, or a parsed
-    :class:`~moecompress.runner.recipes.Recipe`) into ``out``; ``model`` replaces the recipe's model (as ``run --model``),
-    ``device`` the recipe's ``device:`` (as ``run --device``).
+    :class:`~moecompress.runner.recipes.Recipe`) into ``out``; ``model`` replaces the recipe's model (as
+    ``run --model``), ``device`` the recipe's ``device:`` (as ``run --device``).
     """
     from .errors import UserInputError
     from .runner.recipes import Recipe, describe, load_recipe, parse_recipe

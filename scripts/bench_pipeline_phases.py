@@ -29,6 +29,7 @@ import hashlib, json, shutil, sys, time
 from pathlib import Path
 code, checkpoint, out, tokens = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, code)
+sys.path.insert(0, str(Path(code, "tests")))
 import torch, yaml
 torch.set_num_threads(1)
 import moecompress

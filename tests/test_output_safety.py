@@ -151,7 +151,7 @@ def test_no_command_writes_inside_its_input(model_copy, tmp_path, monkeypatch):
 def _hold_in_another_process(out: Path) -> subprocess.Popen:
     """A process holding ``out``'s lock until its stdin closes (or it is killed)."""
     code = (
-        "import sys; from moecompress import run_lock; "
+        "import sys; from moecompress.runner import lock as run_lock; "
         f"run_lock.acquire({str(out)!r}); print('held', flush=True); sys.stdin.read()"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -1,9 +1,9 @@
-"""Kolibri 1.1 (``kolibri1_1``, Aleph Alpha): Kolibri's MoE block and release names, dense MLPs in
-``mlp_only_layers``, and attention that hands state to later layers (carried by the layer sweep,
-:mod:`moecompress.sweep.layer_carry`): each decoder layer returns ``(hidden, index_pool)``, the candidate keys of the latest
-indexer, which the next layer takes as ``index_pool`` (an indexer selects a new pool and ignores the one it is given);
-a ``kv_source_layers`` source writes its keys and values into the forward's ``shared_kv_states`` under ``str(layer)``
-and the layers that name it read them from there.
+"""Kolibri 1.1 (``kolibri1_1``, Aleph Alpha): Kolibri's MoE block and release names, dense MLPs in ``mlp_only_layers``,
+and attention that hands state to later layers (carried by the layer sweep, :mod:`moecompress.sweep.layer_carry`): each
+decoder layer returns ``(hidden, index_pool)``, the candidate keys of the latest indexer, which the next layer takes as
+``index_pool`` (an indexer selects a new pool and ignores the one it is given); a ``kv_source_layers`` source writes its
+keys and values into the forward's ``shared_kv_states`` under ``str(layer)`` and the layers that name it read them from
+there.
 """
 
 from __future__ import annotations

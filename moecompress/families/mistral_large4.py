@@ -8,10 +8,10 @@ Its release keeps Mistral's native names, which transformers renames at load (``
 ``attention.indexer.*``, ``ssmax_scaling.{s,b}``, ``attention_norm``/``ffn_norm``, dense ``feed_forward.w1/w2/w3``, and
 in MoE layers ``gate.weight``, per-expert ``experts.{e}.w1/w3/w2`` (gate, up, down) and ``shared_experts.w1/w2/w3``.
 
-Decoder layers hand state to later layers (carried by the layer sweep, :mod:`moecompress.sweep.layer_carry`): each returns
-``(hidden, top-k)`` and the next layer takes that top-k as ``prev_topk_indices`` (an ``indexer_types`` ``shared``
-layer attends over it instead of running an indexer); a ``kv_source_layers`` source writes its latent KV into the
-forward's ``shared_kv_states`` and the layers that name it read it from there.
+Decoder layers hand state to later layers (carried by the layer sweep, :mod:`moecompress.sweep.layer_carry`): each
+returns ``(hidden, top-k)`` and the next layer takes that top-k as ``prev_topk_indices`` (an ``indexer_types``
+``shared`` layer attends over it instead of running an indexer); a ``kv_source_layers`` source writes its latent KV into
+the forward's ``shared_kv_states`` and the layers that name it read it from there.
 """
 
 from __future__ import annotations

@@ -486,11 +486,11 @@ def run_layer_passes(
     """Run one stage of layer passes on ``model_dir`` into ``out_dir``; returns the last pass's report, with the
     earlier passes' reports under ``previous_passes`` (also saved as moecompress_report.json).
 
-    ``calibration`` is the recipe's :class:`~moecompress.runner.recipes.Calibration`; its windows are drawn with the first
-    pass's seed (the recipe's unless the pass sets its own), and every sweep shares them. With ``resume`` a killed
+    ``calibration`` is the recipe's :class:`~moecompress.runner.recipes.Calibration`; its windows are drawn with the
+    first pass's seed (the recipe's unless the pass sets its own), and every sweep shares them. With ``resume`` a killed
     run continues: the sensitivity, the measured layers and the written layers are kept, and the output is
-    byte-identical to an uninterrupted run's. With ``evaluation`` (a :class:`~moecompress.runner.recipes.Evaluation`) the
-    output is evaluated against the input and the result joins the report as ``eval``.
+    byte-identical to an uninterrupted run's. With ``evaluation`` (a :class:`~moecompress.runner.recipes.Evaluation`)
+    the output is evaluated against the input and the result joins the report as ``eval``.
 
     Under ``torchrun`` (``WORLD_SIZE`` above 1) the ranks share the measuring sweep's batches; rank 0 alone creates
     ``out_dir``, decides, writes and evaluates, the others wait for it and return the same report. The output is
