@@ -12,6 +12,9 @@ DEFAULT_EVAL_DATA = DEFAULT_DATA
 DEFAULT_EVAL_TOKENS = 16384
 """The one evaluation default of every command and recipe: the first 16,384 tokens of the held-out part."""
 
+SCOPES: tuple[str, ...] = ("layer", "global")
+"""Where pruning ranks what it removes: within each layer, or across all layers (experts and heads alike)."""
+
 DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
 """Where a run computes, as every command, recipe and library call takes it (``auto``: CUDA when torch sees one)."""
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from moecompress.calibration.model_inputs import calibration_batches
 from moecompress.checkpoint.resolve import resolve_model
 from moecompress.loading import load_adapter
 from moecompress.passes.expert_scores import layer_expert_stats
-from moecompress.passes.prune_experts import calibration_batches
 from moecompress.passes.router_refit import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_EVAL_EVERY,

@@ -53,9 +53,9 @@ def run(command: list[str]) -> str:
 
 def calibration_text(path: Path, tokens: int, model_name: str = MODEL) -> int:
     """The windows ``quantize model_name --calib-tokens tokens --seq-len CTX`` draws (seed 0), decoded and joined."""
+    from moecompress.calibration.model_inputs import calibration_batches
     from moecompress.checkpoint import resolve_model
     from moecompress.loading import load_adapter, load_tokenizer
-    from moecompress.passes.prune_experts import calibration_batches
 
     model = resolve_model(model_name)
     batches, _, _ = calibration_batches(load_adapter(model), model, "builtin:prose", tokens, CTX, 8, 0, 224)

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from moecompress.calibration.batches import consecutive_windows, tokenize_documents
+from moecompress.calibration.model_inputs import calibration_batches
 from moecompress.calibration.sources import load_documents
 from moecompress.checkpoint import resolve_model
 from moecompress.loading import load_adapter, load_model, load_tokenizer, quiet_transformers
 from moecompress.passes.expert_scores import layer_expert_stats
-from moecompress.passes.prune_experts import calibration_batches
 from moecompress.sweep.engine import CalibrationSweep
 
 

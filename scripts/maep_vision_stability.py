@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from moecompress.calibration.model_inputs import calibration_batches
 from moecompress.loading import load_adapter, quiet_transformers
-from moecompress.passes.prune_experts import PruneExpertsConfig, calibration_batches, score_layer
+from moecompress.passes.prune_experts import PruneExpertsConfig, score_layer
 from moecompress.sweep.engine import CalibrationSweep
 
 

@@ -20,12 +20,12 @@ from helpers import load_stock, run_cli
 from synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
 
 import moecompress
+from moecompress.calibration.model_inputs import calibration_batches
 from moecompress.errors import UserInputError
 from moecompress.export.imatrix import covered_tensors
 from moecompress.export.llama_cpp import find_converter
 from moecompress.families.qwen_moe import Qwen3MoeAdapter
 from moecompress.loading import load_adapter
-from moecompress.passes.prune_experts import calibration_batches
 from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 
 BUILTIN = Path(moecompress.__file__).parent / "assets" / "tiny-moe"

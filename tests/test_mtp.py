@@ -126,8 +126,9 @@ def test_qwen_mtp_layer_is_pruned_from_its_calibration(qwen_sources, tmp_path, f
     """prune --mtp keep: the MTP layer keeps as many experts as the main layers (what config.json says), its
     router rows and experts are the kept ones, and its choice is the top experts by routing frequency on the MoE
     inputs computed directly from the stock formulas on the same calibration windows."""
+    from moecompress.calibration.model_inputs import calibration_batches
     from moecompress.loading import load_adapter
-    from moecompress.passes.prune_experts import PruneExpertsConfig, calibration_batches, prune_experts
+    from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 
     source = qwen_sources[family]
     config = PruneExpertsConfig(ratio=0.5, method="frequency")

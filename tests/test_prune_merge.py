@@ -14,12 +14,13 @@ import torch
 from helpers import CLI_COMMITTING_EVERY_LAYER, load_stock, run_cli, tree_hashes
 
 import moecompress
+from moecompress.calibration.model_inputs import calibration_batches
 from moecompress.checkpoint import CheckpointReader
 from moecompress.errors import UserInputError
 from moecompress.export.llama_cpp import ENV_VAR, find_converter
 from moecompress.families import adapter_for
 from moecompress.passes.expert_merge import merge_experts
-from moecompress.passes.prune_experts import PruneExpertsConfig, calibration_batches, prune_experts
+from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 from moecompress.sweep.engine import CalibrationSweep
 
 TINY = Path(moecompress.__file__).parent / "assets" / "tiny-moe"

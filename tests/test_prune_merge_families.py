@@ -12,8 +12,9 @@ from helpers import load_stock
 from synthetic import save_tiny_model, tiny_tokenizer
 from synthetic_quantized import add_mtp_layer
 
+from moecompress.calibration.model_inputs import calibration_batches
 from moecompress.families import adapter_for
-from moecompress.passes.prune_experts import PruneExpertsConfig, calibration_batches, prune_experts
+from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
 from moecompress.runner.pipeline import CALIBRATION_BATCH
 
 CALIB = dict(calib="builtin:prose", calib_tokens=512, seq_len=64, eval_tokens=None, progress=False)

@@ -372,9 +372,9 @@ def test_calibration_batches_are_span_corrupted_and_the_sweep_tags_each_stack_wi
     """The seq2seq calibration: T5's span corruption of the windows (sentinels ``<extra_id_i>`` from the tokenizer,
     the decoder starting at ``decoder_start_token_id``), the sweep taking the decoder's tags out of the batches,
     and the head's logits those of the stock forward on the same source and decoder input."""
-    import moecompress.passes.prune_experts as prune_experts
     import moecompress.sweep.engine as sweep_module
     from moecompress.calibration.batches import sampled_windows, tokenize_documents
+    from moecompress.calibration.model_inputs import calibration_batches
     from moecompress.calibration.sources import load_documents
     from moecompress.calibration.span_corruption import DECODER_TAGS, corrupt_spans, model_inputs, sentinel_ids
 
@@ -382,7 +382,7 @@ def test_calibration_batches_are_span_corrupted_and_the_sweep_tags_each_stack_wi
     sentinels = sentinel_ids(tokenizer)
     assert len(sentinels) == 100 and tokenizer.convert_ids_to_tokens(sentinels[7]) == "<extra_id_7>"
 
-    batches, tags, names = prune_experts.calibration_batches(adapter, source, "builtin:prose", 96, 32, 2, 11, 0)
+    batches, tags, names = calibration_batches(adapter, source, "builtin:prose", 96, 32, 2, 11, 0)
     stream = tokenize_documents(load_documents("builtin:prose", default_part="calib"), tokenizer)
     windows = sampled_windows(stream, 32, 96, 11)
     want = corrupt_spans(windows.input_ids, windows.tags, sentinels, tokenizer.eos_token_id, 0, 11)

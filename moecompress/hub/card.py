@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-REPORT_NAME = "moecompress_report.json"
+from ..output_report import REPORT_NAME
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
 _MAX_CHAIN = 16

@@ -33,16 +33,17 @@ from typing import Any
 import torch
 
 from ..calibration import distributed
-from ..calibration.batches import sampled_windows, tokenize_documents
-from ..calibration.sources import load_documents
-from ..calibration.span_corruption import seq2seq_batches
-from ..calibration.vision import image_processor_for, load_image_captions, vision_batches
 from ..checkpoint.mtp import MTP_MODES
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_IMAGE_SIZE, DEFAULT_SEQ_LEN
+from ..defaults import (
+    DEFAULT_CALIB_TOKENS,
+    DEFAULT_DATA,
+    DEFAULT_EVAL_TOKENS,
+    DEFAULT_IMAGE_SIZE,
+    DEFAULT_SEQ_LEN,
+    SCOPES,
+)
 from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter
-from ..files import write_json
-from ..loading import load_tokenizer
 from ..sweep.engine import LayerCapture
 from ..sweep.state import LayerResult
 from ..vocabulary import named
@@ -52,7 +53,6 @@ from .maep_weights import TOKEN_WEIGHTS
 from .options import When, check_declared, option, recipe_only
 
 METHODS: tuple[str, ...] = ("maep", "reap", "frequency", "random", "merge")
-SCOPES: tuple[str, ...] = ("layer", "global")
 AGGREGATES: tuple[str, ...] = ("mean_sq", "mean")
 DEFAULT_RATIO = 0.25
 """The share of experts removed when neither ``ratio`` nor ``keep`` is given."""
@@ -571,37 +571,6 @@ def _lowest(score: torch.Tensor, count: int, groups: GroupLimit | None, top_k: i
     return sorted(chosen)
 
 
-def calibration_batches(
-    adapter: FamilyAdapter,
-    model_dir: Path,
-    calib: str,
-    calib_tokens: int,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    image_size: int,
-) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, list[str]]:
-    """Model-input batches, the flat tag index of every token, and the tag names, for text or image sources. An
-    encoder-decoder's are T5's span corruption of the windows, its decoder's tags in the batches
-    (:mod:`~moecompress.calibration.span_corruption`); the flat tags are its sources'."""
-    tokenizer = load_tokenizer(model_dir)
-    items = load_image_captions(calib, seed=seed, size=image_size)
-    if items is not None:
-        if not adapter.accepts_images:
-            raise UserInputError(
-                f"{calib}: image calibration needs a vision-language model; {adapter.family} is text-only"
-            )
-        processor = image_processor_for(model_dir, adapter.config.get("vision_config", {}))
-        return vision_batches(items, tokenizer, processor, **adapter.vision_token_ids())
-    stream = tokenize_documents(load_documents(calib, default_part="calib"), tokenizer)
-    windows = sampled_windows(stream, seq_len, calib_tokens, seed)
-    if adapter.encoder_output_norm is not None:
-        batches, tags = seq2seq_batches(windows.input_ids, windows.tags, tokenizer, adapter.config, batch_size, seed)
-        return batches, tags, windows.tag_names
-    batches = [{"input_ids": ids} for ids, _ in windows.batches(batch_size)]
-    return batches, windows.tags.reshape(-1), windows.tag_names
-
-
 def prune_experts(
     model_dir: Path,
     out_dir: Path,
@@ -641,11 +610,6 @@ def prune_experts(
         progress=progress,
         resume=resume,
     )
-
-
-def update_report(out_dir: Path, report: dict[str, Any]) -> None:
-    """Replace the output's moecompress_report.json in one step."""
-    write_json(out_dir / "moecompress_report.json", report)
 
 
 @dataclass

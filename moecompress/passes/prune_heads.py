@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 from ..calibration.batches import consecutive_windows, tokenize_documents
+from ..calibration.model_inputs import calibration_batches
 from ..calibration.sources import load_documents
 from ..checkpoint import CheckpointReader
 from ..checkpoint.stream import check_output_is_not_input
 from ..checkpoint.writer import output_exists
-from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN
+from ..defaults import DEFAULT_CALIB_TOKENS, DEFAULT_DATA, DEFAULT_EVAL_TOKENS, DEFAULT_SEQ_LEN, SCOPES
 from ..device import HOST, compute_device, device_map_for, to_host
 from ..errors import OptionError, UserInputError
 from ..evals.perplexity import evaluate_windows, evaluation_report
@@ -32,10 +33,10 @@ from ..heads.layout import UNITS
 from ..heads.selection import choose_keep, global_removal_counts, magnitude_scores, random_scores, removal_counts
 from ..heads.train import GateRun, GateSchedule, Teacher, distill, model_device, train_gates
 from ..loading import load_adapter, load_model, load_tokenizer
+from ..output_report import update_report
 from ..vocabulary import named
 from .base import InputFacts, LayerPass
 from .options import When, check_declared, option, recipe_only
-from .prune_experts import SCOPES, calibration_batches, update_report
 
 METHODS: tuple[str, ...] = ("learned", "magnitude", "random")
 GATE_OBJECTIVES: tuple[str, ...] = ("lm", "kl")

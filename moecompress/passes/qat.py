@@ -40,6 +40,7 @@ from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..evals.perplexity import evaluate_windows
 from ..loading import load_adapter, load_model, load_tokenizer
+from ..output_report import update_report
 from ..quantization.formats import format_of
 from ..quantization.formats.native import ADAPTER_DTYPE
 from ..training.loop import TrainingConfig, prepare_student, round_adapters_to, train_adapters
@@ -47,7 +48,6 @@ from ..training.replay import REPLAY_WEIGHTS, ReplaySchedule
 from ..vocabulary import named
 from .base import InputFacts, LayerPass
 from .options import When, check_declared, option
-from .prune_experts import update_report
 from .quantize import QuantizeConfig, quantize_checkpoint
 
 DEFAULT_LOWRANK_BUDGET = 0.375

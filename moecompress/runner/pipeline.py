@@ -40,11 +40,13 @@ from typing import Any
 import torch
 
 from ..calibration import distributed
+from ..calibration.model_inputs import calibration_batches
 from ..checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
 from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
 from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter, MoEWeights
 from ..memory import release_freed_memory
+from ..output_report import REPORT_NAME, update_report
 from ..passes.base import CalibrationData, LayerPass, PassContext
 from ..passes.registry import PASSES
 from ..progress import bar as progress_bar
@@ -497,7 +499,6 @@ def run_layer_passes(
     byte-identical to a single-process run's; a stage whose rewriting sweep calibrates, and ``resume``, need a
     single process."""
     from ..loading import load_adapter
-    from ..passes.prune_experts import calibration_batches, update_report
 
     for _, config in passes:
         config.validate()
@@ -548,7 +549,7 @@ def run_layer_passes(
                 p.decide(context)
             _rewriting_sweep(layer_passes, context, adapter, writer)
             writer.copy_side_files(model_dir)
-            writer.write_json("moecompress_report.json", _stage_report(layer_passes))
+            writer.write_json(REPORT_NAME, _stage_report(layer_passes))
             config = dict(adapter.config)
             for p in layer_passes:
                 config = p.finish_config(config)

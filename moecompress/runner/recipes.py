@@ -628,7 +628,7 @@ def _run_passes(
     chained: bool = False,
 ) -> dict[str, Any]:
     from ..evals.perplexity import evaluate
-    from ..passes.prune_experts import update_report
+    from ..output_report import update_report
     from .pipeline import plan_stages, run_layer_passes, run_whole_model_pass
     from .summary import attribute_to_input, load_report, measure_outcome
 

@@ -16,9 +16,8 @@ from ..errors import OptionError, UserInputError
 from ..evals.footprint import checkpoint_footprint
 from ..families import adapter_for
 from ..files import write_bytes
+from ..output_report import REPORT_NAME
 from ..vocabulary import named
-
-REPORT_NAME = "moecompress_report.json"
 
 
 def _structure(directory: Path) -> dict[str, Any]:
