@@ -506,7 +506,7 @@ def choose_removals(
             if scores.removal_order is not None and groups is None:
                 removals[scores.layer] = sorted(scores.removal_order[:count])
             else:
-                removals[scores.layer] = _lowest(scores.score, count, groups, top_k)
+                removals[scores.layer] = lowest_positions(scores.score, count, groups, top_k)
         return removals
     if groups is not None:
         raise OptionError(
@@ -550,7 +550,7 @@ def choose_removals(
     return {layer: sorted(pos) for layer, pos in removals.items()}
 
 
-def _lowest(score: torch.Tensor, count: int, groups: GroupLimit | None, top_k: int) -> list[int]:
+def lowest_positions(score: torch.Tensor, count: int, groups: GroupLimit | None, top_k: int) -> list[int]:
     """The ``count`` lowest-scored positions; with expert groups, the same number from every group, so the
     pruned model's groups are again equal and consecutive."""
     if groups is None:

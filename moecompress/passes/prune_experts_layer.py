@@ -11,7 +11,7 @@ import torch
 
 from ..checkpoint import CheckpointReader
 from ..checkpoint.decode import describe_input, native_refusal, quant_method
-from ..checkpoint.mtp import mtp_layers, plan_stored_prune
+from ..checkpoint.mtp import mtp_layers
 from ..checkpoint.stream import layer_unit
 from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter, MoEWeights
@@ -20,6 +20,7 @@ from ..sweep.state import LayerResult
 from ..vocabulary import named
 from .base import LayerPass, Needs, PassContext
 from .maep_weights import pipeline_token_weights
+from .mtp_plans import plan_stored_prune
 from .prune_experts import (
     LayerScores,
     PruneExpertsConfig,

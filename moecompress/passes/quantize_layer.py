@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.decode import describe_input
-from ..checkpoint.mtp import quantize_mtp_plan, without_mtp
+from ..checkpoint.mtp import without_mtp
 from ..evals.footprint import checkpoint_footprint
 from ..export.imatrix import ImatrixCollector, check_imatrix_target
 from ..quantization.formats import format_of
@@ -18,6 +18,7 @@ from ..quantization.sensitivity import stored_layer_sensitivity
 from ..runner.preflight import data_paths
 from ..sweep.state import LayerResult
 from .base import LayerPass, Needs, PassContext
+from .mtp_plans import quantize_mtp_plan
 from .quantize import (
     QuantizeConfig,
     QuantizedLayers,
