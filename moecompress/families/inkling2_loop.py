@@ -6,7 +6,8 @@ its layers reads *messages* ``[B, S, 4, H]``: attention (``message_input``, quer
 previous pass's block-boundary inputs inside the segment (past the segment's first) and its output, which gates
 (``{q,k,v,mlp}_message_gate``) mix into the layer's query, key, value and MoE inputs. So a looped layer's experts see
 ``loop_num_passes`` inputs per token; the calibration sweep runs the segment pass by pass
-(:meth:`~moecompress.sweep.engine.CalibrationSweep.run`) and a looped layer's capture holds the inputs of all its passes.
+(:meth:`~moecompress.sweep.engine.CalibrationSweep.run`) and a looped layer's capture holds the inputs of all its
+passes.
 
 Layout: Inkling 2's native names (:mod:`.inkling2`), and the loop's: the gates as ``controllers.{attn,k,v,mlp}.
 {down,gain,forget}_weight`` in each looped layer, the message queries outside the layers as

@@ -175,8 +175,8 @@ class PassEntry:
     """One registered pass: its config dataclass and either a layer pass class or a whole-model function
     ``run(source, target, config, *, calibration, evaluation, overwrite, progress) -> report`` (``calibration``
     and ``evaluation``: the recipe's :class:`~moecompress.runner.recipes.Calibration` and
-    :class:`~moecompress.runner.recipes.Evaluation` or None), which :func:`~moecompress.runner.pipeline.run_whole_model_pass`
-    calls."""
+    :class:`~moecompress.runner.recipes.Evaluation` or None), which
+    :func:`~moecompress.runner.pipeline.run_whole_model_pass` calls."""
 
     name: str
     config: type

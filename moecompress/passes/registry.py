@@ -23,7 +23,8 @@ from .quantize_layer import QuantizePass
 
 
 def _evaluated(evaluation: Any) -> dict[str, Any]:
-    """A whole-model function's evaluation arguments: none, or the recipe's :class:`~moecompress.runner.recipes.Evaluation`."""
+    """A whole-model function's evaluation arguments: none, or the recipe's
+    :class:`~moecompress.runner.recipes.Evaluation`."""
     if evaluation is None:
         return {"eval_data": None}
     return {"eval_data": evaluation.data, "eval_tokens": evaluation.tokens}

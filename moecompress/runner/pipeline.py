@@ -439,8 +439,8 @@ def run_whole_model_pass(
 ) -> dict[str, Any]:
     """Run the whole-model pass ``step`` (``(name, config)``) on ``model_dir`` into ``out_dir`` by way of its
     registry entry; returns its report (also saved as moecompress_report.json). ``calibration`` is the recipe's
-    :class:`~moecompress.runner.recipes.Calibration`; with ``evaluation`` the pass evaluates its output against the input
-    itself (QAT and head pruning also measure before their training)."""
+    :class:`~moecompress.runner.recipes.Calibration`; with ``evaluation`` the pass evaluates its output against the
+    input itself (QAT and head pruning also measure before their training)."""
     name, config = step
     return PASSES[name].run_whole_model(
         Path(model_dir),
