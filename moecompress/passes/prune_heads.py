@@ -408,8 +408,8 @@ def prune_heads(
 
 class _PrunedModelWriter(LayerPass):
     """Writes the pruned model (:func:`~moecompress.runner.pipeline.write_model`): the input with every layer's
-    attention and norm tensors taken from the pruned (and distilled) model, cast back to their on-disk dtype, and config.json
-    with the new head counts."""
+    attention and norm tensors taken from the pruned (and distilled) model, cast back to their on-disk dtype, and
+    config.json with the new head counts."""
 
     name = "prune_heads"
 
