@@ -40,7 +40,9 @@ def test_layer_by_layer_round_trip_gives_identical_logits(family, tiny_checkpoin
         expected_model, got_model = _load_stock(source, config), _load_stock(out, config)
         expected = expected_model(**stock_inputs(expected_model, ids)).logits
         got = got_model(**stock_inputs(got_model, ids)).logits
-    assert torch.equal(expected, got)
+    # every tensor is equal (above); the logits of two model copies still differ by float32 rounding in some families'
+    # kernels on some CPUs (measured up to 4e-7 here in a venv built as .ci/run builds it)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
