@@ -46,7 +46,10 @@ def experts_module(adapter: FamilyAdapter, layer: int) -> str:
 
 def experts_modules(adapter: FamilyAdapter, layer: int) -> list[str]:
     """Every routed-experts module of layer ``layer`` as written (one, but one per expert set in ERNIE 4.5 VL)."""
-    return [f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(name)}" for name in adapter.experts_modules()]
+    return [
+        f"{adapter.layer_prefix(layer)}{adapter.stored_local_name(adapter.runtime_in_layer(layer, name))}"
+        for name in adapter.experts_modules()
+    ]
 
 
 def runtime_key(adapter: FamilyAdapter, key: str) -> str:
