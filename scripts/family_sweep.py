@@ -327,7 +327,11 @@ def _logits(model: Any, adapter: Any, source: Path) -> Any:
 
 
 def _mask_experts(
-    model: Any, adapter: Any, source: Path, removed: dict[int, list[int]], attention: dict[int, list[int]]
+    model: Any,
+    adapter: Any,
+    source: Path,
+    removed: dict[int, list[int]],
+    attention: dict[int, list[int]] | None = None,
 ) -> None:
     """Route ``model`` (the stock model of ``source``) around the ``removed`` experts of each layer with the family's
     rule, as the calibration sweep does for a pruned layer, and its attention around the ``attention`` experts
@@ -348,7 +352,7 @@ def _mask_experts(
                 return adapter.route(moe, logits, allowed, token_ids)
 
             adapter.reroute_hooks(adapter.decoder_layers(model)[layer], choose)
-        for layer, ids in attention.items():
+        for layer, ids in (attention or {}).items():
             allowed = torch.ones(len(adapter.original_attention_expert_ids(layer)), dtype=torch.bool)
             allowed[ids] = False
             adapter.attention_reroute_hooks(adapter.decoder_layers(model)[layer], allowed)

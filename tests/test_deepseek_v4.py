@@ -55,7 +55,7 @@ def test_routing_and_activation_equal_the_stock_router_and_experts(tiny_checkpoi
     assert torch.equal(view_ids, ids) and torch.equal(view_weights, weights)
     stock = adapter.stock_experts(model, 1, hidden, ids, weights)
     view = adapter.combine_experts(hidden, ids, weights, lambda expert, x: adapter.expert_output(moe, expert, x))
-    torch.testing.assert_close(view, stock, rtol=0, atol=1e-6)
+    torch.testing.assert_close(view, stock, rtol=1e-5, atol=1e-5)
     clamped = adapter.activation(torch.full((1,), 20.0), torch.full((1,), -20.0))
     assert torch.equal(clamped, torch.nn.functional.silu(torch.full((1,), 10.0)) * -10.0)
 

