@@ -25,6 +25,18 @@ def run_cli(*args, env=None):
     )
 
 
+def layer_view(source, layer):
+    """The adapter of checkpoint ``source`` and layer ``layer``'s MoE view, read from disk."""
+    from moecompress.checkpoint import CheckpointReader
+    from moecompress.families import adapter_for
+
+    with CheckpointReader(source) as reader:
+        adapter = adapter_for(reader.config)
+        prefix = adapter.layer_prefix(layer)
+        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
+    return adapter, moe
+
+
 def tree_hashes(directory):
     """SHA-256 of every file directly inside ``directory``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}

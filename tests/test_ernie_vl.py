@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from helpers import load_stock, run_cli
+from helpers import layer_view, load_stock, run_cli
 from synthetic import save_tiny_model, tiny_tokenizer
 
-from moecompress.checkpoint import CheckpointReader
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
 from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
@@ -29,16 +28,8 @@ def source(tmp_path_factory):
     return directory
 
 
-def _view(source, layer):
-    with CheckpointReader(source) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe
-
-
 def test_view_computes_the_vision_set_as_stock(source):
-    adapter, moe = _view(source, 1)
+    adapter, moe = layer_view(source, 1)
     half = moe.num_experts // 2
     assert moe.num_experts == 8 and adapter.set_widths() == (64, 32)
     model = load_stock(source)
@@ -61,7 +52,7 @@ def _masked_logits(model, adapter, source, removed, ids, token_types):
     masked out of routing: the text set's as the calibration sweep masks them, the vision set's by its rule."""
     handles = []
     for layer, gone in removed.items():
-        _, moe = _view(source, layer)
+        _, moe = layer_view(source, layer)
         half = moe.num_experts // 2
         allowed = torch.ones(moe.num_experts, dtype=torch.bool)
         allowed[gone] = False
@@ -106,7 +97,7 @@ def test_every_method_keeps_equal_counts_and_the_vision_set_loads_in_stock(metho
 def test_vision_set_without_calibration_tokens_is_ranked_by_its_correction_bias(source, tmp_path):
     report = prune_experts(source, tmp_path / "out", PruneExpertsConfig(method="frequency", ratio=0.5), **CALIB)
     for layer, entry in report["layers"].items():
-        _, moe = _view(source, int(layer))
+        _, moe = layer_view(source, int(layer))
         bias = moe.correction_bias[4:]
         assert entry["frequency"][4:] == [0.0] * 4
         lowest = sorted(range(4), key=lambda e: (float(bias[e]), e))[:2]
@@ -136,7 +127,7 @@ def test_schemes_the_sets_cannot_be_cut_in_are_refused_before_work(options, mess
 def test_quantised_sets_are_the_sets_quantised_alone(source):
     from moecompress.quantization.experts import quantize_experts_rtn
 
-    adapter, moe = _view(source, 1)
+    adapter, moe = layer_view(source, 1)
     scheme = QuantScheme.from_dict({"name": "mxfp4"})
     text, vision = adapter.quantized_expert_sets(quantize_experts_rtn(moe, scheme))
     for which, part in enumerate((text, vision)):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import load_stock, plain_perplexity
+from helpers import layer_view, load_stock, plain_perplexity
 from synthetic import tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
@@ -21,19 +21,11 @@ from moecompress.sweep.engine import CalibrationSweep
 KEEP = [0, 2, 3, 5, 6, 7]
 
 
-def _view(source, layer):
-    with CheckpointReader(source) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe
-
-
 def test_routed_inputs_are_the_scaled_tokens_the_stock_experts_receive(tiny_checkpoints):
     source = tiny_checkpoints["llama4"]
     model = load_stock(source)
     layer = adapter_for(CheckpointReader(source).config).moe_layers()[-1]
-    adapter, moe = _view(source, layer)
+    adapter, moe = layer_view(source, layer)
     hidden = torch.randn(50, moe.router_weight.shape[1], generator=torch.Generator().manual_seed(0))
     received = []
     handle = adapter.experts_of(model, layer).register_forward_hook(lambda m, args, out: received.append(args[0]))
@@ -137,7 +129,7 @@ def test_experts_stored_per_expert_read_as_the_fused_release_and_round_trip(tiny
     save_file(tensors, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
 
     layer = adapter_for(CheckpointReader(source).config).moe_layers()[-1]
-    fused, split = _view(source, layer)[1], _view(per_expert, layer)[1]
+    fused, split = layer_view(source, layer)[1], layer_view(per_expert, layer)[1]
     assert torch.equal(fused.gate_up, split.gate_up) and torch.equal(fused.down, split.down)
     out = rewrite_checkpoint(per_expert, tmp_path / "out", progress=False)
     with CheckpointReader(per_expert) as before, CheckpointReader(out) as after:

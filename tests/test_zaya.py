@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_stock
+from helpers import layer_view, load_stock
 from safetensors.torch import load_file, save_file
 from synthetic import tiny_tokenizer
 
-from moecompress.checkpoint import CheckpointReader
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
 from moecompress.sweep.engine import CalibrationSweep
@@ -74,20 +73,12 @@ def test_sweep_carries_the_router_state(skipping, monkeypatch):
     assert max((a - b).abs().max().item() for a, b in zip(uncarried, stock, strict=True)) > 1e-2
 
 
-def _view(checkpoint, layer):
-    with CheckpointReader(checkpoint) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe
-
-
 def test_view_routes_to_the_skip_expert_as_the_stock_router(skipping):
     model = load_stock(skipping)
     hidden = torch.randn(200, 64, generator=torch.Generator().manual_seed(1))
     skipped = 0
     for layer in (0, 1, 2):
-        adapter, moe = _view(skipping, layer)
+        adapter, moe = layer_view(skipping, layer)
         assert (moe.num_experts, moe.router_columns) == (EXPERTS, EXPERTS + 1)
         captured = []
         out_proj = adapter.decoder_layers(model)[layer].get_submodule(adapter.router_input_module)
