@@ -5,7 +5,7 @@ Every command runs in this process through Click's CliRunner with one CPU thread
 both runs hash the same; the killed-and-resumed default recipe must hash as its uninterrupted run. Re-record only
 for a change meant to change bytes, and say why in the commit message:
 
-    OMP_NUM_THREADS=1 python scripts/record_golden_outputs.py
+    OMP_NUM_THREADS=1 python scripts/record_golden_outputs.py [WHEN, AT WHICH CODE, WHERE]
 
 Each output file is hashed with SHA-256 of its bytes, except the files in ``NORMALISED_FILES``: those JSON files are
 parsed, their run-specific fields normalised, and hashed as ``json.dumps(indent=1)`` of the result, keys kept in the
@@ -15,9 +15,11 @@ transformers, and its CPU ``threads``) are dropped wherever they appear, and a s
 its place.
 No output holds a timestamp or a duration at the time of recording; a change that adds one changes the bytes.
 
-Bytes differ with the CPU's vector units and torch's or numba's version, so the file also records
-:func:`platform_fingerprint`; the test compares only where it matches and skips, saying which part differs,
-elsewhere.
+Bytes differ with the CPU's vector units and torch's or numba's version, so the file holds one record a platform,
+each under its :func:`platform_fingerprint`; the test compares against the record whose fingerprint is this
+platform's and skips, saying which parts differ from each, where none is. Recording replaces this platform's record
+and keeps the others; to add a platform, record there at the code the other records were made at (a worktree of
+that commit with this script), so that every record holds the same code's bytes.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ KILL_AT_SHARD = 3
 
 NORMALISED_FILES = {"moecompress_report.json"}
 RUN_SPECIFIC_KEYS = {"versions", "threads"}
+
+
+def recorded_platforms() -> list[dict]:
+    """The records of :data:`GOLDEN`, one a platform: ``fingerprint``, ``outputs`` (case -> file -> SHA-256) and
+    ``recorded`` (when, at which code, where)."""
+    return json.loads(GOLDEN.read_text())["platforms"] if GOLDEN.is_file() else []
 
 
 def platform_fingerprint() -> dict[str, str]:
@@ -244,6 +252,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     golden = {"fingerprint": platform_fingerprint(), "outputs": {}}
+    if len(sys.argv) > 1:
+        golden = {"recorded": " ".join(sys.argv[1:]), **golden}
     for name in CASES:
         start = time.perf_counter()
         first, second = run_case(name), run_case(name)
@@ -257,7 +267,8 @@ def main() -> int:
             return 1
         golden["outputs"][recorded_as] = first
         print(f"{name}: {len(first)} files, two runs equal ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
+    others = [p for p in recorded_platforms() if p["fingerprint"] != golden["fingerprint"]]
+    GOLDEN.write_text(json.dumps({"platforms": [*others, golden]}, indent=1) + "\n")
     print(f"wrote {GOLDEN}", file=sys.stderr)
     return 0
 
