@@ -199,6 +199,14 @@ class PruneExpertsConfig:
         if facts.quantized:
             native_refusal(facts.adapter.config, str(facts.model_dir))
         facts.adapter.check_expert_pruning(str(facts.model_dir), self)
+        linear = [layer for layer in facts.adapter.moe_layers() if not facts.adapter.softmax_attention(layer)]
+        if self.method == "maep" and self.prune_tags and linear:
+            raise OptionError(
+                f"{facts.model_dir}: {named('prune_tags')} needs the attention each token receives, and MoE "
+                f"layers {linear} of this {facts.adapter.family} model use linear attention; use "
+                f"{named('preserve_tags')} alone",
+                PruneExpertsConfig,
+            )
         if not facts.experts_removed:
             check_router_sizes(facts.model_dir, facts.adapter)
             check_prune_counts(facts.adapter, self)

@@ -13,11 +13,10 @@ from ..checkpoint import CheckpointReader
 from ..checkpoint.decode import describe_input, native_refusal, quant_method
 from ..checkpoint.mtp import mtp_layers
 from ..checkpoint.stream import layer_unit
-from ..errors import OptionError, UserInputError
+from ..errors import UserInputError
 from ..families import FamilyAdapter, MoEWeights
 from ..sweep.engine import LayerCapture
 from ..sweep.state import LayerResult
-from ..vocabulary import named
 from .base import LayerPass, Needs, PassContext
 from .maep_weights import pipeline_token_weights
 from .mtp_plans import plan_stored_prune
@@ -72,14 +71,6 @@ class PruneExpertsPass(LayerPass):
         config.validate()
         adapter = context.adapter
         native_refusal(adapter.config, str(context.model_dir))
-        linear = [layer for layer in adapter.moe_layers() if not adapter.softmax_attention(layer)]
-        if config.method == "maep" and config.prune_tags and linear:
-            raise OptionError(
-                f"{context.model_dir}: {named('prune_tags')} needs the attention each token receives, and MoE "
-                f"layers {linear} of this {adapter.family} model use linear attention; use {named('preserve_tags')} "
-                "alone",
-                PruneExpertsConfig,
-            )
         self._adapter = adapter
         self._token_weights = pipeline_token_weights(self.config, context)
         self._layer_decides_alone = self.config.scope == "layer" and self.config.method != "merge"
