@@ -37,6 +37,37 @@ def layer_view(source, layer):
     return adapter, moe
 
 
+def rewrite_checkpoint(source, out_dir, layer_fn=None, *, config=None, max_shard_bytes=None):
+    """Copy checkpoint ``source`` into ``out_dir`` through the pipeline's writing loop
+    (:func:`moecompress.runner.pipeline.write_model`) in the source's on-disk layout; returns the output directory.
+
+    ``layer_fn(layer, moe)`` returns each MoE layer's replacement view; ``config`` replaces the source's config.json;
+    ``max_shard_bytes`` bounds each shard (the writer's default when None)."""
+    from pathlib import Path
+
+    from moecompress.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
+    from moecompress.passes.base import LayerPass
+    from moecompress.runner.pipeline import write_model
+
+    class Rewrite(LayerPass):
+        name = "rewrite"
+
+        def rewrite(self, layer, block, capture):
+            return block if block is None or layer_fn is None else layer_fn(layer, block)
+
+        def finish_config(self, source_config):
+            return source_config if config is None else config
+
+    return write_model(
+        Path(source),
+        Path(out_dir),
+        Rewrite(None),
+        overwrite=False,
+        progress=False,
+        max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+    )
+
+
 def tree_hashes(directory):
     """SHA-256 of every file directly inside ``directory``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}

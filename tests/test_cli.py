@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run_cli
+from helpers import rewrite_checkpoint, run_cli
 from synthetic import FAMILIES, TINY_CONFIGS
 
 
@@ -72,9 +72,7 @@ def test_errors_are_one_line_with_exit_code_2(tiny_checkpoints, tmp_path):
     assert "qwen3_moe" in result.stderr
 
     sharded = tmp_path / "sharded"
-    from moecompress.checkpoint import rewrite_checkpoint
-
-    rewrite_checkpoint(tiny_checkpoints["mixtral"], sharded, max_shard_bytes=20_000, progress=False)
+    rewrite_checkpoint(tiny_checkpoints["mixtral"], sharded, max_shard_bytes=20_000)
     shards = sorted(sharded.glob("model-*-of-*.safetensors"))
     assert len(shards) > 2
     shards[1].unlink()

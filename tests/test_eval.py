@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import rewrite_checkpoint
 
 from moecompress.calibration.builtin_corpus import builtin_documents
-from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
+from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.evals.perplexity import evaluate
 from moecompress.families import adapter_for
@@ -66,7 +67,7 @@ def _permute_experts(source, out, permutation):
         adapter = adapter_for(reader.config)
     kept = {layer: permutation for layer in adapter.moe_layers()}
     config = adapter.with_expert_counts({layer: len(permutation) for layer in kept}, kept)
-    rewrite_checkpoint(source, out, lambda layer, moe: moe.select(permutation), config=config, progress=False)
+    rewrite_checkpoint(source, out, lambda layer, moe: moe.select(permutation), config=config)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).exists()
     return out

@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 import torch
-from helpers import load_stock, stock_inputs, tree_hashes
+from helpers import load_stock, rewrite_checkpoint, stock_inputs, tree_hashes
 from synthetic import FAMILIES, build_tiny_model, tiny_tokenizer
 
-from moecompress.checkpoint import CheckpointReader, rewrite_checkpoint
+from moecompress.checkpoint import CheckpointReader
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
 
@@ -25,7 +25,7 @@ def _load_stock(directory, config_dict):
 def test_layer_by_layer_round_trip_gives_identical_logits(family, tiny_checkpoints, tmp_path):
     source = tiny_checkpoints[family]
     before = tree_hashes(source)
-    out = rewrite_checkpoint(source, tmp_path / "out", max_shard_bytes=40_000, progress=False)
+    out = rewrite_checkpoint(source, tmp_path / "out", max_shard_bytes=40_000)
     assert tree_hashes(source) == before, "input directory changed"
 
     with CheckpointReader(source) as original, CheckpointReader(out) as rewritten:
@@ -81,7 +81,7 @@ def test_moe_view_reproduces_the_stock_router_and_experts(family, tiny_checkpoin
 def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
     model = build_tiny_model("qwen3_moe").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "in")
-    out = rewrite_checkpoint(tmp_path / "in", tmp_path / "out", progress=False)
+    out = rewrite_checkpoint(tmp_path / "in", tmp_path / "out")
     with CheckpointReader(out) as reader:
         assert {info.dtype for info in reader.tensors.values()} == {"BF16"}
 
@@ -141,7 +141,7 @@ def test_qwen3_vl_moe_hub_orientation_round_trips(tiny_checkpoints, tmp_path):
         tensors[key] = tensors[key].transpose(1, 2).contiguous()
     save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
 
-    out = rewrite_checkpoint(hub, tmp_path / "out", progress=False)
+    out = rewrite_checkpoint(hub, tmp_path / "out")
     with CheckpointReader(out) as reader:
         for key in transposed:
             assert torch.equal(reader.tensor(key), tensors[key]), key

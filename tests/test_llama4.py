@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import layer_view, load_stock, plain_perplexity
+from helpers import layer_view, load_stock, plain_perplexity, rewrite_checkpoint
 from synthetic import tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
@@ -112,8 +112,6 @@ def test_experts_stored_per_expert_read_as_the_fused_release_and_round_trip(tiny
     the layout written back as found."""
     from safetensors.torch import load_file, save_file
 
-    from moecompress.checkpoint import rewrite_checkpoint
-
     source = tiny_checkpoints["llama4"]
     per_expert = tmp_path / "per_expert"
     shutil.copytree(source, per_expert)
@@ -131,7 +129,7 @@ def test_experts_stored_per_expert_read_as_the_fused_release_and_round_trip(tiny
     layer = adapter_for(CheckpointReader(source).config).moe_layers()[-1]
     fused, split = layer_view(source, layer)[1], layer_view(per_expert, layer)[1]
     assert torch.equal(fused.gate_up, split.gate_up) and torch.equal(fused.down, split.down)
-    out = rewrite_checkpoint(per_expert, tmp_path / "out", progress=False)
+    out = rewrite_checkpoint(per_expert, tmp_path / "out")
     with CheckpointReader(per_expert) as before, CheckpointReader(out) as after:
         assert set(before.keys()) == set(after.keys())
         assert all(torch.equal(before.tensor(k), after.tensor(k)) for k in before.keys())

@@ -1,20 +1,17 @@
-"""Layer-by-layer rewriting of a checkpoint: read layer i, let a function rewrite its MoE view, write it, free it."""
+"""What every layer-by-layer write of a checkpoint shares: its keys grouped by decoder layer, the writer unit of
+each layer and of the tensors outside the layers, a resumed sweep lined up with its writer, and the refusal to
+write over the input. The one loop that writes layer by layer is the pipeline's rewriting sweep
+(:mod:`moecompress.runner.pipeline`)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import UserInputError
-from ..families import FamilyAdapter, MoEWeights, adapter_for
-from ..memory import release_freed_memory
-from ..progress import bar as progress_bar
+from ..families import FamilyAdapter
 from .reader import CheckpointReader
-from .writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
-
-LayerFn = Callable[[int, MoEWeights], MoEWeights]
+from .writer import CheckpointWriter
 
 
 def group_keys_by_layer(reader: CheckpointReader, adapter: FamilyAdapter) -> tuple[dict[int, list[str]], list[str]]:
@@ -53,43 +50,3 @@ def align_resumed_sweep(state: Any, writer: CheckpointWriter) -> None:
         state.clear()
         start = 0
     writer.keep_units({OUTSIDE_UNIT, *(layer_unit(layer) for layer in range(start))})
-
-
-def rewrite_checkpoint(
-    source: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    layer_fn: LayerFn | None = None,
-    *,
-    config: dict[str, Any] | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> Path:
-    """Stream ``source`` into ``out_dir`` one decoder layer at a time, in the source's on-disk layout: a copy (with
-    other shard sizes) or a rewrite of the MoE views for tests and scripts. The passes write through
-    :mod:`moecompress.runner.pipeline` (whole-model passes by :func:`~moecompress.runner.pipeline.write_model`).
-
-    ``layer_fn`` receives each MoE layer's view and returns its replacement; ``config`` replaces the source's
-    config.json. Peak memory is one layer's tensors. A failure removes the work directory.
-    """
-    source = Path(source)
-    check_output_is_not_input(source, Path(out_dir))
-    with CheckpointReader(source) as reader:
-        adapter = adapter_for(reader.config, source=str(source))
-        layers, outside = group_keys_by_layer(reader, adapter)
-        writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
-        try:
-            writer.add(reader.read(outside), unit=OUTSIDE_UNIT)
-            for layer, keys in progress_bar(layers.items(), desc="writing", unit="layer", disable=not progress):
-                moe, rest, layout = adapter.split_layer(layer, reader.pending(keys), consume=True)
-                if moe is not None and layer_fn is not None:
-                    moe = layer_fn(layer, moe)
-                written = adapter.join_layer(layer, moe, rest, layout)
-                writer.add(written, unit=layer_unit(layer))
-                del moe, rest, written
-                release_freed_memory()
-            writer.copy_side_files(source)
-            return writer.finish(config if config is not None else reader.config)
-        except (UserInputError, OSError):
-            writer.abort()
-            raise

@@ -43,6 +43,7 @@ from ..calibration import distributed
 from ..calibration.model_inputs import calibration_batches
 from ..checkpoint import CheckpointReader, CheckpointWriter, group_keys_by_layer
 from ..checkpoint.stream import OUTSIDE_UNIT, align_resumed_sweep, check_output_is_not_input, layer_unit
+from ..checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
 from ..errors import OptionError, UserInputError
 from ..families import FamilyAdapter, MoEWeights
 from ..memory import release_freed_memory
@@ -453,16 +454,25 @@ def run_whole_model_pass(
     )
 
 
-def write_model(model_dir: Path, out_dir: Path, rewriter: LayerPass, *, overwrite: bool, progress: bool) -> Path:
+def write_model(
+    model_dir: Path,
+    out_dir: Path,
+    rewriter: LayerPass,
+    *,
+    overwrite: bool,
+    progress: bool,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Write ``model_dir`` into ``out_dir`` through the uncalibrated rewriting sweep with ``rewriter`` its one pass:
     how a whole-model pass writes what it trained (the rewriter replaces the tensors it changed, as stored or in the
-    layer's view; its :meth:`~LayerPass.report` and :meth:`~LayerPass.finish_config` complete the output). A
-    whole-model pass cannot resume its writing, so a failed write leaves nothing behind."""
+    layer's view; its :meth:`~LayerPass.report` and :meth:`~LayerPass.finish_config` complete the output); the
+    tests copy checkpoints through it too (``max_shard_bytes``: several small shards). A whole-model pass cannot
+    resume its writing, so a failed write leaves nothing behind."""
     from ..loading import load_adapter
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     adapter = load_adapter(model_dir)
-    writer = CheckpointWriter(out_dir, overwrite=overwrite)
+    writer = CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     context = PassContext(model_dir, adapter, None, writer.state_dir, progress, out_dir=out_dir)
     try:
         _rewriting_sweep([rewriter], context, adapter, writer)
