@@ -92,26 +92,26 @@ def calib_option(help: str, default: str = DEFAULT_DATA, old: tuple[str, ...] = 
     )
 
 
+def _calibration_count_option(field: str, default: int, help: str) -> Callable:
+    """The calibration option ``field`` (``CALIBRATION_FLAGS``' spelling): a whole number, at least
+    ``CALIBRATION_LEAST[field]``."""
+    return click.option(
+        CALIBRATION_FLAGS[field],
+        type=click.IntRange(min=CALIBRATION_LEAST[field]),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
 def calib_tokens_option(
     help: str = "Calibration tokens (whole windows of --seq-len, sampled with --seed).",
 ) -> Callable:
-    return click.option(
-        CALIBRATION_FLAGS["tokens"],
-        type=click.IntRange(min=CALIBRATION_LEAST["tokens"]),
-        default=DEFAULT_CALIB_TOKENS,
-        show_default=True,
-        help=help,
-    )
+    return _calibration_count_option("tokens", DEFAULT_CALIB_TOKENS, help)
 
 
 def seq_len_option(help: str = "Tokens per window of calibration, training and evaluation.") -> Callable:
-    return click.option(
-        CALIBRATION_FLAGS["seq_len"],
-        type=click.IntRange(min=CALIBRATION_LEAST["seq_len"]),
-        default=DEFAULT_SEQ_LEN,
-        show_default=True,
-        help=help,
-    )
+    return _calibration_count_option("seq_len", DEFAULT_SEQ_LEN, help)
 
 
 def eval_options(data_help: str, no_eval_help: str | None = None) -> Callable:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,6 @@ import click
 from .common_options import (
     calib_option,
     calib_tokens_option,
-    chosen_device,
     device_option,
     eval_options,
     out_option,
@@ -19,7 +17,7 @@ from .common_options import (
     seq_len_option,
 )
 from .pass_options import PassCommand, config_from_options, config_options
-from .run_options import check_one_pass_before_work, run_options
+from .run_options import run_one_pass_checked, run_options
 from .trust_options import trust_options
 
 
@@ -61,17 +59,14 @@ def prune_heads_command(
     without either it is refused.
     """
     from ..checkpoint import resolve_model
-    from ..defaults import DEFAULT_IMAGE_SIZE
-    from ..device import using_device
     from ..loading import quiet_transformers
     from ..passes.prune_heads import PruneHeadsConfig
-    from ..runner.pipeline import run_one_pass
 
     quiet_transformers()
     config = config_from_options(PruneHeadsConfig, options)
     config.validate()
     model_dir = resolve_model(model)
-    check_one_pass_before_work(
+    report, seconds = run_one_pass_checked(
         model_dir,
         out_dir,
         "prune_heads",
@@ -84,23 +79,6 @@ def prune_heads_command(
         eval_data=None if no_eval else eval_data,
         eval_tokens=None if no_eval else eval_tokens,
     )
-    started = time.monotonic()
-    with using_device(chosen_device()):
-        report = run_one_pass(
-            "prune_heads",
-            config,
-            model_dir,
-            out_dir,
-            calib=calib,
-            calib_tokens=calib_tokens,
-            seq_len=seq_len,
-            image_size=DEFAULT_IMAGE_SIZE,
-            eval_data=None if no_eval else eval_data,
-            eval_tokens=eval_tokens,
-            overwrite=overwrite,
-            progress=True,
-            resume=resume,
-        )
     click.echo(
         f"removed {report['units_before'] - report['units_after']} of {report['units_before']} {config.unit}s "
         f"({config.method})"
@@ -110,7 +88,7 @@ def prune_heads_command(
     kv = report["kv_cache_bytes_per_token"]
     click.echo(f"KV cache {kv['before']} -> {kv['after']} bytes/token")
     click.echo(
-        f"wrote {out_dir} in {time.monotonic() - started:.1f}s"
+        f"wrote {out_dir} in {seconds:.1f}s"
         + ("" if report["stock_loadable"] else "  (load after `import moecompress`)")
     )
     if "eval" in report:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import click
 from .common_options import (
     calib_option,
     calib_tokens_option,
-    chosen_device,
     device_option,
     eval_options,
     out_option,
@@ -21,7 +19,7 @@ from .common_options import (
 )
 from .numbers import human_bytes
 from .pass_options import PassCommand, config_from_options, config_options
-from .run_options import check_one_pass_before_work, run_options
+from .run_options import run_one_pass_checked, run_options
 from .trust_options import trust_options
 
 
@@ -67,11 +65,8 @@ def qat_command(
     pass keeps no partial state), --restart discards it; without either it is refused.
     """
     from ..checkpoint import resolve_model
-    from ..defaults import DEFAULT_IMAGE_SIZE
-    from ..device import using_device
     from ..errors import UserInputError
     from ..passes.qat import QATConfig
-    from ..runner.pipeline import run_one_pass
 
     if options["lowrank_rank"] is not None:
         if options["lowrank_budget"] is not None:
@@ -81,7 +76,7 @@ def qat_command(
     config = dataclasses.replace(config, quantize=dataclasses.replace(config.quantize, seed=config.seed))
     config.validate()
     model_dir = resolve_model(model)
-    check_one_pass_before_work(
+    report, seconds = run_one_pass_checked(
         model_dir,
         out_dir,
         "qat",
@@ -94,28 +89,11 @@ def qat_command(
         eval_data=None if no_eval else eval_data,
         eval_tokens=None if no_eval else eval_tokens,
     )
-    started = time.monotonic()
-    with using_device(chosen_device()):
-        report = run_one_pass(
-            "qat",
-            config,
-            model_dir,
-            out_dir,
-            calib=calib,
-            calib_tokens=calib_tokens,
-            seq_len=seq_len,
-            image_size=DEFAULT_IMAGE_SIZE,
-            eval_data=None if no_eval else eval_data,
-            eval_tokens=eval_tokens,
-            overwrite=overwrite,
-            progress=True,
-            resume=resume,
-        )
     qat = report["qat"]
     experts = report["footprint"]["classes"].get("experts", {})
     click.echo(
         f"trained {qat['trainable_parameters']:,} adapter parameters for {config.steps} steps (replay {qat['replay']}, "
-        f"{qat['optimizer']}) in {time.monotonic() - started:.1f}s in all; "
+        f"{qat['optimizer']}) in {seconds:.1f}s in all; "
         f"loss {qat['loss'][0]:.4f} -> {qat['loss'][-1]:.4f}"
     )
     click.echo(

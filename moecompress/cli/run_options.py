@@ -76,7 +76,7 @@ def start_over_if_asked(out_dir: Path) -> None:
         discard_partial_work(out_dir)
 
 
-def check_one_pass_before_work(
+def run_one_pass_checked(
     model_dir: Path,
     out_dir: Path,
     pass_name: str,
@@ -89,12 +89,15 @@ def check_one_pass_before_work(
     seq_len: int,
     eval_data: str | None,
     eval_tokens: int | None,
-) -> None:
-    """Every check a one-pass command that runs its pass directly (not as a recipe) makes before any work: the
-    output, then the pass against the input's config.json (``eval_data`` None: no evaluation), then --restart's
-    discard."""
+) -> tuple[dict[str, Any], float]:
+    """What a one-pass command that runs its pass directly (not as a recipe) does: every check before any work (the
+    output, then the pass against the input's config.json, then --restart's discard), then the pass on the chosen
+    device (``eval_data`` None: no evaluation). Returns the pass's report and the seconds it took."""
+    from ..defaults import DEFAULT_IMAGE_SIZE
+    from ..device import using_device
+    from ..runner.pipeline import run_one_pass
     from ..runner.preflight import check_passes
-    from .common_options import refuse_unused_common
+    from .common_options import chosen_device, refuse_unused_common
 
     refuse_unused_common([(pass_name, config)], eval_data is not None, calib)
     check_before_work(out_dir, model_dir, overwrite=overwrite, resume=resume)
@@ -108,6 +111,24 @@ def check_one_pass_before_work(
         eval_tokens=eval_tokens,
     )
     start_over_if_asked(out_dir)
+    started = time.monotonic()
+    with using_device(chosen_device()):
+        report = run_one_pass(
+            pass_name,
+            config,
+            model_dir,
+            out_dir,
+            calib=calib,
+            calib_tokens=calib_tokens,
+            seq_len=seq_len,
+            image_size=DEFAULT_IMAGE_SIZE,
+            eval_data=eval_data,
+            eval_tokens=eval_tokens,
+            overwrite=overwrite,
+            progress=True,
+            resume=resume,
+        )
+    return report, time.monotonic() - started
 
 
 def run_and_summarise(

@@ -178,16 +178,7 @@ class LayerStream(CalibrationSweep):
             return self._advance_loop(hidden, routes) if layer == loop.start else (hidden, 0.0)
         module, moe = self.materialise(layer)
         del moe
-        handle = None
-        if routes is not None and self.adapter.is_moe_layer(layer):
-            id_map = torch.tensor(self.adapter.route_ids(layer), dtype=torch.long, device="cpu")
-
-            def record(mod, args, output):
-                ids = self.adapter.route_of(output)[2]
-                routes.append(id_map[ids.reshape(-1, ids.shape[-1]).cpu()])
-
-            router = self.adapter.runtime_in_layer(layer, self.adapter.router_module)
-            handle = module.get_submodule(router).register_forward_hook(record)
+        handle = self._record_routes(layer, module, routes)
         start = time.perf_counter()
         try:
             outputs = self.forward_layer(module, layer, hidden)
@@ -196,13 +187,23 @@ class LayerStream(CalibrationSweep):
                 handle.remove()
         seconds = time.perf_counter() - start
         self.release(module)
-        outputs = [
-            out + plan.injections[layer] if layer in plan.injections else out
-            for out, plan in zip(outputs, self.plans, strict=True)
-        ]
-        if layer + 1 in self.adapter.stack_starts():
-            outputs = self.next_stack(layer, outputs)
-        return outputs, seconds
+        return self.next_inputs(layer, outputs), seconds
+
+    def _record_routes(
+        self, layer: int, module: torch.nn.Module, routes: list[torch.Tensor] | None
+    ) -> torch.utils.hooks.RemovableHandle | None:
+        """A hook on MoE layer ``layer``'s router in ``module`` that appends each batch's top-k expert ids, in
+        original ids, to ``routes``; None where there are none to record."""
+        if routes is None or not self.adapter.is_moe_layer(layer):
+            return None
+        id_map = torch.tensor(self.adapter.route_ids(layer), dtype=torch.long, device="cpu")
+
+        def record(mod, args, output):
+            ids = self.adapter.route_of(output)[2]
+            routes.append(id_map[ids.reshape(-1, ids.shape[-1]).cpu()])
+
+        router = self.adapter.runtime_in_layer(layer, self.adapter.router_module)
+        return module.get_submodule(router).register_forward_hook(record)
 
     def _advance_loop(
         self, hidden: list[torch.Tensor], routes: list[torch.Tensor] | None
@@ -212,15 +213,9 @@ class LayerStream(CalibrationSweep):
             module, moe = self.materialise(layer)
             del moe
             held[layer] = (module,)
-            if routes is not None and self.adapter.is_moe_layer(layer):
-                id_map = torch.tensor(self.adapter.route_ids(layer), dtype=torch.long, device="cpu")
-
-                def record(mod, args, output, id_map=id_map):
-                    ids = self.adapter.route_of(output)[2]
-                    routes.append(id_map[ids.reshape(-1, ids.shape[-1]).cpu()])
-
-                router = self.adapter.runtime_in_layer(layer, self.adapter.router_module)
-                handles.append(module.get_submodule(router).register_forward_hook(record))
+            handle = self._record_routes(layer, module, routes)
+            if handle is not None:
+                handles.append(handle)
         start = time.perf_counter()
         try:
             outputs = self._loop_passes(held, hidden)

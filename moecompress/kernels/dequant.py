@@ -66,79 +66,25 @@ def _salient_row(positions, values, index, row, out_row):
     return index
 
 
-@njit(parallel=True, cache=True)
-def _mxfp4_rows(packed, scales, table, positions, values, out):
-    rows, groups = scales.shape
-    flat = table.ravel()
-    written = 0
-    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        start_row = block * _ROW_BLOCK
-        index = begin = np.searchsorted(positions, start_row * out.shape[1])
-        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
-            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-            for group in range(groups):
-                base = np.uint64(scale_row[group]) << _FOUR
-                start = np.uint64(group) << _FOUR
-                for b in range(start, start + np.uint64(16)):
-                    byte = np.uint64(packed_row[b])
-                    out_row[b << _ONE] = flat[base + (byte & _LOW4)]
-                    out_row[(b << _ONE) + _ONE] = flat[base + (byte >> _FOUR)]
-            index = _salient_row(positions, values, index, row, out_row)
-        written += index - begin
-    return written
+@njit(cache=True)
+def _nibble_group(packed_row, out_row, flat, base, start, stop):
+    """Weights ``start:stop`` of a row of 4-bit codes (low nibble first), each looked up at ``flat[base + c]``."""
+    for b in range(start >> _ONE, stop >> _ONE):
+        byte = np.uint64(packed_row[b])
+        out_row[b << _ONE] = flat[base + (byte & _LOW4)]
+        out_row[(b << _ONE) + _ONE] = flat[base + (byte >> _FOUR)]
 
 
-@njit(parallel=True, cache=True)
-def _int4_rows(packed, scales, zeros, default_zero, group_size, table, positions, values, out):
-    rows, groups = scales.shape
-    flat = table.ravel()
-    width, span = np.uint64(table.shape[1]), np.int64(15)
-    group_bytes = np.uint64(group_size // 2)
-    written = 0
-    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        start_row = block * _ROW_BLOCK
-        index = begin = np.searchsorted(positions, start_row * out.shape[1])
-        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
-            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-            for group in range(groups):
-                zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
-                base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
-                start = np.uint64(group) * group_bytes
-                for b in range(start, start + group_bytes):
-                    byte = np.uint64(packed_row[b])
-                    out_row[b << _ONE] = flat[base + (byte & _LOW4)]
-                    out_row[(b << _ONE) + _ONE] = flat[base + (byte >> _FOUR)]
-            index = _salient_row(positions, values, index, row, out_row)
-        written += index - begin
-    return written
-
-
-@njit(parallel=True, cache=True)
-def _int2_rows(packed, scales, zeros, default_zero, group_size, table, positions, values, out):
-    rows, groups = scales.shape
-    flat = table.ravel()
-    width, span = np.uint64(table.shape[1]), np.int64(3)
-    group_bytes = np.uint64(group_size // 4)
-    written = 0
-    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        start_row = block * _ROW_BLOCK
-        index = begin = np.searchsorted(positions, start_row * out.shape[1])
-        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
-            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-            for group in range(groups):
-                zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
-                base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
-                start = np.uint64(group) * group_bytes
-                for b in range(start, start + group_bytes):
-                    byte = np.uint64(packed_row[b])
-                    first = b << _TWO
-                    out_row[first] = flat[base + (byte & _LOW2)]
-                    out_row[first + _ONE] = flat[base + ((byte >> _TWO) & _LOW2)]
-                    out_row[first + _TWO] = flat[base + ((byte >> _FOUR) & _LOW2)]
-                    out_row[first + _THREE] = flat[base + (byte >> _SIX)]
-            index = _salient_row(positions, values, index, row, out_row)
-        written += index - begin
-    return written
+@njit(cache=True)
+def _crumb_group(packed_row, out_row, flat, base, start, stop):
+    """Weights ``start:stop`` of a row of 2-bit codes (lowest bits first), each looked up at ``flat[base + c]``."""
+    for b in range(start >> _TWO, stop >> _TWO):
+        byte = np.uint64(packed_row[b])
+        first = b << _TWO
+        out_row[first] = flat[base + (byte & _LOW2)]
+        out_row[first + _ONE] = flat[base + ((byte >> _TWO) & _LOW2)]
+        out_row[first + _TWO] = flat[base + ((byte >> _FOUR) & _LOW2)]
+        out_row[first + _THREE] = flat[base + (byte >> _SIX)]
 
 
 _SIGN_LANES = 32
@@ -176,27 +122,13 @@ def _store_signs(typingctx, packed_row, byte_index, out_row, out_index, negative
     return signature, codegen
 
 
-@njit(parallel=True, cache=True)
-def _binary_rows(packed, scales, group_size, table, positions, values, out):
-    rows, groups = scales.shape
-    flat = table.ravel()
-    lanes = np.uint64(_SIGN_LANES)
-    group_weights = np.uint64(group_size)
-    written = 0
-    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        start_row = block * _ROW_BLOCK
-        index = begin = np.searchsorted(positions, start_row * out.shape[1])
-        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
-            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-            for group in range(groups):
-                base = np.uint64(scale_row[group]) << _ONE
-                negative, positive = flat[base], flat[base + _ONE]
-                start = np.uint64(group) * group_weights
-                for first in range(start, start + group_weights, lanes):
-                    _store_signs(packed_row, first >> _THREE, out_row, first, negative, positive)
-            index = _salient_row(positions, values, index, row, out_row)
-        written += index - begin
-    return written
+@njit(cache=True)
+def _sign_group(packed_row, out_row, flat, base, start, stop):
+    """Weights ``start:stop`` of a row of sign bits: ``flat[base + 1]`` (``+s``) for 1, ``flat[base]`` for 0, 32
+    codes at a time."""
+    negative, positive = flat[base], flat[base + _ONE]
+    for first in range(start, stop, np.uint64(_SIGN_LANES)):
+        _store_signs(packed_row, first >> _THREE, out_row, first, negative, positive)
 
 
 def _permutes_words() -> bool:
@@ -257,48 +189,63 @@ def _store_nibble_lookup(typingctx, packed_row, byte_index, out_row, out_index, 
     return signature, codegen
 
 
-@njit(parallel=True, cache=True)
-def _mxfp4_permute_rows(packed, scales, table, positions, values, out):
-    rows, groups = scales.shape
-    flat = table.ravel()
-    lanes = np.uint64(_NIBBLE_LANES)
-    written = 0
-    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        start_row = block * _ROW_BLOCK
-        index = begin = np.searchsorted(positions, start_row * out.shape[1])
-        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
-            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-            for group in range(groups):
-                first = np.uint64(group) * lanes
-                _store_nibble_lookup(
-                    packed_row, first >> _ONE, out_row, first, flat, np.uint64(scale_row[group]) << _FOUR
-                )
-            index = _salient_row(positions, values, index, row, out_row)
-        written += index - begin
-    return written
+@njit(cache=True)
+def _nibble_permute_group(packed_row, out_row, flat, base, start, stop):
+    """:func:`_nibble_group` 32 codes at a time through :func:`_store_nibble_lookup` (16-bit outputs, groups of a
+    multiple of 32 weights)."""
+    for first in range(start, stop, np.uint64(_NIBBLE_LANES)):
+        _store_nibble_lookup(packed_row, first >> _ONE, out_row, first, flat, base)
 
 
-@njit(parallel=True, cache=True)
-def _int4_permute_rows(packed, scales, zeros, default_zero, group_size, table, positions, values, out):
-    rows, groups = scales.shape
-    flat = table.ravel()
-    width, span = np.uint64(table.shape[1]), np.int64(15)
-    lanes, group_weights = np.uint64(_NIBBLE_LANES), np.uint64(group_size)
-    written = 0
-    for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        start_row = block * _ROW_BLOCK
-        index = begin = np.searchsorted(positions, start_row * out.shape[1])
-        for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
-            packed_row, out_row, scale_row = packed[row], out[row], scales[row]
-            for group in range(groups):
-                zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
-                base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
-                start = np.uint64(group) * group_weights
-                for first in range(start, start + group_weights, lanes):
-                    _store_nibble_lookup(packed_row, first >> _ONE, out_row, first, flat, base)
-            index = _salient_row(positions, values, index, row, out_row)
-        written += index - begin
-    return written
+_NIBBLES, _CRUMBS, _SIGNS, _PERMUTED_NIBBLES = range(4)
+"""The layouts of codes, each written by its own group writer: :func:`_nibble_group`, :func:`_crumb_group`,
+:func:`_sign_group`, :func:`_nibble_permute_group`."""
+
+
+def _rows_kernel(codes: int):
+    """The pass every format shares, compiled for one layout of ``codes``: rows in blocks of :data:`_ROW_BLOCK` over
+    the threads, each row's groups written by the layout's group writer, then the row's salient values while it is
+    in cache; the kernel returns how many salient values it wrote. A group's table entries start at row ``scale``
+    of ``table``, column ``span - zero`` (``zero``: the group's entry in ``zeros`` ``[rows, groups]``, or
+    ``default_zero`` where ``zeros`` is empty); ``span`` and ``default_zero`` are 0 for a table without zero points.
+
+    ``codes`` is a constant of the kernel, so numba compiles the one writer's branch (the others are pruned before
+    typing: the ``vpermw`` writer types for 16-bit outputs alone) and caches each layout's kernel apart (numba's
+    cache misses on a kernel that takes its writer as an argument: a function's cache key changes per process)."""
+
+    @njit(parallel=True, cache=True)
+    def decode_rows(packed, scales, zeros, default_zero, span, group_size, table, positions, values, out):
+        rows, groups = scales.shape
+        flat = table.ravel()
+        width = np.uint64(table.shape[1])
+        group_weights = np.uint64(group_size)
+        written = 0
+        for block in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+            start_row = block * _ROW_BLOCK
+            index = begin = np.searchsorted(positions, start_row * out.shape[1])
+            for row in range(start_row, min(rows, start_row + _ROW_BLOCK)):
+                packed_row, out_row, scale_row = packed[row], out[row], scales[row]
+                for group in range(groups):
+                    zero = default_zero if zeros.shape[0] == 0 else np.int64(zeros[row, group])
+                    base = np.uint64(scale_row[group]) * width + np.uint64(span - zero)
+                    start = np.uint64(group) * group_weights
+                    stop = start + group_weights
+                    if codes == _NIBBLES:
+                        _nibble_group(packed_row, out_row, flat, base, start, stop)
+                    elif codes == _CRUMBS:
+                        _crumb_group(packed_row, out_row, flat, base, start, stop)
+                    elif codes == _SIGNS:
+                        _sign_group(packed_row, out_row, flat, base, start, stop)
+                    else:
+                        _nibble_permute_group(packed_row, out_row, flat, base, start, stop)
+                index = _salient_row(positions, values, index, row, out_row)
+            written += index - begin
+        return written
+
+    return decode_rows
+
+
+_ROWS_KERNELS = {codes: _rows_kernel(codes) for codes in (_NIBBLES, _CRUMBS, _SIGNS, _PERMUTED_NIBBLES)}
 
 
 _TABLES: dict[tuple, np.ndarray] = {}
@@ -382,6 +329,45 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, n
     return torch.from_numpy(bits).view(dtype), bits.reshape(-1, shape[-1])
 
 
+_NO_ZEROS = np.zeros((0, 0), np.uint8)
+
+
+def _permutes(dtype: torch.dtype, group_size: int) -> bool:
+    """Whether 4-bit groups of ``group_size`` decode to ``dtype`` as :data:`_PERMUTED_NIBBLES`."""
+    return _PERMUTES_WORDS and dtype.itemsize == 2 and group_size % _NIBBLE_LANES == 0
+
+
+def _decode(
+    codes: int,
+    packed_rows: np.ndarray,
+    scale_rows: np.ndarray,
+    zero_rows: np.ndarray,
+    default_zero: int,
+    span: int,
+    group_size: int,
+    table: np.ndarray,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    salient: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The ``dtype`` ``shape`` output of the ``codes`` layout's kernel (:func:`_rows_kernel`) on torch's thread
+    count, with the salient weights."""
+    out, out_rows = _output(shape, dtype)
+    with torch_thread_count():
+        written = _ROWS_KERNELS[codes](
+            packed_rows,
+            scale_rows,
+            zero_rows,
+            default_zero,
+            span,
+            group_size,
+            table,
+            *_salient_arrays(salient, dtype),
+            out_rows,
+        )
+    return _finish(out, written, salient)
+
+
 def mxfp4(
     packed: torch.Tensor,
     scales: torch.Tensor,
@@ -397,11 +383,10 @@ def mxfp4(
     scale_rows = _rows(scales, shape, shape[-1] // mxfp4_codes.BLOCK_SIZE, torch.uint8)
     if packed_rows is None or scale_rows is None:
         return None
-    out, out_rows = _output(shape, dtype)
-    with torch_thread_count():
-        kernel = _mxfp4_permute_rows if _PERMUTES_WORDS and out_rows.itemsize == 2 else _mxfp4_rows
-        written = kernel(packed_rows, scale_rows, _table("mxfp4", dtype), *_salient_arrays(salient, dtype), out_rows)
-    return _finish(out, written, salient)
+    group_size = mxfp4_codes.BLOCK_SIZE
+    codes = _PERMUTED_NIBBLES if _permutes(dtype, group_size) else _NIBBLES
+    table = _table("mxfp4", dtype)
+    return _decode(codes, packed_rows, scale_rows, _NO_ZEROS, 0, 0, group_size, table, shape, dtype, salient)
 
 
 def integer(
@@ -422,33 +407,22 @@ def integer(
     packed_rows = _rows(packed, shape, shape[-1] * bits // 8, torch.uint8)
     scale_rows = _rows(scales, shape, groups, torch.bfloat16)
     if zeros is None:
-        zero_rows = np.zeros((0, 0), np.uint8)
+        zero_rows = _NO_ZEROS
     else:
         zero_rows = _rows(zeros, shape, groups, torch.uint8)
         if zero_rows is not None and int(zero_rows.max()) >= 1 << bits:
             zero_rows = None
     if packed_rows is None or scale_rows is None or zero_rows is None:
         return None
-    out, out_rows = _output(shape, dtype)
     if bits == 2:
-        kernel = _int2_rows
-    elif _PERMUTES_WORDS and out_rows.itemsize == 2 and group_size % _NIBBLE_LANES == 0:
-        kernel = _int4_permute_rows
+        codes = _CRUMBS
     else:
-        kernel = _int4_rows
+        codes = _PERMUTED_NIBBLES if _permutes(dtype, group_size) else _NIBBLES
     table = _table("int", dtype, bits)
-    with torch_thread_count():
-        written = kernel(
-            packed_rows,
-            scale_rows,
-            zero_rows,
-            1 << (bits - 1),
-            group_size,
-            table,
-            *_salient_arrays(salient, dtype),
-            out_rows,
-        )
-    return _finish(out, written, salient)
+    span = (1 << bits) - 1
+    return _decode(
+        codes, packed_rows, scale_rows, zero_rows, 1 << (bits - 1), span, group_size, table, shape, dtype, salient
+    )
 
 
 def binary(
@@ -467,8 +441,5 @@ def binary(
     scale_rows = _rows(scales, shape, shape[-1] // group_size, torch.bfloat16)
     if packed_rows is None or scale_rows is None:
         return None
-    out, out_rows = _output(shape, dtype)
     table = _table("binary", dtype)
-    with torch_thread_count():
-        written = _binary_rows(packed_rows, scale_rows, group_size, table, *_salient_arrays(salient, dtype), out_rows)
-    return _finish(out, written, salient)
+    return _decode(_SIGNS, packed_rows, scale_rows, _NO_ZEROS, 0, 0, group_size, table, shape, dtype, salient)

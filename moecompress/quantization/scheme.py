@@ -15,11 +15,12 @@ import torch
 
 from ..kernels import mxfp4
 from ..kernels.packing import pack_codes, unpack_codes
+from ..registry import RegisteredNames
 from .salient import BITMAP_CODES, BitmapCode, SalientWeights, encode_positions, from_mask
-from .schemes import Grid, RegisteredNames, SchemeKind, kind_of
+from .schemes import SCHEME_KINDS, Grid, SchemeKind, kind_of
 
 SchemeName = str
-SCHEMES: Sequence[str] = RegisteredNames()
+SCHEMES: Sequence[str] = RegisteredNames(SCHEME_KINDS)
 """The registered scheme names (:mod:`moecompress.quantization.schemes`), read on each use."""
 MAX_SALIENT_FRACTION = 0.5
 

@@ -94,10 +94,7 @@ def block_output_fisher(
                 sweep.reader.advise(sweep.layer_keys.get(layer + 1, []))
                 outputs = sweep.forward_layer(module, layer, hidden)
                 sweep.release(module)
-                hidden = [
-                    out + plan.injections[layer] if layer in plan.injections else out
-                    for out, plan in zip(outputs, sweep.plans, strict=True)
-                ]
+                hidden = sweep.injected(layer, outputs)
                 del outputs
                 if layer + 1 in adapter.stack_starts():
                     write_safetensors(_stack_output(spill, layer), {str(i): h for i, h in enumerate(hidden)}, {})

@@ -595,12 +595,7 @@ class CalibrationSweep:
                 del capture
             del moe, replay
             self.release(module)
-            hidden = [
-                out + plan.injections[layer] if layer in plan.injections else out
-                for out, plan in zip(outputs, self.plans, strict=True)
-            ]
-            if layer + 1 in self.adapter.stack_starts():
-                hidden = self.next_stack(layer, hidden)
+            hidden = self.next_inputs(layer, outputs)
             if state is not None:
                 carried = self.carry.tensors() if self.carry.active else None
                 state.commit(layer, hidden, result, carried, last=layer == self.adapter.num_layers - 1)
@@ -763,6 +758,22 @@ class CalibrationSweep:
         if self.decoder_tags is None or layer < self.adapter.stack_starts()[-1]:
             return self.tags
         return self.decoder_tags
+
+    def injected(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Layer ``layer``'s outputs per batch with what the stock forward adds to them before the next layer (the
+        plans' injections)."""
+        return [
+            out + plan.injections[layer] if layer in plan.injections else out
+            for out, plan in zip(outputs, self.plans, strict=True)
+        ]
+
+    def next_inputs(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The next layer's inputs per batch from layer ``layer``'s outputs: :meth:`injected`, then at the end of a
+        stack :meth:`next_stack`."""
+        hidden = self.injected(layer, outputs)
+        if layer + 1 in self.adapter.stack_starts():
+            hidden = self.next_stack(layer, hidden)
+        return hidden
 
     def next_stack(self, layer: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """At the end of an encoder-decoder's stack: its output through :attr:`encoder_output_norm` carried for the

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...registry import Registry
+
 Decoder = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 """Raw key → (shape, safetensors dtype name)."""
@@ -26,7 +28,7 @@ ReadSmall = Callable[[str], torch.Tensor]
 ACTIVATION_SUFFIXES = ("input_scale", "input_global_scale", "activation_scale", "output_scale", "k_scale", "v_scale")
 """Static activation scales: neither decoded nor passed through."""
 
-INPUT_DECODERS: dict[str, InputDecoder] = {}
+INPUT_DECODERS: Registry[InputDecoder] = Registry("input decoder", key="quant_method")
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,5 @@ class InputDecoder:
         raise NotImplementedError
 
 
-def register(cls: type[InputDecoder]) -> type[InputDecoder]:
-    """Class decorator: make ``cls`` the decoder of ``cls.quant_method`` (replacing one of that method)."""
-    INPUT_DECODERS[cls.quant_method] = cls()
-    return cls
-
-
-def unregister(quant_method: str) -> None:
-    INPUT_DECODERS.pop(quant_method, None)
+register = INPUT_DECODERS.register
+unregister = INPUT_DECODERS.unregister

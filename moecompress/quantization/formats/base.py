@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..schemes.base import RegisteredNames
+from ...registry import RegisteredNames, Registry
 
 if TYPE_CHECKING:
     from ...checkpoint.reader import TensorInfo
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..experts import QuantizedMoE
     from ..scheme import QuantizedTensor, QuantScheme
 
-OUTPUT_FORMATS: dict[str, OutputFormat] = {}
+OUTPUT_FORMATS: Registry[OutputFormat] = Registry("format")
 
 
 class OutputFormat:
@@ -89,21 +89,9 @@ class OutputFormat:
         return False
 
 
-def register(cls: type[OutputFormat]) -> type[OutputFormat]:
-    """Class decorator: make ``cls`` the format called ``cls.name`` (replacing one of that name)."""
-    OUTPUT_FORMATS[cls.name] = cls()
-    return cls
-
-
-def unregister(name: str) -> None:
-    OUTPUT_FORMATS.pop(name, None)
-
-
-def format_of(name: str) -> OutputFormat:
-    found = OUTPUT_FORMATS.get(name)
-    if found is None:
-        raise ValueError(f"unknown format {name!r}; choose from {tuple(OUTPUT_FORMATS)}")
-    return found
+register = OUTPUT_FORMATS.register
+unregister = OUTPUT_FORMATS.unregister
+format_of = OUTPUT_FORMATS.lookup
 
 
 def written_format(quantization: dict[str, Any]) -> OutputFormat | None:

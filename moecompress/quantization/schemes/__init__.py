@@ -8,6 +8,6 @@ from . import binary  # noqa: F401
 from . import kquants  # noqa: F401
 
 # isort: on
-from .base import SCHEME_KINDS, Grid, RegisteredNames, SchemeKind, kind_of, register, unregister
+from .base import SCHEME_KINDS, Grid, SchemeKind, kind_of, register, unregister
 
-__all__ = ["SCHEME_KINDS", "Grid", "RegisteredNames", "SchemeKind", "kind_of", "register", "unregister"]
+__all__ = ["SCHEME_KINDS", "Grid", "SchemeKind", "kind_of", "register", "unregister"]

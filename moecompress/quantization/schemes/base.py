@@ -10,10 +10,11 @@ way before it is used.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from ...registry import Registry
 
 if TYPE_CHECKING:
     from ..scheme import QuantizedTensor, QuantScheme
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 Grid = Any
 """Per-group grid as :meth:`SchemeKind.fit` returns it (a tensor or a small dataclass of tensors)."""
 
-SCHEME_KINDS: dict[str, SchemeKind] = {}
+SCHEME_KINDS: Registry[SchemeKind] = Registry("scheme")
 
 
 class SchemeKind:
@@ -187,44 +188,6 @@ class SchemeKind:
         raise NotImplementedError
 
 
-def register(cls: type[SchemeKind]) -> type[SchemeKind]:
-    """Class decorator: make ``cls`` the scheme called ``cls.name`` (replacing one of that name)."""
-    SCHEME_KINDS[cls.name] = cls()
-    return cls
-
-
-def unregister(name: str) -> None:
-    SCHEME_KINDS.pop(name, None)
-
-
-def kind_of(name: str) -> SchemeKind:
-    kind = SCHEME_KINDS.get(name)
-    if kind is None:
-        raise ValueError(f"unknown scheme {name!r}; choose from {tuple(SCHEME_KINDS)}")
-    return kind
-
-
-class RegisteredNames(Sequence):
-    """The names in a registry (default: the schemes), read on each use (so option choices include names
-    registered later)."""
-
-    def __init__(self, registry: dict[str, Any] | None = None) -> None:
-        self._registry = SCHEME_KINDS if registry is None else registry
-
-    def _names(self) -> tuple[str, ...]:
-        return tuple(self._registry)
-
-    def __getitem__(self, index):
-        return self._names()[index]
-
-    def __len__(self) -> int:
-        return len(self._registry)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._registry
-
-    def __repr__(self) -> str:
-        return repr(self._names())
+register = SCHEME_KINDS.register
+unregister = SCHEME_KINDS.unregister
+kind_of = SCHEME_KINDS.lookup
