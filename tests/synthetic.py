@@ -1334,6 +1334,14 @@ def tiny_tokenizer_for(family: str):
     return tokenizer
 
 
+def save_tiny_source(family: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
+    """:func:`save_tiny_model` with :func:`tiny_tokenizer` saved beside it: a source that the commands can calibrate
+    and evaluate."""
+    directory = save_tiny_model(family, directory, seed)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
 def write_synthetic_qwen3_moe(
     directory: Path,
     layers: int,
