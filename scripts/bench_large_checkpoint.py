@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import psutil
+from page_cache import drop_from_page_cache
 
 from moecompress.checkpoint import resolve_model
 
@@ -167,17 +168,6 @@ recipe, model, out = (Path(arg) for arg in sys.argv[2:5])
 run_recipe(load_recipe(recipe), model, out, progress=False, chained=True)
 """
 )
-
-
-def drop_from_page_cache(directory: Path) -> None:
-    """Drop ``directory``'s shards from this system's page cache, so that each recipe variant starts reading the
-    checkpoint as the first one did (not from what the variant before left cached)."""
-    for path in directory.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def recipe_with_tokens(recipe: Path, calib_tokens: int, eval_tokens: int, target: Path) -> Path:

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from page_cache import drop_from_page_cache
+
 CHILD = r"""
 import hashlib, json, shutil, sys, time
 from pathlib import Path
@@ -72,16 +74,6 @@ print(json.dumps({
 }), flush=True)
 shutil.rmtree(out)
 """
-
-
-def drop_from_page_cache(directory: Path) -> None:
-    """Drop ``directory``'s safetensors files from the page cache (their clean pages; nothing before it exists)."""
-    for path in directory.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main() -> None:

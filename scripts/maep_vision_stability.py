@@ -51,11 +51,10 @@ def signals(
 
 def build_default_model(directory: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
+    from synthetic import TINY_CONFIGS, save_tiny_source
 
     TINY_CONFIGS["qwen3_vl_moe"]["text_config"].update(num_experts=16, num_hidden_layers=3)
-    path = save_tiny_model("qwen3_vl_moe", directory, seed=0)
-    tiny_tokenizer().save_pretrained(path)
+    path = save_tiny_source("qwen3_vl_moe", directory, seed=0)
     return path
 
 

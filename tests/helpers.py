@@ -25,15 +25,44 @@ def run_cli(*args, env=None):
     )
 
 
-def layer_view(source, layer):
-    """The adapter of checkpoint ``source`` and layer ``layer``'s MoE view, read from disk."""
+def checkpoint_adapter(directory):
+    """The family adapter of the checkpoint in ``directory``, from its ``config.json``."""
+    import json
+    from pathlib import Path
+
+    from moecompress.families import adapter_for
+
+    return adapter_for(json.loads((Path(directory) / "config.json").read_text()))
+
+
+def copy_with_tokenizer(checkpoint, directory):
+    """A copy of the saved tiny checkpoint ``checkpoint`` at ``directory`` with the tiny tokenizer beside it (what a
+    command that calibrates or evaluates reads)."""
+    import shutil
+
+    from synthetic import tiny_tokenizer
+
+    shutil.copytree(checkpoint, directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def layer_split(source, layer):
+    """The adapter of checkpoint ``source`` and layer ``layer`` read from disk and split by it: the MoE view, the
+    layer's other tensors and the layout that joins them back."""
     from moecompress.checkpoint import CheckpointReader
     from moecompress.families import adapter_for
 
     with CheckpointReader(source) as reader:
         adapter = adapter_for(reader.config)
         prefix = adapter.layer_prefix(layer)
-        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
+        moe, rest, layout = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
+    return adapter, moe, rest, layout
+
+
+def layer_view(source, layer):
+    """The adapter of checkpoint ``source`` and layer ``layer``'s MoE view, read from disk."""
+    adapter, moe, _, _ = layer_split(source, layer)
     return adapter, moe
 
 
@@ -68,6 +97,17 @@ def rewrite_checkpoint(source, out_dir, layer_fn=None, *, config=None, max_shard
     )
 
 
+def model_layer_split(model, layer=0):
+    """:func:`layer_split` of an in-memory ``model``, with the layer's tensors (copies) that were split."""
+    from moecompress.families import adapter_for
+
+    adapter = adapter_for(model.config.to_dict())
+    prefix = adapter.layer_prefix(layer)
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
+    moe, rest, layout = adapter.split_layer(layer, tensors)
+    return adapter, moe, rest, layout, tensors
+
+
 def tree_hashes(directory):
     """SHA-256 of every file directly inside ``directory``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
@@ -76,15 +116,10 @@ def tree_hashes(directory):
 def load_stock(directory, dtype=None):
     """``directory``'s model built by plain transformers with the family's model class, in eval mode (for a
     family whose ``config.json`` names a model type transformers lacks, Kimi-K2, with the config it maps to)."""
-    import json
-    from pathlib import Path
-
     import torch
     import transformers
 
-    from moecompress.families import adapter_for
-
-    adapter = adapter_for(json.loads((Path(directory) / "config.json").read_text()))
+    adapter = checkpoint_adapter(directory)
     config = adapter.transformers_config()
     kwargs = {} if config is None else {"config": config}
     model = getattr(transformers, adapter.auto_class).from_pretrained(directory, dtype=dtype or torch.float32, **kwargs)
@@ -128,3 +163,88 @@ def stock_inputs(model, ids):
     if model.config.is_encoder_decoder:
         return {"input_ids": ids, "decoder_input_ids": ids}
     return {"input_ids": ids}
+
+
+def assert_view_computes_the_stock_layer(adapter, model, layer, moe, hidden):
+    """Layer ``layer``'s MoE view ``moe`` routes ``hidden`` ``[T, H]`` exactly as the stock ``model``'s router does,
+    and its experts' combined output is the stock experts' (to float rounding)."""
+    import torch
+
+    _, weights, ids = adapter.stock_route(model, layer, hidden)
+    view_ids, view_weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
+    assert torch.equal(view_ids, ids) and torch.equal(view_weights, weights)
+    stock = adapter.stock_experts(model, layer, hidden, ids, weights)
+    view = adapter.combine_experts(hidden, ids, weights, lambda expert, x: adapter.expert_output(moe, expert, x))
+    torch.testing.assert_close(view, stock, rtol=1e-5, atol=1e-5)
+
+
+def token_batches():
+    """Two calibration batches of 2 x 24 seeded random token ids, none a special token (0-2) or a tiny model's image,
+    video or audio token (380 up)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(3, 380, (2, 24), generator=generator)} for _ in range(2)]
+
+
+def text_sweep(checkpoint, batches, state=None, stop_after=None, consume=None):
+    """The layer sweep of ``checkpoint`` over ``batches`` (every token a text token), resumed from ``state``, run to
+    its end or to layer ``stop_after``'s capture; ``consume`` is given each capture."""
+    import torch
+
+    from moecompress.sweep.engine import CalibrationSweep
+
+    tokens = sum(batch["input_ids"].numel() for batch in batches)
+    sweep = CalibrationSweep(checkpoint, batches, torch.zeros(tokens, dtype=torch.long), ["text"], progress=False)
+    for capture in sweep.run(state):
+        if consume is not None:
+            consume(capture)
+        if capture.layer == stop_after:
+            break
+    return sweep
+
+
+def stock_last_hidden(checkpoint, batches):
+    """The stock model's last decoder layer's output hidden states, batch by batch."""
+    import torch
+
+    model = load_stock(checkpoint)
+    layers = model.get_submodule(checkpoint_adapter(checkpoint).runtime_layers_path)
+    outputs = []
+    handle = layers[-1].register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    handle.remove()
+    return outputs
+
+
+def assert_sweep_equals_the_stock_forward(checkpoint, state=None):
+    """The layer sweep's last hidden states over :func:`token_batches` (resumed from ``state``) are the stock
+    forward's."""
+    import torch
+
+    batches = token_batches()
+    sweep = text_sweep(checkpoint, batches, state)
+    for swept, stock in zip(sweep.last_hidden, stock_last_hidden(checkpoint, batches), strict=True):
+        torch.testing.assert_close(swept, stock, rtol=0, atol=1e-5)
+
+
+def assert_delta_h_with_removed_experts(adapter, moe, hidden, removed, present):
+    """ΔH scored with the experts ``removed`` (a mask over the routed experts) already gone: zero for those, and for
+    every other expert the change of the block's output on ``hidden`` when it too leaves ``present`` (the mask of
+    what stays routable)."""
+    import torch
+
+    from moecompress.passes.expert_scores import layer_expert_stats
+
+    stats = layer_expert_stats(adapter, moe, hidden, chunk_tokens=64, removed=removed)
+    full = adapter.moe_forward(moe, hidden, allowed=present)
+    for e in range(len(removed)):
+        if removed[e]:
+            assert torch.all(stats.delta_h[:, e] == 0)
+            continue
+        without = present.clone()
+        without[e] = False
+        expected = (full - adapter.moe_forward(moe, hidden, allowed=without)).norm(dim=-1)
+        torch.testing.assert_close(stats.delta_h[:, e], expected, rtol=1e-5, atol=1e-5)

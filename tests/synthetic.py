@@ -14,6 +14,12 @@ from typing import Any
 
 import torch
 
+
+def _without(config: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``config`` less ``keys``: a shared block of settings of which a family sets some otherwise or not at all."""
+    return {key: value for key, value in config.items() if key not in keys}
+
+
 _COMMON: dict[str, Any] = dict(
     hidden_size=64,
     num_attention_heads=4,
@@ -26,23 +32,56 @@ _COMMON: dict[str, Any] = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+_TEXT = _without(_COMMON, "tie_word_embeddings")
+"""``_COMMON`` in the text config of a multimodal release, which sets ``tie_word_embeddings`` at its top level."""
 
 _MLA = dict(
     num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
 )
-_DEEPSEEK_MOE = dict(
+_MLA_NO_Q_LORA = dict(_MLA, q_lora_rank=None)
+_DEEPSEEK_LAYERS = dict(
     num_hidden_layers=3,
     intermediate_size=64,
     moe_intermediate_size=32,
     n_routed_experts=8,
     n_shared_experts=1,
     first_k_dense_replace=1,
-    n_group=2,
-    topk_group=1,
-    routed_scaling_factor=2.5,
+)
+"""DeepSeek-style layers: a dense first layer (MLP 64 wide), then 8 routed experts 32 wide and a shared one."""
+_DEEPSEEK_MOE = dict(_DEEPSEEK_LAYERS, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+_INDEXER = dict(index_topk=32, index_head_dim=16, index_n_heads=2)
+"""A sparse-attention indexer (DeepSeek-V3.2's lightning indexer and its kin): 2 heads 16 wide, 32 keys kept."""
+_QWEN_STYLE_MOE = dict(num_hidden_layers=3, head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=8)
+"""Three layers, heads 16 wide, dense MLPs 64 wide, 8 experts 32 wide (named as Qwen's MoE configs name them)."""
+_SLIDING_FULL_SLIDING = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=8)
+_GATED_DELTANET = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16
+)
+"""The linear-attention (Gated DeltaNet) heads of Qwen3-Next's hybrid layers."""
+_QWEN_HYBRID = dict(
+    num_hidden_layers=3,
+    head_dim=16,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
     norm_topk_prob=True,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    **_GATED_DELTANET,
+)
+_GRANITE = dict(
+    _COMMON,
+    num_hidden_layers=2,
+    intermediate_size=32,
+    num_local_experts=4,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    logits_scaling=4.0,
+    attention_multiplier=0.125,
 )
 _MROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+_MROPE_INTERLEAVED = dict(_MROPE, mrope_interleaved=True)
+_TOWER: dict[str, Any] = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+"""The sizes of a tiny encoder beside the text model (a vision, audio or speech tower): one layer, 32 wide, 2 heads."""
 _VISION: dict[str, Any] = dict(
     depth=1,
     hidden_size=32,
@@ -53,6 +92,8 @@ _VISION: dict[str, Any] = dict(
     spatial_merge_size=2,
     temporal_patch_size=2,
 )
+"""A Qwen-VL-style vision tower (``depth``, ``num_heads``) merging 2x2 patches into the text model's width."""
+_PIXTRAL = dict(_TOWER, model_type="pixtral", head_dim=16, image_size=32, patch_size=4)
 
 
 def _vision_language(model_type: str, text: dict[str, Any], vision: dict[str, Any], **tokens: Any) -> dict[str, Any]:
@@ -65,6 +106,18 @@ def _vision_language(model_type: str, text: dict[str, Any], vision: dict[str, An
         video_token_id=381,
         **tokens,
         tie_word_embeddings=False,
+    )
+
+
+def _qwen_vision_language(model_type: str, text: dict[str, Any], **vision: Any) -> dict[str, Any]:
+    """A Qwen-VL release's config: :func:`_vision_language` with 16 position embeddings in the vision tower and vision
+    start/end tokens."""
+    return _vision_language(
+        model_type,
+        text,
+        dict(num_position_embeddings=16, **vision),
+        vision_start_token_id=382,
+        vision_end_token_id=383,
     )
 
 
@@ -97,19 +150,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "deepseek_v2": dict(
         _COMMON,
+        **_DEEPSEEK_LAYERS,
+        **_MLA_NO_Q_LORA,
         model_type="deepseek_v2",
-        num_hidden_layers=3,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
         topk_method="group_limited_greedy",
         n_group=4,
         topk_group=2,
@@ -126,7 +169,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention"],
     ),
-    "qwen3_vl_moe": _vision_language(
+    "qwen3_vl_moe": _qwen_vision_language(
         "qwen3_vl_moe",
         dict(
             hidden_size=64,
@@ -140,27 +183,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             moe_intermediate_size=96,
             num_experts=4,
             num_experts_per_tok=2,
-            rope_parameters=dict(_MROPE, mrope_interleaved=True),
+            rope_parameters=_MROPE_INTERLEAVED,
         ),
-        dict(num_position_embeddings=16, deepstack_visual_indexes=[0]),
-        vision_start_token_id=382,
-        vision_end_token_id=383,
+        deepstack_visual_indexes=[0],
     ),
 }
 
-_QWEN_HYBRID = dict(
-    num_hidden_layers=3,
-    head_dim=16,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    num_experts=8,
-    norm_topk_prob=True,
-    layer_types=["linear_attention", "full_attention", "linear_attention"],
-    linear_num_value_heads=4,
-    linear_num_key_heads=2,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
 TINY_CONFIGS.update(
     {
         "glm4_moe": dict(
@@ -169,15 +197,7 @@ TINY_CONFIGS.update(
         "glm4_moe_lite": dict(
             _COMMON, **_DEEPSEEK_MOE, **_MLA, model_type="glm4_moe_lite", mlp_layer_types=["dense", "sparse", "sparse"]
         ),
-        "deepseek_v32": dict(
-            _COMMON,
-            **_DEEPSEEK_MOE,
-            **_MLA,
-            model_type="deepseek_v32",
-            index_topk=32,
-            index_head_dim=16,
-            index_n_heads=2,
-        ),
+        "deepseek_v32": dict(_COMMON, **_DEEPSEEK_MOE, **_MLA, **_INDEXER, model_type="deepseek_v32"),
         "dots1": dict(_COMMON, **_DEEPSEEK_MOE, model_type="dots1", head_dim=16),
         "kimi_k2": dict(
             TINY_CONFIGS["deepseek_v3"], model_type="deepseek_v3", n_group=1, topk_group=1, routed_scaling_factor=2.827
@@ -228,22 +248,17 @@ TINY_CONFIGS.update(
         "solar_open": dict(_COMMON, **_DEEPSEEK_MOE, model_type="solar_open", head_dim=16),
         "exaone_moe": dict(
             _COMMON,
-            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
+            **_without(_DEEPSEEK_MOE, "n_routed_experts", "n_shared_experts"),
+            **_SLIDING_FULL_SLIDING,
             model_type="exaone_moe",
             head_dim=16,
             num_experts=8,
             num_shared_experts=1,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            sliding_window=8,
         ),
         "afmoe": dict(
             _COMMON,
+            **_QWEN_STYLE_MOE,
             model_type="afmoe",
-            num_hidden_layers=3,
-            head_dim=16,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_experts=8,
             num_shared_experts=1,
             num_dense_layers=1,
             route_scale=2.0,
@@ -262,8 +277,8 @@ TINY_CONFIGS.update(
         "glm4v_moe": _vision_language(
             "glm4v_moe",
             dict(
-                {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-                **{k: v for k, v in _DEEPSEEK_MOE.items() if k != "num_hidden_layers"},
+                _TEXT,
+                **_without(_DEEPSEEK_MOE, "num_hidden_layers"),
                 num_hidden_layers=2,
                 head_dim=16,
                 rope_parameters=dict(_MROPE, partial_rotary_factor=0.5),
@@ -282,33 +297,16 @@ TINY_CONFIGS.update(
             moe_topk=2,
             use_qk_norm=True,
         ),
-        "granitemoe": dict(
-            _COMMON,
-            model_type="granitemoe",
-            num_hidden_layers=2,
-            intermediate_size=32,
-            num_local_experts=4,
-            embedding_multiplier=2.0,
-            residual_multiplier=0.5,
-            logits_scaling=4.0,
-            attention_multiplier=0.125,
-        ),
+        "granitemoe": dict(_GRANITE, model_type="granitemoe"),
         "qwen3_5_moe_text": dict(_COMMON, **_QWEN_HYBRID, model_type="qwen3_5_moe_text"),
-        "qwen3_5_moe": _vision_language(
+        "qwen3_5_moe": _qwen_vision_language(
             "qwen3_5_moe",
-            dict(
-                {k: v for k, v in _COMMON.items() if k not in ("tie_word_embeddings",)},
-                **_QWEN_HYBRID,
-                rope_parameters=dict(_MROPE, mrope_interleaved=True, partial_rotary_factor=0.5),
-            ),
-            dict(num_position_embeddings=16),
-            vision_start_token_id=382,
-            vision_end_token_id=383,
+            dict(_TEXT, **_QWEN_HYBRID, rope_parameters=dict(_MROPE_INTERLEAVED, partial_rotary_factor=0.5)),
         ),
         "llama4": dict(
             model_type="llama4",
             text_config=dict(
-                {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+                _TEXT,
                 num_hidden_layers=4,
                 head_dim=16,
                 intermediate_size=96,
@@ -320,10 +318,7 @@ TINY_CONFIGS.update(
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             ),
             vision_config=dict(
-                hidden_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                intermediate_size=32,
+                _TOWER,
                 vision_output_dim=32,
                 image_size=32,
                 patch_size=8,
@@ -339,26 +334,14 @@ TINY_CONFIGS.update(
 )
 TINY_CONFIGS["llama4_text"] = dict(TINY_CONFIGS["llama4"]["text_config"], model_type="llama4_text")
 
-_GRANITE = dict(
-    _COMMON,
-    num_hidden_layers=2,
-    intermediate_size=32,
-    num_local_experts=4,
-    embedding_multiplier=2.0,
-    residual_multiplier=0.5,
-    logits_scaling=4.0,
-    attention_multiplier=0.125,
-)
 TINY_CONFIGS.update(
     {
         "glm_moe_dsa": dict(
             _COMMON,
             **_DEEPSEEK_MOE,
             **_MLA,
+            **_INDEXER,
             model_type="glm_moe_dsa",
-            index_topk=32,
-            index_head_dim=16,
-            index_n_heads=2,
             index_topk_freq=2,
             index_skip_topk_offset=1,
         ),
@@ -379,15 +362,7 @@ TINY_CONFIGS.update(
         "kimi_k25": dict(
             model_type="kimi_k25",
             text_config=dict(TINY_CONFIGS["kimi_k2"], tie_word_embeddings=False),
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=32,
-                num_attention_heads=2,
-                num_hidden_layers=1,
-                patch_size=4,
-                pos_emb_height=8,
-                pos_emb_width=8,
-            ),
+            vision_config=dict(_TOWER, patch_size=4, pos_emb_height=8, pos_emb_width=8),
             projection_hidden_size=32,
             image_token_id=380,
             video_token_id=381,
@@ -395,13 +370,13 @@ TINY_CONFIGS.update(
             vision_end_token_id=383,
             tie_word_embeddings=False,
         ),
-        "sarvam_mla": dict(_COMMON, **_DEEPSEEK_MOE, **dict(_MLA, q_lora_rank=None), model_type="sarvam_mla"),
+        "sarvam_mla": dict(_COMMON, **_DEEPSEEK_MOE, **_MLA_NO_Q_LORA, model_type="sarvam_mla"),
         "sarvam_moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="sarvam_moe", head_dim=16),
         "param2moe": dict(_COMMON, **_DEEPSEEK_MOE, model_type="param2moe", head_dim=16, use_qk_norm=False),
         "kimi_linear": dict(
             _COMMON,
-            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
-            **dict(_MLA, q_lora_rank=None),
+            **_without(_DEEPSEEK_MOE, "n_routed_experts", "n_shared_experts"),
+            **_MLA_NO_Q_LORA,
             model_type="kimi_linear",
             num_local_experts=8,
             linear_head_dim=16,
@@ -410,7 +385,7 @@ TINY_CONFIGS.update(
         ),
         "mimo_v2_flash": dict(
             _COMMON,
-            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_shared_experts", "first_k_dense_replace")},
+            **_without(_DEEPSEEK_MOE, "n_shared_experts", "first_k_dense_replace"),
             model_type="mimo_v2_flash",
             head_dim=16,
             v_head_dim=8,
@@ -418,48 +393,27 @@ TINY_CONFIGS.update(
         ),
         "mellum": dict(
             _COMMON,
+            **_QWEN_STYLE_MOE,
+            **_SLIDING_FULL_SLIDING,
             model_type="mellum",
-            num_hidden_layers=3,
-            head_dim=16,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_experts=8,
             mlp_layer_types=["dense", "sparse", "sparse"],
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            sliding_window=8,
         ),
-        "hy_v3": dict(
-            _COMMON,
-            model_type="hy_v3",
-            num_hidden_layers=3,
-            head_dim=16,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_shared_experts=1,
-            router_scaling_factor=2.5,
-        ),
+        "hy_v3": dict(_COMMON, **_QWEN_STYLE_MOE, model_type="hy_v3", num_shared_experts=1, router_scaling_factor=2.5),
         "beam": dict(
             _COMMON,
-            **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
+            **_without(_DEEPSEEK_MOE, "n_routed_experts", "n_shared_experts"),
+            **_SLIDING_FULL_SLIDING,
             model_type="beam",
             head_dim=16,
             num_experts=8,
             mlp_layer_types=["dense", "sparse", "sparse"],
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            sliding_window=8,
         ),
         "laguna": dict(
             _COMMON,
+            **_QWEN_STYLE_MOE,
+            **_SLIDING_FULL_SLIDING,
             model_type="laguna",
-            num_hidden_layers=3,
-            head_dim=16,
-            intermediate_size=64,
-            moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
-            num_experts=8,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            sliding_window=8,
             moe_router_logit_softcapping=2.0,
             moe_routed_scaling_factor=1.5,
         ),
@@ -478,16 +432,11 @@ TINY_CONFIGS.update(
         ),
         "flint": dict(
             _COMMON,
+            **_QWEN_STYLE_MOE,
+            **_SLIDING_FULL_SLIDING,
             model_type="flint",
-            num_hidden_layers=3,
-            head_dim=16,
-            intermediate_size=64,
-            moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
-            num_experts=8,
             mlp_only_layers=[0],
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            sliding_window=8,
         ),
         "cohere2_moe": dict(
             _COMMON,
@@ -507,8 +456,8 @@ TINY_CONFIGS.update(
 )
 
 _MISTRAL4 = dict(
-    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-    **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("num_hidden_layers", "n_group", "topk_group")},
+    _TEXT,
+    **_without(_DEEPSEEK_MOE, "num_hidden_layers", "n_group", "topk_group"),
     **_MLA,
     model_type="mistral4",
     num_hidden_layers=2,
@@ -519,16 +468,7 @@ TINY_CONFIGS.update(
         "mistral3": dict(
             model_type="mistral3",
             text_config=_MISTRAL4,
-            vision_config=dict(
-                model_type="pixtral",
-                hidden_size=32,
-                intermediate_size=32,
-                num_attention_heads=2,
-                num_hidden_layers=1,
-                head_dim=16,
-                image_size=32,
-                patch_size=4,
-            ),
+            vision_config=_PIXTRAL,
             image_token_index=380,
             tie_word_embeddings=False,
         ),
@@ -536,7 +476,7 @@ TINY_CONFIGS.update(
 )
 
 _MINIMAX_M3 = dict(
-    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+    _TEXT,
     model_type="minimax_m3_vl_text",
     num_hidden_layers=2,
     head_dim=16,
@@ -558,14 +498,7 @@ TINY_CONFIGS.update(
         "minimax_m3_vl": dict(
             model_type="minimax_m3_vl",
             text_config=_MINIMAX_M3,
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=32,
-                patch_size=4,
-            ),
+            vision_config=dict(_TOWER, image_size=32, patch_size=4),
             image_token_index=380,
             video_token_index=381,
             projector_hidden_size=64,
@@ -598,41 +531,23 @@ TINY_CONFIGS["deepseek_v4"] = dict(
 TINY_CONFIGS["hy_v4"] = dict(
     _COMMON,
     **_MLA,
-    **{key: value for key, value in _DEEPSEEK_MOE.items() if key != "first_k_dense_replace"},
+    **_without(_DEEPSEEK_MOE, "first_k_dense_replace"),
+    **_INDEXER,
     model_type="hy_v4",
-    index_topk=32,
-    index_head_dim=16,
-    index_n_heads=2,
     hc_mult=2,
 )
 TINY_CONFIGS["hy_v4_vl"] = dict(
     model_type="hy_v4_vl",
-    text_config=dict(
-        {key: value for key, value in TINY_CONFIGS["hy_v4"].items() if key != "model_type"}, rope_parameters=_MROPE
-    ),
-    vision_config=dict(
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        out_hidden_size=64,
-        patch_size=16,
-        max_image_size=64,
-    ),
+    text_config=dict(_without(TINY_CONFIGS["hy_v4"], "model_type"), rope_parameters=_MROPE),
+    vision_config=dict(_TOWER, out_hidden_size=64, patch_size=16, max_image_size=64),
     image_token_id=380,
     video_token_id=381,
 )
 TINY_CONFIGS["kolibri1_1"] = dict(
-    _COMMON,
+    TINY_CONFIGS["kolibri1"],
     model_type="kolibri1_1",
     num_hidden_layers=4,
-    head_dim=16,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    num_experts=8,
-    norm_topk_prob=True,
     layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
-    sliding_window=8,
     index_layers=[1],
     kv_source_layers=[0, 1, 2, 1],
     mlp_only_layers=[0],
@@ -676,15 +591,7 @@ TINY_CONFIGS["gemma4_text"] = dict(_GEMMA4, model_type="gemma4_text")
 TINY_CONFIGS["gemma4"] = dict(
     model_type="gemma4",
     text_config=_GEMMA4,
-    vision_config=dict(
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        patch_size=4,
-    ),
+    vision_config=dict(_TOWER, num_key_value_heads=2, head_dim=16, patch_size=4),
     image_token_id=380,
     video_token_id=381,
     boi_token_id=382,
@@ -729,42 +636,23 @@ _QWEN4_EXP = dict(
     indexer_compress_ratio=4,
 )
 TINY_CONFIGS["qwen4_exp_text"] = dict(_COMMON, **_QWEN4_EXP, model_type="qwen4_exp_text")
-TINY_CONFIGS["qwen4_exp"] = _vision_language(
-    "qwen4_exp",
-    dict(
-        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-        **_QWEN4_EXP,
-        rope_parameters=dict(_MROPE, mrope_interleaved=True, partial_rotary_factor=0.5),
-    ),
-    dict(num_position_embeddings=16),
-    vision_start_token_id=382,
-    vision_end_token_id=383,
+TINY_CONFIGS["qwen4_exp"] = _qwen_vision_language(
+    "qwen4_exp", dict(_TEXT, **_QWEN4_EXP, rope_parameters=dict(_MROPE_INTERLEAVED, partial_rotary_factor=0.5))
 )
 TINY_CONFIGS["mistral_large4"] = dict(
     model_type="mistral_large4",
     text_config=dict(
-        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-        **{k: v for k, v in _MLA.items() if k != "q_lora_rank"},
-        **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_group", "topk_group", "num_hidden_layers")},
+        _TEXT,
+        **_without(_MLA, "q_lora_rank"),
+        **_without(_DEEPSEEK_MOE, "n_group", "topk_group", "num_hidden_layers"),
+        **_INDEXER,
         model_type="mistral_large4_text",
         num_hidden_layers=4,
-        index_topk=32,
-        index_head_dim=16,
-        index_n_heads=2,
         indexer_types=["full", "shared", "full", "shared"],
         kv_source_layers=[0, 0, 2, 2],
         no_rope_layers=[1, 1, 0, 0],
     ),
-    vision_config=dict(
-        model_type="pixtral",
-        hidden_size=32,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        head_dim=16,
-        image_size=32,
-        patch_size=4,
-    ),
+    vision_config=_PIXTRAL,
     image_token_index=380,
     tie_word_embeddings=False,
 )
@@ -784,7 +672,7 @@ TINY_CONFIGS["jamba"] = dict(
 )
 
 _ARIA_TEXT = dict(
-    {k: v for k, v in _COMMON.items() if k not in ("num_experts_per_tok", "tie_word_embeddings")},
+    _without(_TEXT, "num_experts_per_tok"),
     model_type="aria_text",
     num_hidden_layers=2,
     intermediate_size=32,
@@ -796,7 +684,7 @@ TINY_CONFIGS["aria_text"] = dict(_ARIA_TEXT, tie_word_embeddings=False)
 TINY_CONFIGS["aria"] = dict(
     model_type="aria",
     text_config=_ARIA_TEXT,
-    vision_config=dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1, patch_size=4),
+    vision_config=dict(_TOWER, patch_size=4),
     projector_patch_to_query_dict={"1225": 8, "4900": 8},
     image_token_id=380,
     tie_word_embeddings=False,
@@ -804,40 +692,23 @@ TINY_CONFIGS["aria"] = dict(
 
 TINY_CONFIGS["lara_mini"] = dict(
     _COMMON,
+    **_without(_QWEN_HYBRID, "norm_topk_prob", "layer_types"),
     model_type="lara_mini",
-    num_hidden_layers=3,
-    head_dim=16,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    num_experts=8,
     layer_types=["linear_attention", "sliding_attention", "full_attention"],
     sliding_window=8,
-    linear_num_value_heads=4,
-    linear_num_key_heads=2,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
 )
 TINY_CONFIGS["axk2"] = dict(
     _COMMON,
-    **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_group", "topk_group")},
+    **_without(_DEEPSEEK_MOE, "n_group", "topk_group"),
     **_MLA,
+    **_INDEXER,
     model_type="axk2",
-    index_topk=32,
-    index_head_dim=16,
-    index_n_heads=2,
     gated_norm_rank=8,
 )
 TINY_CONFIGS["nemotron_h_omni"] = dict(
     model_type="nemotron_h_omni",
-    text_config={k: v for k, v in TINY_CONFIGS["nemotron_h"].items() if k != "tie_word_embeddings"},
-    vision_config=dict(
-        hidden_size=32,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        patch_size=4,
-        video_temporal_patch_size=2,
-    ),
+    text_config=_without(TINY_CONFIGS["nemotron_h"], "tie_word_embeddings"),
+    vision_config=dict(_TOWER, patch_size=4, video_temporal_patch_size=2),
     vision_hidden_size=32,
     projector_hidden_size=32,
     image_token_id=380,
@@ -847,12 +718,10 @@ TINY_CONFIGS["dots3_note_text"] = dict(
     _COMMON,
     **_DEEPSEEK_MOE,
     **_MLA,
+    **_INDEXER,
     model_type="dots3_note_text",
     head_dim=16,
     shared_experts_intermediate_size=32,
-    index_topk=32,
-    index_head_dim=16,
-    index_n_heads=2,
     sliding_window=8,
     swa_num_attention_heads=4,
     swa_num_key_value_heads=4,
@@ -864,14 +733,9 @@ TINY_CONFIGS["dots3_note_text"] = dict(
 )
 TINY_CONFIGS["dots3_note"] = dict(
     model_type="dots3_note",
-    text_config={
-        k: v for k, v in TINY_CONFIGS["dots3_note_text"].items() if k not in ("model_type", "tie_word_embeddings")
-    },
+    text_config=_without(TINY_CONFIGS["dots3_note_text"], "model_type", "tie_word_embeddings"),
     vision_config=dict(
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+        _TOWER,
         patch_size=4,
         moe_intermediate_size=16,
         num_local_experts=4,
@@ -880,29 +744,16 @@ TINY_CONFIGS["dots3_note"] = dict(
         adapter_in_dim=32,
         adapter_out_dim=64,
     ),
-    audio_config=dict(
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        downsample_hidden_size=16,
-        adapter_input_size=32,
-        adapter_out_dim=64,
-        feature_size=16,
-    ),
+    audio_config=dict(_TOWER, downsample_hidden_size=16, adapter_input_size=32, adapter_out_dim=64, feature_size=16),
     image_token_id=380,
     video_token_id=381,
     audio_token_id=382,
     tie_word_embeddings=False,
 )
 _OCR_TEXT = dict(
-    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-    num_hidden_layers=3,
+    _TEXT,
+    **_without(_DEEPSEEK_LAYERS, "first_k_dense_replace"),
     num_key_value_heads=4,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    n_routed_experts=8,
-    n_shared_experts=1,
     mlp_layer_types=["dense", "sparse", "sparse"],
     topk_method="group_limited_greedy",
     n_group=2,
@@ -943,28 +794,22 @@ TINY_CONFIGS["unlimited_ocr"] = dict(
 TINY_CONFIGS["glm5_next"] = dict(
     model_type="glm5_next",
     text_config=dict(
-        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-        **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("first_k_dense_replace", "num_hidden_layers")},
+        _TEXT,
+        **_without(_DEEPSEEK_MOE, "first_k_dense_replace", "num_hidden_layers"),
         **dict(_MLA, qk_rope_head_dim=0, qk_nope_head_dim=16),
+        **_INDEXER,
         num_hidden_layers=4,
         mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
         indexer_types=["full", "full", "shared", "full"],
-        index_topk=32,
         index_kpool=4,
-        index_head_dim=16,
-        index_n_heads=2,
         linear_head_dim=16,
         linear_num_heads=4,
         hc_mult=2,
         swiglu_limit=0.15,
     ),
     vision_config=dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=64,
+        _without(_VISION, "spatial_merge_size", "temporal_patch_size"),
         patch_size=14,
         image_size=28,
         projection_intermediate_size=32,
@@ -977,7 +822,7 @@ TINY_CONFIGS["glm5_next"] = dict(
     video_end_token_id=379,
 )
 TINY_CONFIGS["ergo"] = dict(
-    {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+    _TEXT,
     model_type="ergo",
     num_hidden_layers=3,
     head_dim=16,
@@ -989,17 +834,18 @@ TINY_CONFIGS["ergo"] = dict(
     sliding_window=8,
     global_attention_every_n_layers=2,
 )
+_QWEN3_OMNI_TEXT = dict(
+    _TEXT,
+    num_hidden_layers=2,
+    head_dim=16,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_experts=8,
+    rope_parameters=_MROPE_INTERLEAVED,
+)
 TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
     model_type="qwen3_omni_moe_thinker",
-    text_config=dict(
-        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-        num_hidden_layers=2,
-        head_dim=16,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_experts=8,
-        rope_parameters=dict(_MROPE, mrope_interleaved=True),
-    ),
+    text_config=_QWEN3_OMNI_TEXT,
     audio_config=dict(
         num_mel_bins=16,
         encoder_layers=1,
@@ -1019,24 +865,12 @@ TINY_CONFIGS["qwen3_omni_moe_thinker"] = dict(
 
 TINY_CONFIGS["qwen3_omni_moe"] = dict(
     model_type="qwen3_omni_moe",
-    thinker_config={k: v for k, v in TINY_CONFIGS["qwen3_omni_moe_thinker"].items() if k != "model_type"},
+    thinker_config=_without(TINY_CONFIGS["qwen3_omni_moe_thinker"], "model_type"),
     talker_config=dict(
-        text_config=dict(
-            {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-            vocab_size=96,
-            num_hidden_layers=2,
-            head_dim=16,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=8,
-            rope_parameters=dict(_MROPE, mrope_interleaved=True),
-        ),
+        text_config=dict(_QWEN3_OMNI_TEXT, vocab_size=96, shared_expert_intermediate_size=32),
         code_predictor_config=dict(
-            hidden_size=32,
+            _TOWER,
             intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=16,
             vocab_size=64,
@@ -1047,10 +881,8 @@ TINY_CONFIGS["qwen3_omni_moe"] = dict(
         spatial_merge_size=2,
     ),
     code2wav_config=dict(
-        hidden_size=32,
+        _TOWER,
         intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
         num_key_value_heads=1,
         codebook_size=64,
         num_quantizers=4,
@@ -1063,21 +895,18 @@ TINY_CONFIGS["qwen3_omni_moe"] = dict(
 
 TINY_CONFIGS["muse_spark"] = dict(
     model_type="muse_spark",
-    text_config={
-        **{k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
-        "num_hidden_layers": 3,
-        "head_dim": 16,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 64,
-        "num_local_experts": 8,
-        "moe_hidden_size": 32,
-        "mlp_layer_types": ["dense", "sparse", "sparse"],
-        "routed_scaling_factor": 2.0,
-    },
-    vision_config=dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, pos_emb_height=4,
-        pos_emb_width=4,
+    text_config=dict(
+        _TEXT,
+        num_hidden_layers=3,
+        head_dim=16,
+        intermediate_size=64,
+        moe_intermediate_size=64,
+        num_local_experts=8,
+        moe_hidden_size=32,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        routed_scaling_factor=2.0,
     ),
+    vision_config=dict(_TOWER, intermediate_size=64, pos_emb_height=4, pos_emb_width=4),
     audio_config=dict(hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], out_hidden_size=64),
     out_hidden_size=64,
     projector_hidden_size=32,
@@ -1085,7 +914,7 @@ TINY_CONFIGS["muse_spark"] = dict(
     video_token_id=381,
     audio_token_id=382,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 
 TINY_CONFIGS["dbrx"] = dict(
     model_type="dbrx",
@@ -1102,16 +931,15 @@ TINY_CONFIGS["dbrx"] = dict(
     pad_token_id=0,
 )
 
+_INKLING_ATTENTION = dict(
+    head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, d_rel=8, rel_extent=32
+)
+"""Inkling's hybrid attention: full and sliding-window heads 16 wide, relative-position features 8 wide."""
 _INKLING_TEXT = dict(
     _COMMON,
+    **_INKLING_ATTENTION,
     num_hidden_layers=3,
-    head_dim=16,
-    swa_num_attention_heads=4,
-    swa_num_key_value_heads=2,
-    swa_head_dim=16,
     sliding_window_size=16,
-    d_rel=8,
-    rel_extent=32,
     layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
     mlp_layer_types=["dense", "sparse", "sparse"],
     intermediate_size=64,
@@ -1146,14 +974,9 @@ TINY_CONFIGS["inkling_mm_model"] = dict(
 )
 _INKLING2_TEXT = dict(
     _COMMON,
+    **_INKLING_ATTENTION,
     num_hidden_layers=4,
-    head_dim=16,
-    swa_num_attention_heads=4,
-    swa_num_key_value_heads=2,
-    swa_head_dim=16,
     sliding_window_size=8,
-    d_rel=8,
-    rel_extent=32,
     layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
     n_layers_per_attn_res_block=2,
     moe_intermediate_size=32,
@@ -1194,18 +1017,15 @@ TINY_CONFIGS["inkling2_loop_text"] = dict(_INKLING2_LOOP_TEXT, model_type="inkli
 TINY_CONFIGS["inkling2_loop"] = dict(
     TINY_CONFIGS["inkling2"], model_type="inkling2_loop", text_config=dict(_INKLING2_LOOP_TEXT)
 )
+_NEMO_AUDIO = dict(_TOWER, num_mel_bins=16)
 TINY_CONFIGS["nemo_speechlm"] = dict(
     model_type="nemo_speechlm",
-    text_config={k: v for k, v in TINY_CONFIGS["nemotron_h"].items() if k != "tie_word_embeddings"},
+    text_config=_without(TINY_CONFIGS["nemotron_h"], "tie_word_embeddings"),
     audio_config=dict(
-        asr_config=dict(
-            hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=16
-        ),
+        asr_config=_NEMO_AUDIO,
         diarization_config=dict(
             model_type="nemotron3_diarization",
-            audio_config=dict(
-                hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=16
-            ),
+            audio_config=_NEMO_AUDIO,
             head_config=dict(hidden_size=16, num_speakers=4, audio_hidden_size=32),
             streaming_config=dict(num_speakers=4, speaker_cache_length=8, fifo_length=8, speaker_cache_update_period=8),
             chunk_length=16,
@@ -1215,14 +1035,7 @@ TINY_CONFIGS["nemo_speechlm"] = dict(
             speaker_cache_update_period=8,
         ),
     ),
-    word_timestamp_config=dict(
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        vocab_size=16,
-        blank_token_id=15,
-    ),
+    word_timestamp_config=dict(_TOWER, vocab_size=16, blank_token_id=15),
     audio_token_id=383,
     tie_word_embeddings=False,
 )
@@ -1242,14 +1055,14 @@ TINY_CONFIGS["step3p7"] = dict(
         swiglu_limits=[0, 0, 1.0],
         swiglu_limits_shared=[0, 0.5, 0],
     ),
-    vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28),
+    vision_config=dict(_TOWER, image_size=28),
     image_token_id=380,
     tie_word_embeddings=False,
 )
 TINY_CONFIGS["bailing_hybrid"] = dict(
     _COMMON,
-    **{k: v for k, v in _DEEPSEEK_MOE.items() if k not in ("n_routed_experts", "n_shared_experts")},
-    **dict(_MLA, q_lora_rank=None),
+    **_without(_DEEPSEEK_MOE, "n_routed_experts", "n_shared_experts"),
+    **_MLA_NO_Q_LORA,
     model_type="bailing_hybrid",
     num_local_experts=8,
     head_dim=16,
@@ -1259,7 +1072,7 @@ TINY_CONFIGS["bailing_hybrid"] = dict(
 )
 
 TINY_CONFIGS["jetmoe"] = dict(
-    {k: v for k, v in _COMMON.items() if k != "max_position_embeddings"},
+    _without(_COMMON, "max_position_embeddings"),
     model_type="jetmoe",
     num_hidden_layers=2,
     kv_channels=16,
@@ -1271,7 +1084,7 @@ TINY_CONFIGS["jetmoe"] = dict(
 TINY_CONFIGS["ernie4_5_vl_moe"] = _vision_language(
     "ernie4_5_vl_moe",
     dict(
-        {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        _TEXT,
         num_hidden_layers=3,
         intermediate_size=64,
         moe_intermediate_size=[64, 32],
@@ -1280,7 +1093,7 @@ TINY_CONFIGS["ernie4_5_vl_moe"] = _vision_language(
         moe_num_shared_experts=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]},
     ),
-    dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, patch_size=4, spatial_merge_size=2),
+    {},
     image_start_token_id=382,
     image_end_token_id=383,
     video_start_token_id=378,
@@ -1519,6 +1332,14 @@ def tiny_tokenizer_for(family: str):
     if TINY_CONFIGS[family]["model_type"] == "switch_transformers":
         tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(SENTINELS)]})
     return tokenizer
+
+
+def save_tiny_source(family: str, directory: str | os.PathLike[str], seed: int = 0) -> Path:
+    """:func:`save_tiny_model` with :func:`tiny_tokenizer` saved beside it: a source that the commands can calibrate
+    and evaluate."""
+    directory = save_tiny_model(family, directory, seed)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
 
 
 def write_synthetic_qwen3_moe(

@@ -8,12 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from helpers import load_stock
+from helpers import assert_sweep_equals_the_stock_forward, text_sweep, token_batches
 from synthetic import save_tiny_model
 
-from moecompress.families import adapter_for
-from moecompress.sweep.engine import CalibrationSweep
 from moecompress.sweep.layer_carry import LayerCarry
 
 SMALL_BUDGETS = {
@@ -42,40 +39,11 @@ def _kolibri_modes(text) -> list[str]:
     return ["reuse" if source != layer else "own" for layer, source in enumerate(sources)]
 
 
-def _batches() -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(3, 380, (2, 24), generator=generator)} for _ in range(2)]
-
-
-def _stock_last_hidden(checkpoint, batches) -> list[torch.Tensor]:
-    model = load_stock(checkpoint)
-    adapter = adapter_for(json.loads((checkpoint / "config.json").read_text()))
-    layers = model.get_submodule(adapter.runtime_layers_path)
-    outputs = []
-    handle = layers[-1].register_forward_hook(lambda module, args, out: outputs.append(out[0]))
-    with torch.no_grad():
-        for batch in batches:
-            model(**batch)
-    handle.remove()
-    return outputs
-
-
-def _sweep(checkpoint, batches) -> CalibrationSweep:
-    tokens = sum(batch["input_ids"].numel() for batch in batches)
-    sweep = CalibrationSweep(checkpoint, batches, torch.zeros(tokens, dtype=torch.long), ["text"], progress=False)
-    for _ in sweep.run(None):
-        pass
-    return sweep
-
-
 def test_sweep_outputs_equal_the_stock_forward(checkpoint):
-    batches = _batches()
-    sweep = _sweep(checkpoint, batches)
-    for swept, stock in zip(sweep.last_hidden, _stock_last_hidden(checkpoint, batches), strict=True):
-        torch.testing.assert_close(swept, stock, rtol=0, atol=1e-5)
+    assert_sweep_equals_the_stock_forward(checkpoint)
 
 
 def test_without_the_carry_a_shared_layer_has_no_top_k(checkpoint, monkeypatch):
     monkeypatch.setattr(LayerCarry, "arguments", lambda self, layer, batch, kwargs: kwargs)
     with pytest.raises((ValueError, KeyError, TypeError)):
-        _sweep(checkpoint, _batches()[:1])
+        text_sweep(checkpoint, token_batches()[:1])

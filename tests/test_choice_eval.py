@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from synthetic import save_tiny_model, tiny_tokenizer
+from synthetic import save_tiny_source
 
 from moecompress.errors import UserInputError
 from moecompress.evals.choice import (
@@ -77,8 +77,7 @@ def test_the_forced_true_continuation_ranks_first():
 
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
-    path = save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("choice") / "qwen3_moe")
-    tiny_tokenizer().save_pretrained(path)
+    path = save_tiny_source("qwen3_moe", tmp_path_factory.mktemp("choice") / "qwen3_moe")
     return path
 
 

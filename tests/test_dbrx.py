@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import model_layer_split, run_cli
 from synthetic import TINY_CONFIGS, build_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -27,20 +27,12 @@ def _model(**ffn):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model("dbrx", **kwargs), dtype=torch.float32).eval()
 
 
-def _layer_view(model, layer=0):
-    adapter = adapter_for(model.config.to_dict())
-    prefix = adapter.layer_prefix(layer)
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
-    moe, rest, layout = adapter.split_layer(layer, tensors)
-    return adapter, moe, rest, layout, tensors
-
-
 def _tokens(count=48):
     return torch.randn(1, count, H, generator=torch.Generator().manual_seed(1))
 
 
 def test_the_release_parameters_are_the_view_and_written_back_unchanged():
-    adapter, moe, rest, layout, tensors = _layer_view(build_tiny_model("dbrx"))
+    adapter, moe, rest, layout, tensors = model_layer_split(build_tiny_model("dbrx"))
     experts = "transformer.blocks.0.ffn.experts.mlp."
     w1, v1, w2 = (tensors[experts + name].view(E, INTER, H) for name in ("w1", "v1", "w2"))
     assert tensors[experts + "w1"].shape == (E * INTER, H)
@@ -55,7 +47,7 @@ def test_the_release_parameters_are_the_view_and_written_back_unchanged():
 
 
 def test_a_wrong_expert_count_is_refused_with_the_tensor_named():
-    adapter, _, _, _, tensors = _layer_view(build_tiny_model("dbrx"))
+    adapter, _, _, _, tensors = model_layer_split(build_tiny_model("dbrx"))
     key = "transformer.blocks.0.ffn.experts.mlp.v1"
     tensors[key] = tensors[key][: (E - 1) * INTER]
     with pytest.raises(UserInputError, match=re.escape("mlp.v1: shape [224, 64], config.json implies [256, 64]")):
@@ -65,7 +57,7 @@ def test_a_wrong_expert_count_is_refused_with_the_tensor_named():
 @pytest.mark.parametrize("p", [1.0, 2.0, None])
 def test_the_view_routes_and_computes_as_the_stock_ffn(p):
     model = _model(moe_normalize_expert_weights=p)
-    adapter, moe, _, _, _ = _layer_view(model)
+    adapter, moe, _, _, _ = model_layer_split(model)
     hidden = _tokens()
     ffn = model.transformer.blocks[0].ffn
     stock_weights, stock_ids = ffn.route_tokens_to_experts(ffn.router(hidden))
@@ -84,7 +76,7 @@ def test_the_view_routes_and_computes_as_the_stock_ffn(p):
 
 def test_rerouting_equals_the_model_with_the_removed_experts_deleted():
     model = build_tiny_model("dbrx")
-    adapter, moe, rest, layout, _ = _layer_view(model)
+    adapter, moe, rest, layout, _ = model_layer_split(model)
     keep = [0, 2, 3, 6]
     allowed = torch.zeros(E, dtype=torch.bool)
     allowed[keep] = True
@@ -108,7 +100,7 @@ def test_rerouting_equals_the_model_with_the_removed_experts_deleted():
 
 def test_a_replayed_route_passes_through_the_router_logits():
     model = build_tiny_model("dbrx")
-    adapter, moe, _, _, _ = _layer_view(model)
+    adapter, moe, _, _, _ = model_layer_split(model)
     allowed = torch.ones(E, dtype=torch.bool)
     allowed[[1, 4, 5]] = False
     ffn = model.transformer.blocks[0].ffn

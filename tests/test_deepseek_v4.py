@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import load_stock
+from helpers import assert_view_computes_the_stock_layer, checkpoint_adapter, copy_with_tokenizer, load_stock
 from synthetic import TINY_CONFIGS, tiny_config
 
 from moecompress.checkpoint import CheckpointReader
@@ -13,10 +13,6 @@ from moecompress.checkpoint.stream import group_keys_by_layer
 from moecompress.errors import UserInputError
 from moecompress.families import MoEWeights, adapter_for
 from moecompress.families.token_table import merged, table_route
-
-
-def _adapter(directory):
-    return adapter_for(json.loads((directory / "config.json").read_text()))
 
 
 def test_hash_layers_are_in_the_view_and_the_release_count_is_read():
@@ -44,18 +40,10 @@ def test_the_release_layout_loads_in_stock_transformers_with_its_int32_table(tin
 
 def test_routing_and_activation_equal_the_stock_router_and_experts(tiny_checkpoints):
     directory = tiny_checkpoints["deepseek_v4"]
-    adapter = _adapter(directory)
+    adapter = checkpoint_adapter(directory)
     model = load_stock(directory)
-    with CheckpointReader(directory) as reader:
-        keys, _ = group_keys_by_layer(reader, adapter)
-        moe, _, _ = adapter.split_layer(1, reader.read(keys[1]))
     hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
-    _, weights, ids = adapter.stock_route(model, 1, hidden)
-    view_ids, view_weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
-    assert torch.equal(view_ids, ids) and torch.equal(view_weights, weights)
-    stock = adapter.stock_experts(model, 1, hidden, ids, weights)
-    view = adapter.combine_experts(hidden, ids, weights, lambda expert, x: adapter.expert_output(moe, expert, x))
-    torch.testing.assert_close(view, stock, rtol=1e-5, atol=1e-5)
+    assert_view_computes_the_stock_layer(adapter, model, 1, _layer(directory, 1), hidden)
     clamped = adapter.activation(torch.full((1,), 20.0), torch.full((1,), -20.0))
     assert torch.equal(clamped, torch.nn.functional.silu(torch.full((1,), 10.0)) * -10.0)
 
@@ -105,18 +93,11 @@ def test_merging_sends_each_members_rows_to_its_group():
 
 @pytest.fixture(scope="module")
 def with_tokenizer(tiny_checkpoints, tmp_path_factory):
-    import shutil
-
-    from synthetic import tiny_tokenizer
-
-    directory = tmp_path_factory.mktemp("deepseek_v4") / "source"
-    shutil.copytree(tiny_checkpoints["deepseek_v4"], directory)
-    tiny_tokenizer().save_pretrained(directory)
-    return directory
+    return copy_with_tokenizer(tiny_checkpoints["deepseek_v4"], tmp_path_factory.mktemp("deepseek_v4") / "source")
 
 
 def _layer(directory, layer):
-    adapter = _adapter(directory)
+    adapter = checkpoint_adapter(directory)
     with CheckpointReader(directory) as reader:
         keys, _ = group_keys_by_layer(reader, adapter)
         return adapter.split_layer(layer, reader.read(keys[layer]))[0]
@@ -147,7 +128,7 @@ def test_calibration_counts_what_the_table_sends(with_tokenizer):
 
 def _masked_logits(source, removed, ids):
     """The input's logits with each layer's ``removed`` experts (original ids) routed around as the sweep does."""
-    adapter, model = _adapter(source), load_stock(source)
+    adapter, model = checkpoint_adapter(source), load_stock(source)
     for layer, experts in removed.items():
         moe = _layer(source, layer)
         allowed = torch.ones(moe.num_experts, dtype=torch.bool)
@@ -212,7 +193,7 @@ def test_mxfp4_quantises_every_layer_and_keeps_the_hash_layers_table(tiny_checkp
 
     source, out = tiny_checkpoints["deepseek_v4"], tmp_path / "mxfp4"
     api.quantize(source, out, scheme="mxfp4", evaluation=None)
-    adapter = _adapter(out)
+    adapter = checkpoint_adapter(out)
     model = load_stock(out)
     table = model.model.layers[0].mlp.gate.tid2eid
     assert torch.equal(table, load_stock(source).model.layers[0].mlp.gate.tid2eid.to(table.dtype))

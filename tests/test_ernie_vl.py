@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from helpers import layer_view, load_stock, run_cli
-from synthetic import save_tiny_model, tiny_tokenizer
+from synthetic import save_tiny_source
 
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
@@ -23,8 +23,7 @@ CALIB = dict(calib="builtin:prose", calib_tokens=256, seq_len=64, eval_tokens=No
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    directory = save_tiny_model(FAMILY, tmp_path_factory.mktemp("ernie_vl") / FAMILY)
-    tiny_tokenizer().save_pretrained(directory)
+    directory = save_tiny_source(FAMILY, tmp_path_factory.mktemp("ernie_vl") / FAMILY)
     return directory
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from synthetic import FAMILIES, SENTINELS, save_tiny_model, tiny_tokenizer
+from synthetic import FAMILIES, SENTINELS, save_tiny_source
 
 from moecompress.calibration.batches import TokenWindows
 from moecompress.calibration.span_corruption import corrupt_spans
@@ -86,8 +86,7 @@ def test_compressed_outputs_against_the_original(name, tiny_moe, tiny_outputs):
 
 
 def test_head_pruned_output_with_per_layer_head_counts(tmp_path):
-    source = save_tiny_model("olmoe", tmp_path / "olmoe")
-    tiny_tokenizer().save_pretrained(source)
+    source = save_tiny_source("olmoe", tmp_path / "olmoe")
     config = PruneHeadsConfig(ratio=0.5, method="magnitude", distill_steps=0, batch_size=4)
     prune_heads(source, tmp_path / "heads", config, calib_tokens=256, seq_len=32, progress=False)
     with CheckpointReader(tmp_path / "heads") as reader:

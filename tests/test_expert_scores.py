@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import assert_delta_h_with_removed_experts
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.families import adapter_for
@@ -60,17 +61,7 @@ def test_delta_h_with_experts_already_removed_matches_brute_force(family, tiny_c
     hidden = torch.randn(200, moe.router_weight.shape[1], generator=torch.Generator().manual_seed(2))
     removed = torch.zeros(moe.num_experts, dtype=torch.bool)
     removed[[1, 6]] = True
-    stats = layer_expert_stats(adapter, moe, hidden, chunk_tokens=64, removed=removed)
-    present = ~removed
-    full = adapter.moe_forward(moe, hidden, allowed=present)
-    for e in range(moe.num_experts):
-        if removed[e]:
-            assert torch.all(stats.delta_h[:, e] == 0)
-            continue
-        without = present.clone()
-        without[e] = False
-        expected = (full - adapter.moe_forward(moe, hidden, allowed=without)).norm(dim=-1)
-        torch.testing.assert_close(stats.delta_h[:, e], expected, rtol=1e-5, atol=1e-5)
+    assert_delta_h_with_removed_experts(adapter, moe, hidden, removed, ~removed)
 
 
 def test_greedy_order_removes_down_to_top_k():

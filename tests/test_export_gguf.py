@@ -234,6 +234,18 @@ def _expected(experts, layer, matrix):
     return {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": down}[matrix]
 
 
+def _gguf_expert_matrices(layer) -> dict:
+    """A native layer's quantised experts as GGUF's three expert matrices: the gate and up halves of ``gate_up``'s
+    rows, and ``down``."""
+    inter = layer.moe.intermediate_size
+    rows = torch.arange(2 * inter)
+    return {
+        "gate": layer.gate_up_q.take_rows(rows[:inter]),
+        "up": layer.gate_up_q.take_rows(rows[inter:]),
+        "down": layer.down_q,
+    }
+
+
 def _check_gguf_experts(path: Path, experts, exact: bool) -> set[str]:
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -264,14 +276,7 @@ def test_expert_blocks_in_a_gguf_file_read_back_as_our_weights_without_a_convert
         for layer in source.iter_layers():
             if layer.gate_up_q is None:
                 continue
-            inter = layer.moe.intermediate_size
-            rows = torch.arange(2 * inter)
-            parts = {
-                "gate": layer.gate_up_q.take_rows(rows[:inter]),
-                "up": layer.gate_up_q.take_rows(rows[inter:]),
-                "down": layer.down_q,
-            }
-            for matrix, q in parts.items():
+            for matrix, q in _gguf_expert_matrices(layer).items():
                 blocks = ggml_blocks.to_ggml(q)
                 writer.add_tensor(
                     f"blk.{layer.layer}.ffn_{matrix}_exps.weight",
@@ -777,14 +782,7 @@ def test_kquant_gguf_export_writes_our_blocks_bit_for_bit(kquant_outputs, tmp_pa
     with CheckpointReader(directory) as source_reader:
         source = NativeSource(source_reader, adapter_for(source_reader.config))
         for layer in source.iter_layers():
-            inter = layer.moe.intermediate_size
-            rows = torch.arange(2 * inter)
-            parts = {
-                "gate": layer.gate_up_q.take_rows(rows[:inter]),
-                "up": layer.gate_up_q.take_rows(rows[inter:]),
-                "down": layer.down_q,
-            }
-            for matrix, q in parts.items():
+            for matrix, q in _gguf_expert_matrices(layer).items():
                 gguf_name = f"blk.{layer.layer}.ffn_{matrix}_exps.weight"
                 tensor = tensors[gguf_name]
                 kind = main if matrix == "down" else fallback

@@ -78,14 +78,13 @@ def test_kimi_k2_stock_load_stated_in_the_docs_loads_the_release_and_its_outputs
 
     from click.testing import CliRunner
     from helpers import load_stock
-    from synthetic import save_tiny_model, tiny_tokenizer
+    from synthetic import save_tiny_source
     from transformers import DeepseekV3ForCausalLM
 
     from moecompress.cli.main import app
 
     assert KIMI_K2_STOCK_LOAD in (Path(__file__).parents[1] / "docs" / "families.md").read_text()
-    release = save_tiny_model("kimi_k2", tmp_path / "release")
-    tiny_tokenizer().save_pretrained(release)
+    release = save_tiny_source("kimi_k2", tmp_path / "release")
     commands = {
         "pruned": ["prune", "--keep", "4", "--calib-tokens", "256"],
         "quantized": ["quantize", "--scheme", "int4", "--group-size", "32"],
@@ -184,11 +183,10 @@ def test_config_stock_transformers_cannot_run_is_one_line_exit_2_before_work(cas
     import json
 
     from helpers import run_cli
-    from synthetic import save_tiny_model, tiny_tokenizer
+    from synthetic import save_tiny_source
 
     patch, message = STOCK_FAILURES[case]
-    source = save_tiny_model("qwen3_moe", tmp_path / "model")
-    tiny_tokenizer().save_pretrained(source)
+    source = save_tiny_source("qwen3_moe", tmp_path / "model")
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, **patch}))
     out = tmp_path / "out"
@@ -225,13 +223,12 @@ def test_ergo_experts_normalise_with_their_own_weights_when_pruned_and_quantised
     from click.testing import CliRunner
     from helpers import load_stock
     from safetensors import safe_open
-    from synthetic import save_tiny_model, tiny_tokenizer
+    from synthetic import save_tiny_source
 
     import moecompress  # noqa: F401 - the plugin
     from moecompress.cli.main import app
 
-    source = save_tiny_model("ergo", tmp_path / "source")
-    tiny_tokenizer().save_pretrained(source)
+    source = save_tiny_source("ergo", tmp_path / "source")
     common = ["--seq-len", "32", "--eval-tokens", "64"]
     pruned, quantized = tmp_path / "pruned", tmp_path / "quantized"
     for command, out, options in (

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import load_stock
+from helpers import layer_split, layer_view, load_stock
 from safetensors.torch import load_file
-from synthetic import TINY_CONFIGS, build_tiny_model, save_tiny_model, tiny_tokenizer
+from synthetic import TINY_CONFIGS, build_tiny_model, save_tiny_source
 
-from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.errors import UserInputError
 from moecompress.families import adapter_for
@@ -24,17 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = save_tiny_model("gemma4_text", tmp_path_factory.mktemp("gemma4") / "source")
-    tiny_tokenizer().save_pretrained(directory)
+    directory = save_tiny_source("gemma4_text", tmp_path_factory.mktemp("gemma4") / "source")
     return directory
-
-
-def _view(checkpoint, layer=0):
-    with CheckpointReader(checkpoint) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, rest, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe, rest
 
 
 def _stock_site(layer_module, residual):
@@ -54,7 +44,7 @@ def _stock_site(layer_module, residual):
 
 
 def test_the_view_routes_on_the_router_input_and_scales_each_chosen_weight(checkpoint):
-    adapter, moe, rest = _view(checkpoint)
+    adapter, moe, rest, _ = layer_split(checkpoint, 0)
     assert moe.expert_scale.shape == (4,) and "model.layers.0.router.scale" in rest
     layer_module = load_stock(checkpoint).model.layers[0]
     residual = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
@@ -66,7 +56,7 @@ def test_the_view_routes_on_the_router_input_and_scales_each_chosen_weight(check
 
 
 def test_maep_scores_see_the_scaled_outputs(checkpoint):
-    adapter, moe, _ = _view(checkpoint)
+    adapter, moe = layer_view(checkpoint, 0)
     layer_module = load_stock(checkpoint).model.layers[0]
     residual = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     router_input, experts_input, _ = _stock_site(layer_module, residual)

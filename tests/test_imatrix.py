@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import load_stock, run_cli
-from synthetic import TINY_CONFIGS, save_tiny_model, tiny_tokenizer
+from synthetic import TINY_CONFIGS, save_tiny_source
 
 import moecompress
 from moecompress.calibration.model_inputs import calibration_batches
@@ -159,8 +159,7 @@ def test_gptq_calibration_writes_the_same_first_layer(tmp_path):
 def _qwen2(directory: Path, monkeypatch, dense: list[int]) -> Path:
     """Tiny Qwen2-MoE (3 layers, a shared expert, an untied head) whose layers ``dense`` are dense MLPs."""
     monkeypatch.setitem(TINY_CONFIGS["qwen2_moe"], "mlp_only_layers", dense)
-    source = save_tiny_model("qwen2_moe", directory)
-    tiny_tokenizer().save_pretrained(source)
+    source = save_tiny_source("qwen2_moe", directory)
     return source
 
 
@@ -188,6 +187,18 @@ def _converter() -> bool:
     return True
 
 
+def _imatrix_and_bf16_gguf(source: Path, directory: Path) -> tuple[Path, Path]:
+    """The importance matrix that an MXFP4 quantisation of ``source`` writes, and ``source`` exported as a bf16 GGUF
+    (both in ``directory``)."""
+    target = directory / "x.imatrix"
+    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
+    quantize_checkpoint(source, directory / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
+    model = directory / "bf16.gguf"
+    exported = run_cli("export", str(source), "--format", "gguf", "--out", str(model))
+    assert exported.returncode == 0, exported.stderr
+    return target, model
+
+
 @pytest.mark.skipif(not _converter(), reason="MOECOMPRESS_LLAMA_CPP names no llama.cpp converter")
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral"])
 def test_entries_are_the_converters_matrices(tmp_path, monkeypatch, family):
@@ -196,14 +207,8 @@ def test_entries_are_the_converters_matrices(tmp_path, monkeypatch, family):
     if family == "qwen2_moe":
         source = _qwen2(tmp_path / family, monkeypatch, [])  # the converter maps no dense layer of qwen2moe
     else:
-        source = save_tiny_model(family, tmp_path / family)
-        tiny_tokenizer().save_pretrained(source)
-    target = tmp_path / "x.imatrix"
-    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
-    quantize_checkpoint(source, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
-    model = tmp_path / "bf16.gguf"
-    exported = run_cli("export", str(source), "--format", "gguf", "--out", str(model))
-    assert exported.returncode == 0, exported.stderr
+        source = save_tiny_source(family, tmp_path / family)
+    target, model = _imatrix_and_bf16_gguf(source, tmp_path)
     _, weights = _read(model)
     _, entries = _read(target)
     names = {key.removesuffix(".in_sum2") for key in entries if key.endswith(".in_sum2")}
@@ -286,8 +291,7 @@ def test_bad_targets_are_refused_before_any_work(tmp_path, where, message):
 
 
 def test_a_family_without_a_known_llama_cpp_naming_is_refused(tmp_path):
-    source = save_tiny_model("deepseek_v3", tmp_path / "ds")
-    tiny_tokenizer().save_pretrained(source)
+    source = save_tiny_source("deepseek_v3", tmp_path / "ds")
     config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(tmp_path / "ds.imatrix"))
     with pytest.raises(UserInputError, match=r"qwen3_moe.*not deepseek_v3"):
         quantize_checkpoint(source, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
@@ -303,12 +307,7 @@ def _binaries() -> Path | None:
 
 @pytest.mark.skipif(_binaries() is None, reason="MOECOMPRESS_LLAMA_CPP_BIN names no llama-quantize (or no converter)")
 def test_llama_quantize_uses_the_importance_matrix(tmp_path):
-    target = tmp_path / "tiny.imatrix"
-    config = QuantizeConfig(scheme="mxfp4", imatrix_out=str(target))
-    quantize_checkpoint(BUILTIN, tmp_path / "q", config, calib_tokens=TOKENS, seq_len=SEQ_LEN, progress=False)
-    model = tmp_path / "tiny-bf16.gguf"
-    exported = run_cli("export", str(BUILTIN), "--format", "gguf", "--out", str(model))
-    assert exported.returncode == 0, exported.stderr
+    target, model = _imatrix_and_bf16_gguf(BUILTIN, tmp_path)
     result = subprocess.run(
         [_binaries() / "llama-quantize", "--imatrix", target, model, tmp_path / "q4km.gguf", "Q4_K_M", "1"],
         capture_output=True,

@@ -7,11 +7,10 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import load_stock
+from helpers import layer_split, load_stock
 from safetensors.torch import load_file
 from synthetic import tiny_tokenizer
 
-from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
@@ -20,21 +19,13 @@ ROUTED, SHARED, TOP_K = 8, 2, 2
 INKLING = ("inkling_text", "inkling_mm_model")
 
 
-def _layer_view(checkpoint, layer=1):
-    with CheckpointReader(checkpoint) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, rest, layout = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe, rest, layout
-
-
 def _hidden(tokens, seed=0):
     return torch.randn(tokens, 64, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("family", INKLING)
 def test_view_holds_the_shared_router_rows(family, tiny_checkpoints):
-    adapter, moe, rest, layout = _layer_view(tiny_checkpoints[family])
+    adapter, moe, rest, layout = layer_split(tiny_checkpoints[family], 1)
     assert adapter.moe_layers() == [1, 2]
     assert (moe.num_experts, moe.identity_experts, moe.router_columns) == (ROUTED, SHARED, ROUTED + SHARED)
     assert moe.router_weight.shape[0] == moe.correction_bias.shape[0] == ROUTED + SHARED
@@ -49,7 +40,7 @@ def test_view_holds_the_shared_router_rows(family, tiny_checkpoints):
 
 @pytest.mark.parametrize("family", INKLING)
 def test_removing_a_routed_expert_reweighs_the_shared_experts(family, tiny_checkpoints):
-    adapter, moe, _, _ = _layer_view(tiny_checkpoints[family])
+    adapter, moe, _, _ = layer_split(tiny_checkpoints[family], 1)
     hidden = _hidden(200)
     logits = adapter.router_logits(moe, hidden)
     ids, weights = adapter.route(moe, logits)
@@ -66,7 +57,7 @@ def test_removing_a_routed_expert_reweighs_the_shared_experts(family, tiny_check
 
 @pytest.mark.parametrize("family", INKLING)
 def test_delta_h_counts_the_shared_experts_change(family, tiny_checkpoints):
-    adapter, moe, _, _ = _layer_view(tiny_checkpoints[family])
+    adapter, moe, _, _ = layer_split(tiny_checkpoints[family], 1)
     hidden = _hidden(150, seed=1)
     stats = layer_expert_stats(adapter, moe, hidden, chunk_tokens=64)
     assert stats.delta_h.shape == (150, ROUTED) and stats.identity_counts.tolist() == [150.0, 150.0]

@@ -2,18 +2,14 @@
 block stack (``block_states``) the layer sweep carries: the sweep's hidden states and logits, the Fisher pass's
 gradients and a resumed sweep equal the stock model's."""
 
-import json
-
 import pytest
 import torch
-from helpers import load_stock
+from helpers import assert_view_computes_the_stock_layer, checkpoint_adapter, load_stock, text_sweep, token_batches
 from synthetic import save_tiny_model
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.stream import group_keys_by_layer
-from moecompress.families import adapter_for
 from moecompress.quantization.sensitivity import block_output_fisher, next_token_loss
-from moecompress.sweep.engine import CalibrationSweep
 from moecompress.sweep.state import SweepState
 
 FAMILIES = ("inkling2_text", "inkling2")
@@ -24,29 +20,11 @@ def checkpoint(request, tmp_path_factory):
     return save_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "source")
 
 
-def _adapter(directory):
-    return adapter_for(json.loads((directory / "config.json").read_text()))
-
-
-def _batches():
-    generator = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(3, 380, (2, 24), generator=generator)} for _ in range(2)]
-
-
-def _sweep(checkpoint, batches, state=None, stop_after=None):
-    tokens = sum(batch["input_ids"].numel() for batch in batches)
-    sweep = CalibrationSweep(checkpoint, batches, torch.zeros(tokens, dtype=torch.long), ["text"], progress=False)
-    for capture in sweep.run(state):
-        if capture.layer == stop_after:
-            break
-    return sweep
-
-
 def _stock(checkpoint, batches):
     """The stock model's last-layer outputs and logits per batch."""
     model = load_stock(checkpoint)
     last, logits = [], []
-    layers = _adapter(checkpoint).decoder_layers(model)
+    layers = checkpoint_adapter(checkpoint).decoder_layers(model)
     handle = layers[-1].register_forward_hook(lambda module, args, out: last.append(out))
     with torch.no_grad():
         logits = [model(**batch).logits for batch in batches]
@@ -55,7 +33,7 @@ def _stock(checkpoint, batches):
 
 
 def test_release_names_and_block_queries(checkpoint):
-    adapter = _adapter(checkpoint)
+    adapter = checkpoint_adapter(checkpoint)
     with CheckpointReader(checkpoint) as reader:
         keys, outside = group_keys_by_layer(reader, adapter)
         assert "model.llm.attn_res.attn_queries.0" in keys[1] and "model.llm.attn_res.mlp_queries.0" in keys[0]
@@ -77,25 +55,20 @@ def test_release_names_and_block_queries(checkpoint):
 
 
 def test_routing_and_softcapped_activation_equal_the_stock_block(checkpoint):
-    adapter = _adapter(checkpoint)
+    adapter = checkpoint_adapter(checkpoint)
     model = load_stock(checkpoint)
     with CheckpointReader(checkpoint) as reader:
         keys, _ = group_keys_by_layer(reader, adapter)
         moe, _, _ = adapter.split_layer(2, reader.read(keys[2]))
     hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 4
-    _, weights, ids = adapter.stock_route(model, 2, hidden)
-    view_ids, view_weights = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
-    assert torch.equal(view_ids, ids) and torch.equal(view_weights, weights)
-    stock = adapter.stock_experts(model, 2, hidden, ids, weights)
-    view = adapter.combine_experts(hidden, ids, weights, lambda expert, x: adapter.expert_output(moe, expert, x))
-    torch.testing.assert_close(view, stock, rtol=1e-5, atol=1e-5)
+    assert_view_computes_the_stock_layer(adapter, model, 2, moe, hidden)
     gate, up = torch.tensor([3.0]), torch.tensor([5.0])
     assert not torch.equal(adapter.activation(gate, up), torch.nn.functional.silu(gate) * up)
 
 
 def test_sweep_carries_the_block_stack_to_every_layer_and_the_head(checkpoint):
-    batches = _batches()
-    sweep = _sweep(checkpoint, batches)
+    batches = token_batches()
+    sweep = text_sweep(checkpoint, batches)
     last, logits = _stock(checkpoint, batches)
     for swept, stock in zip(sweep.last_hidden, last, strict=True):
         torch.testing.assert_close(swept, stock, rtol=1e-5, atol=1e-5)
@@ -111,20 +84,20 @@ def test_sweep_carries_the_block_stack_to_every_layer_and_the_head(checkpoint):
 
 
 def test_a_resumed_sweep_restores_the_block_stack(checkpoint, tmp_path):
-    batches = _batches()
+    batches = token_batches()
     state = SweepState(tmp_path / "state")
-    _sweep(checkpoint, batches, state, stop_after=3)
+    text_sweep(checkpoint, batches, state, stop_after=3)
     assert SweepState(tmp_path / "state").last_layer == 2
     assert {name.split("/")[0] for name in state.carried()} == {"blk"}
-    resumed = _sweep(checkpoint, batches, SweepState(tmp_path / "state"))
+    resumed = text_sweep(checkpoint, batches, SweepState(tmp_path / "state"))
     last, _ = _stock(checkpoint, batches)
     for swept, stock in zip(resumed.last_hidden, last, strict=True):
         torch.testing.assert_close(swept, stock, rtol=1e-5, atol=1e-5)
 
 
 def test_fisher_pass_follows_the_gradient_through_the_block_stack(checkpoint, tmp_path):
-    batches = _batches()
-    adapter = _adapter(checkpoint)
+    batches = token_batches()
+    adapter = checkpoint_adapter(checkpoint)
     model = load_stock(checkpoint)
     outputs = {}
     handles = [

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import load_stock, run_cli
+from helpers import load_stock, model_layer_split, run_cli
 from safetensors.torch import load_file
-from synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
+from synthetic import build_tiny_model, save_tiny_source
 
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
@@ -18,20 +18,12 @@ from moecompress.families.jetmoe import JetMoeRoutedBlock
 E, H = 8, 64
 
 
-def _layer_view(model, layer=0):
-    adapter = adapter_for(model.config.to_dict())
-    prefix = adapter.layer_prefix(layer)
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
-    moe, rest, layout = adapter.split_layer(layer, tensors)
-    return adapter, moe, rest, layout, tensors
-
-
 def _tokens(count=48):
     return torch.randn(1, count, H, generator=torch.Generator().manual_seed(1))
 
 
 def test_the_mlp_experts_are_the_view_and_the_attention_experts_stay_as_read():
-    adapter, moe, rest, layout, tensors = _layer_view(build_tiny_model("jetmoe"))
+    adapter, moe, rest, layout, tensors = model_layer_split(build_tiny_model("jetmoe"))
     assert torch.equal(moe.gate_up, tensors["model.layers.0.mlp.input_linear.weight"])
     assert torch.equal(moe.down, tensors["model.layers.0.mlp.output_linear.weight"])
     assert {"model.layers.0.mlp.bias", "model.layers.0.self_attention.experts.input_linear.weight"} <= rest.keys()
@@ -45,7 +37,7 @@ def test_the_mlp_experts_are_the_view_and_the_attention_experts_stay_as_read():
 
 def test_the_grouped_route_is_read_and_written_exactly():
     model = build_tiny_model("jetmoe")
-    adapter, moe, _, _, _ = _layer_view(model)
+    adapter, moe, _, _, _ = model_layer_split(model)
     block = model.model.layers[0].mlp
     hidden = _tokens()[0]
     with torch.no_grad():
@@ -82,8 +74,7 @@ def test_the_plugins_block_computes_what_the_stock_block_does():
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    path = save_tiny_model("jetmoe", tmp_path_factory.mktemp("jetmoe") / "source")
-    tiny_tokenizer().save_pretrained(path)
+    path = save_tiny_source("jetmoe", tmp_path_factory.mktemp("jetmoe") / "source")
     return path
 
 

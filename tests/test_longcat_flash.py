@@ -5,11 +5,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import load_stock
+from helpers import assert_delta_h_with_removed_experts, copy_with_tokenizer, layer_view, load_stock
 from safetensors.torch import load_file
-from synthetic import tiny_tokenizer
 
-from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
@@ -17,20 +15,12 @@ from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_s
 FFN, IDENTITY = 8, 4
 
 
-def _layer_view(checkpoint, layer=0):
-    with CheckpointReader(checkpoint) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, _, _ = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe
-
-
 def _hidden(tokens, seed=0):
     return torch.randn(tokens, 64, generator=torch.Generator().manual_seed(seed))
 
 
 def test_view_holds_the_identity_router_rows(tiny_checkpoints):
-    adapter, moe = _layer_view(tiny_checkpoints["longcat_flash"])
+    adapter, moe = layer_view(tiny_checkpoints["longcat_flash"], 0)
     assert (moe.num_experts, moe.identity_experts, moe.router_columns) == (FFN, IDENTITY, FFN + IDENTITY)
     assert moe.router_weight.shape[0] == moe.correction_bias.shape[0] == FFN + IDENTITY
     assert adapter.route_ids(0) == [*range(FFN), -1, -2, -3, -4]
@@ -42,7 +32,7 @@ def test_view_holds_the_identity_router_rows(tiny_checkpoints):
 
 
 def test_identity_experts_are_measured_and_never_scored(tiny_checkpoints):
-    adapter, moe = _layer_view(tiny_checkpoints["longcat_flash"])
+    adapter, moe = layer_view(tiny_checkpoints["longcat_flash"], 0)
     hidden = _hidden(300)
     ids, _ = adapter.routing_rule().route(adapter.router_logits(moe, hidden), moe.correction_bias)
     identity_slots = int((ids >= FFN).sum())
@@ -58,25 +48,16 @@ def test_identity_experts_are_measured_and_never_scored(tiny_checkpoints):
 
 
 def test_delta_h_with_experts_already_removed_keeps_identity_experts_routable(tiny_checkpoints):
-    adapter, moe = _layer_view(tiny_checkpoints["longcat_flash"])
+    adapter, moe = layer_view(tiny_checkpoints["longcat_flash"], 0)
     hidden = _hidden(200, seed=2)
     removed = torch.zeros(FFN, dtype=torch.bool)
     removed[[1, 6]] = True
-    stats = layer_expert_stats(adapter, moe, hidden, chunk_tokens=64, removed=removed)
     present = torch.cat([~removed, torch.ones(IDENTITY, dtype=torch.bool)])
-    full = adapter.moe_forward(moe, hidden, allowed=present)
-    for e in range(FFN):
-        if removed[e]:
-            assert torch.all(stats.delta_h[:, e] == 0)
-            continue
-        without = present.clone()
-        without[e] = False
-        expected = (full - adapter.moe_forward(moe, hidden, allowed=without)).norm(dim=-1)
-        torch.testing.assert_close(stats.delta_h[:, e], expected, rtol=1e-5, atol=1e-5)
+    assert_delta_h_with_removed_experts(adapter, moe, hidden, removed, present)
 
 
 def test_masked_route_equals_route_of_the_pruned_router(tiny_checkpoints):
-    adapter, moe = _layer_view(tiny_checkpoints["longcat_flash"])
+    adapter, moe = layer_view(tiny_checkpoints["longcat_flash"], 0)
     hidden = _hidden(200, seed=1)
     rule = adapter.routing_rule()
     keep = [0, 2, 3, 7]
@@ -92,12 +73,7 @@ def test_masked_route_equals_route_of_the_pruned_router(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def source(tiny_checkpoints, tmp_path_factory):
-    import shutil
-
-    path = tmp_path_factory.mktemp("longcat") / "source"
-    shutil.copytree(tiny_checkpoints["longcat_flash"], path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return copy_with_tokenizer(tiny_checkpoints["longcat_flash"], tmp_path_factory.mktemp("longcat") / "source")
 
 
 def _run(*args):

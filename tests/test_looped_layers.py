@@ -9,10 +9,9 @@ import json
 
 import pytest
 import torch
-from helpers import load_stock
+from helpers import checkpoint_adapter, copy_with_tokenizer, load_stock, text_sweep, token_batches
 from synthetic import save_tiny_model
 
-from moecompress.families import adapter_for
 from moecompress.quantization.sensitivity import block_output_fisher, next_token_loss
 from moecompress.runner.pipeline import _replacement
 from moecompress.sweep.engine import CalibrationSweep
@@ -25,20 +24,11 @@ def checkpoint(request, tmp_path_factory):
     return save_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "source")
 
 
-def _adapter(checkpoint):
-    return adapter_for(json.loads((checkpoint / "config.json").read_text()))
-
-
-def _batches() -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(3, 380, (2, 24), generator=generator)} for _ in range(2)]
-
-
 def _stock_calls(checkpoint, batches, module: str = "") -> dict[int, list[torch.Tensor]]:
     """Per decoder layer, what its ``module`` (the layer itself: its output; else that submodule's input) gave or
     took in each call of the stock forward, batch by batch."""
     model = load_stock(checkpoint)
-    layers = model.get_submodule(_adapter(checkpoint).runtime_layers_path)
+    layers = model.get_submodule(checkpoint_adapter(checkpoint).runtime_layers_path)
     calls: dict[int, list[torch.Tensor]] = {}
     handles = []
     for index, layer in enumerate(layers):
@@ -61,26 +51,17 @@ def _stock_calls(checkpoint, batches, module: str = "") -> dict[int, list[torch.
     return calls
 
 
-def _sweep(checkpoint, batches, consume=None) -> CalibrationSweep:
-    tokens = sum(batch["input_ids"].numel() for batch in batches)
-    sweep = CalibrationSweep(checkpoint, batches, torch.zeros(tokens, dtype=torch.long), ["text"], progress=False)
-    for capture in sweep.run(None):
-        if consume is not None:
-            consume(capture)
-    return sweep
-
-
 def test_the_sweeps_last_hidden_states_are_the_stock_forwards(checkpoint):
-    batches = _batches()
+    batches = token_batches()
     last = max(_stock_calls(checkpoint, batches))
     stock = _stock_calls(checkpoint, batches)[last]
-    for swept, want in zip(_sweep(checkpoint, batches).last_hidden, stock, strict=True):
+    for swept, want in zip(text_sweep(checkpoint, batches).last_hidden, stock, strict=True):
         torch.testing.assert_close(swept, want, rtol=0, atol=5e-5)
 
 
 def test_without_the_messages_the_passes_differ(checkpoint, monkeypatch):
     """The check above can fail: the same sweep with every pass's messages left out is far from the stock forward."""
-    batches = _batches()
+    batches = token_batches()
     stock = _stock_calls(checkpoint, batches)
     forward = CalibrationSweep.forward_layer
 
@@ -90,20 +71,20 @@ def test_without_the_messages_the_passes_differ(checkpoint, monkeypatch):
         return forward(self, module, layer, hidden)
 
     monkeypatch.setattr(CalibrationSweep, "forward_layer", without_messages)
-    swept = _sweep(checkpoint, batches).last_hidden
+    swept = text_sweep(checkpoint, batches).last_hidden
     assert (swept[0] - stock[max(stock)][0]).abs().max() > 0.1
 
 
 def test_a_looped_layers_capture_holds_the_moe_inputs_of_every_pass(checkpoint):
-    batches = _batches()
-    adapter = _adapter(checkpoint)
+    batches = token_batches()
+    adapter = checkpoint_adapter(checkpoint)
     stock = _stock_calls(checkpoint, batches, adapter.moe_site_module)
     captures = {}
 
     def keep(capture):
         captures[capture.layer] = (capture.moe_input.clone(), capture.tags.clone())
 
-    _sweep(checkpoint, batches, keep)
+    text_sweep(checkpoint, batches, consume=keep)
     passes, tokens = adapter.loop_passes, sum(batch["input_ids"].numel() for batch in batches)
     assert passes == 3 and list(adapter.loop_layers) == [2, 3, 4, 5]
     for layer, (inputs, tags) in captures.items():
@@ -117,8 +98,8 @@ def test_a_looped_layers_capture_holds_the_moe_inputs_of_every_pass(checkpoint):
 
 def test_a_replacement_is_used_for_every_pass(checkpoint):
     """Layer 3's experts replaced by zero experts in the sweep give the stock forward with those experts zeroed."""
-    batches = _batches()
-    adapter = _adapter(checkpoint)
+    batches = token_batches()
+    adapter = checkpoint_adapter(checkpoint)
 
     def zero_layer_3(capture):
         if capture.layer == 3:
@@ -126,7 +107,7 @@ def test_a_replacement_is_used_for_every_pass(checkpoint):
             zeroed.down = torch.zeros_like(zeroed.down)
             capture.replacement, capture.allowed = _replacement(capture.moe, zeroed)
 
-    swept = _sweep(checkpoint, batches, zero_layer_3).last_hidden
+    swept = text_sweep(checkpoint, batches, consume=zero_layer_3).last_hidden
     model = load_stock(checkpoint)
     experts = adapter.experts_of(model, 3)
     with torch.no_grad():
@@ -140,13 +121,13 @@ def test_a_replacement_is_used_for_every_pass(checkpoint):
         handle.remove()
     for got, expected in zip(swept, outputs, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=5e-5)
-    unchanged = _sweep(checkpoint, batches).last_hidden
+    unchanged = text_sweep(checkpoint, batches).last_hidden
     assert (unchanged[0] - outputs[0]).abs().max() > 1e-3
 
 
 def test_the_block_output_fisher_through_the_loop_is_the_stock_models_gradient(checkpoint):
-    batches = _batches()
-    adapter = _adapter(checkpoint)
+    batches = token_batches()
+    adapter = checkpoint_adapter(checkpoint)
     fisher = block_output_fisher(checkpoint, batches, progress=False)
     model = load_stock(checkpoint)
     layers = model.get_submodule(adapter.runtime_layers_path)
@@ -188,21 +169,18 @@ def test_a_layer_scope_prune_loads_in_stock_transformers_and_routes_as_the_maske
 
     import transformers
     from click.testing import CliRunner
-    from synthetic import tiny_tokenizer
 
     from moecompress.cli.main import app
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "scripts"))
     from family_sweep import _mask_experts
 
-    source = tmp_path / "source"
-    __import__("shutil").copytree(checkpoint, source)
-    tiny_tokenizer().save_pretrained(source)
+    source = copy_with_tokenizer(checkpoint, tmp_path / "source")
     out = tmp_path / "pruned"
     options = ["--keep", "4", "--scope", "layer", "--calib-tokens", "512", "--seq-len", "32", "--no-eval"]
     result = CliRunner().invoke(app, ["prune", str(source), "--out", str(out), *options])
     assert result.exit_code == 0, result.output
-    adapter, pruned = _adapter(source), _adapter(out)
+    adapter, pruned = checkpoint_adapter(source), checkpoint_adapter(out)
     _, loading = getattr(transformers, pruned.auto_class).from_pretrained(
         out, dtype=torch.float32, output_loading_info=True
     )
@@ -234,7 +212,7 @@ def test_a_layer_scope_prune_loads_in_stock_transformers_and_routes_as_the_maske
 def test_qat_captures_and_replays_the_routes_of_every_pass(checkpoint):
     from moecompress.training.replay import RouteCapture, RouteReplay
 
-    adapter = _adapter(checkpoint)
+    adapter = checkpoint_adapter(checkpoint)
     teacher, student = load_stock(checkpoint), load_stock(checkpoint)
     capture, replay = RouteCapture(teacher, adapter), RouteReplay(student, adapter, "recorded")
     ids = torch.randint(3, 380, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from synthetic import save_tiny_model, tiny_tokenizer
+from synthetic import save_tiny_model, save_tiny_source, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 
@@ -21,8 +21,7 @@ def qwen_sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen_mtp")
     sources = {}
     for family in QWEN_MTP:
-        sources[family] = save_tiny_model(family, root / family, seed=2)
-        tiny_tokenizer().save_pretrained(sources[family])
+        sources[family] = save_tiny_source(family, root / family, seed=2)
     return sources
 
 

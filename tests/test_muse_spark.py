@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import load_stock
+from helpers import layer_split, load_stock
 from safetensors import safe_open
-from synthetic import save_tiny_model, tiny_tokenizer
+from synthetic import save_tiny_source
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
@@ -22,17 +22,8 @@ NORM = "model.language_model.layers.{}.mlp.experts.post_expert_norm.weight"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = save_tiny_model("muse_spark", tmp_path_factory.mktemp("muse_spark") / "source")
-    tiny_tokenizer().save_pretrained(directory)
+    directory = save_tiny_source("muse_spark", tmp_path_factory.mktemp("muse_spark") / "source")
     return directory
-
-
-def _view(checkpoint, layer=1):
-    with CheckpointReader(checkpoint) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, rest, layout = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe, rest, layout
 
 
 def _tensor(directory, key):
@@ -41,7 +32,7 @@ def _tensor(directory, key):
 
 
 def test_release_layout_latent_view_and_towers(checkpoint):
-    adapter, moe, rest, layout = _view(checkpoint)
+    adapter, moe, rest, layout = layer_split(checkpoint, 1)
     assert adapter.moe_layers() == [1, 2] and adapter.latent_experts and adapter.experts_width == 32
     assert layout == "fused" and tuple(moe.gate_up.shape) == (8, 128, 32) and tuple(moe.down.shape) == (8, 32, 64)
     assert tuple(moe.router_weight.shape) == (8, 64) and moe.correction_bias.shape == (8,)
@@ -53,7 +44,7 @@ def test_release_layout_latent_view_and_towers(checkpoint):
 
 
 def test_the_shared_output_norm_and_the_logit_multiplier_are_the_stock_modules(checkpoint):
-    adapter, moe, _, _ = _view(checkpoint)
+    adapter, moe, _, _ = layer_split(checkpoint, 1)
     block = load_stock(checkpoint).model.language_model.layers[1].mlp
     hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from helpers import load_stock
+from helpers import checkpoint_adapter, load_stock, token_batches
 from safetensors.torch import load_file, save_file
-from synthetic import save_tiny_model, tiny_tokenizer
+from synthetic import save_tiny_source, tiny_tokenizer
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.checkpoint.stream import group_keys_by_layer
@@ -20,8 +20,7 @@ FAMILY = "nemo_speechlm"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = save_tiny_model(FAMILY, tmp_path_factory.mktemp(FAMILY) / "source")
-    tiny_tokenizer().save_pretrained(directory)
+    directory = save_tiny_source(FAMILY, tmp_path_factory.mktemp(FAMILY) / "source")
     return directory
 
 
@@ -53,17 +52,8 @@ def nemo_export(checkpoint, tmp_path_factory):
     return directory
 
 
-def _batches():
-    generator = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(3, 380, (2, 24), generator=generator)} for _ in range(2)]
-
-
-def _adapter(directory):
-    return adapter_for(json.loads((directory / "config.json").read_text()))
-
-
 def test_text_only_sweep_equals_the_stock_model(checkpoint):
-    batches = _batches()
+    batches = token_batches()
     sweep = CalibrationSweep(checkpoint, batches, torch.zeros(96, dtype=torch.long), ["text"], progress=False)
     for _ in sweep.run(None):
         pass
@@ -75,7 +65,7 @@ def test_text_only_sweep_equals_the_stock_model(checkpoint):
 
 
 def test_nemo_export_reads_as_the_per_expert_layout(checkpoint, nemo_export):
-    adapter = _adapter(nemo_export)
+    adapter = checkpoint_adapter(nemo_export)
     stock = load_stock(checkpoint)
     for directory in (checkpoint, nemo_export):
         with CheckpointReader(directory) as reader:
@@ -91,7 +81,7 @@ def test_nemo_export_reads_as_the_per_expert_layout(checkpoint, nemo_export):
                 state = adapter.runtime_layer_state(layer, moe, rest)
                 expected = adapter.decoder_layers(stock)[layer].state_dict()
                 assert set(state) == set(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
-    ids = _batches()[0]["input_ids"]
+    ids = token_batches()[0]["input_ids"]
     with torch.no_grad():
         assert torch.equal(load_stock(nemo_export)(input_ids=ids).logits, stock(input_ids=ids).logits)
 
@@ -118,7 +108,7 @@ def test_mxfp4_of_the_nemo_export_loads_through_the_plugin(nemo_export, tmp_path
 
     api.quantize(nemo_export, tmp_path / "q", scheme="mxfp4", evaluation=None)
     model = load_stock(tmp_path / "q")
-    adapter = _adapter(tmp_path / "q")
+    adapter = checkpoint_adapter(tmp_path / "q")
     assert {type(adapter.experts_of(model, layer)).__name__ for layer in adapter.moe_layers()} == {"QuantizedExperts"}
     reference = load_stock(nemo_export).model.language_model.layers[0].mixer.A_log
     assert torch.equal(model.model.language_model.layers[0].mixer.A_log, reference)

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-from helpers import load_stock, plain_perplexity
+from helpers import layer_split, load_stock, plain_perplexity
 from safetensors import safe_open
 from safetensors.torch import load_file
-from synthetic import build_tiny_model, save_tiny_model, tiny_tokenizer
+from synthetic import build_tiny_model, save_tiny_model, save_tiny_source
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
@@ -108,21 +108,12 @@ def test_quantised_module_has_up_proj_and_computes_the_dequantised_expert(tmp_pa
 # ---- Nemotron 3 Super: the experts in a latent space (moe_latent_size) -------------------------------------------
 @pytest.fixture(scope="module")
 def latent(tmp_path_factory):
-    directory = save_tiny_model("nemotron_h_latent", tmp_path_factory.mktemp("nemotron_latent") / "source")
-    tiny_tokenizer().save_pretrained(directory)
+    directory = save_tiny_source("nemotron_h_latent", tmp_path_factory.mktemp("nemotron_latent") / "source")
     return directory
 
 
-def _latent_view(directory, layer=1):
-    with CheckpointReader(directory) as reader:
-        adapter = adapter_for(reader.config)
-        prefix = adapter.layer_prefix(layer)
-        moe, rest, layout = adapter.split_layer(layer, reader.read(k for k in reader.keys() if k.startswith(prefix)))
-    return adapter, moe, rest, layout
-
-
 def test_latent_view_holds_latent_experts_and_keeps_the_projections_in_the_layer(latent):
-    adapter, moe, rest, layout = _latent_view(latent)
+    adapter, moe, rest, layout = layer_split(latent, 1)
     assert adapter.latent_experts and adapter.experts_width == 32
     assert (adapter.moe_site_module, adapter.router_input_module) == ("mixer.experts", "mixer.gate")
     assert tuple(moe.gate_up.shape) == (8, 96, 32) and tuple(moe.down.shape) == (8, 32, 96)
@@ -138,7 +129,7 @@ def test_latent_view_holds_latent_experts_and_keeps_the_projections_in_the_layer
 
 
 def test_latent_view_and_output_projection_reproduce_the_stock_block(latent):
-    adapter, moe, rest, _ = _latent_view(latent)
+    adapter, moe, rest, _ = layer_split(latent, 1)
     block = load_stock(latent).model.layers[1].mixer
     hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -240,11 +240,10 @@ def test_a_killed_merge_with_router_refit_resumes_to_the_same_bytes(tmp_path):
 
 
 def test_merging_a_fp8_release_writes_a_plain_checkpoint_stock_transformers_loads(tmp_path):
-    from synthetic import save_tiny_model, tiny_tokenizer
+    from synthetic import save_tiny_source
     from synthetic_quantized import convert_to_block_fp8
 
-    bf16 = save_tiny_model("deepseek_v3", tmp_path / "bf16")
-    tiny_tokenizer().save_pretrained(bf16)
+    bf16 = save_tiny_source("deepseek_v3", tmp_path / "bf16")
     fp8 = convert_to_block_fp8(bf16, tmp_path / "fp8")
     out = tmp_path / "merged"
     config = PruneExpertsConfig(method="merge", ratio=0.5, recalibrate_router=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from helpers import load_stock
-from synthetic import save_tiny_model, tiny_tokenizer
+from synthetic import save_tiny_source
 from synthetic_quantized import add_mtp_layer
 
 from moecompress.calibration.model_inputs import calibration_batches
@@ -55,8 +55,7 @@ def sources(tmp_path_factory):
     def get(case):
         if case not in made:
             family = case.removesuffix("_mtp")
-            made[case] = save_tiny_model(family, root / case)
-            tiny_tokenizer().save_pretrained(made[case])
+            made[case] = save_tiny_source(family, root / case)
             if case.endswith("_mtp"):
                 add_mtp_layer(made[case])
         return made[case]

@@ -521,13 +521,12 @@ def test_mtp_layer_is_pruned_by_its_own_calibration(releases, tmp_path):
 
 def test_top_level_mtp_module_is_dropped_on_request(tmp_path):
     """Qwen3-Next / Qwen3.5 ship their MTP module as top-level ``mtp.*`` tensors: --mtp drop leaves them out."""
-    from synthetic import tiny_tokenizer
+    from synthetic import save_tiny_source
 
     from moecompress.passes.prune_experts import PruneExpertsConfig, prune_experts
     from moecompress.passes.quantize import QuantizeConfig, quantize_checkpoint
 
-    source = save_tiny_model("qwen3_next", tmp_path / "source")
-    tiny_tokenizer().save_pretrained(source)
+    source = save_tiny_source("qwen3_next", tmp_path / "source")
     assert any(key.startswith("mtp.") for key in CheckpointReader(source).keys())
     prune_experts(
         source, tmp_path / "p", PruneExpertsConfig(ratio=0.5, mtp="drop"), calib_tokens=256, seq_len=64, progress=False

@@ -9,7 +9,7 @@ import transformers
 from click.testing import CliRunner
 from helpers import load_stock
 from safetensors.torch import load_file
-from synthetic import save_tiny_model, tiny_tokenizer
+from synthetic import save_tiny_source
 
 from moecompress.checkpoint import CheckpointReader
 from moecompress.cli.main import app
@@ -21,8 +21,7 @@ PASSED_THROUGH = ("talker.", "code2wav.", "thinker.audio_tower.", "thinker.visua
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = save_tiny_model("qwen3_omni_moe", tmp_path_factory.mktemp("qwen3_omni_moe") / "source")
-    tiny_tokenizer().save_pretrained(directory)
+    directory = save_tiny_source("qwen3_omni_moe", tmp_path_factory.mktemp("qwen3_omni_moe") / "source")
     return directory
 
 

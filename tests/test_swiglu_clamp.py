@@ -2,12 +2,10 @@
 stock module's, every user of the activation (the view, GPTQ's and the low-rank inputs, the plugin's
 QuantizedExperts) follows the layer, and the exports that cannot write a per-layer clamp refuse in one line."""
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import load_stock, run_cli
+from helpers import checkpoint_adapter, load_stock, run_cli
 from synthetic import save_tiny_model
 
 from moecompress import quantization
@@ -33,10 +31,6 @@ def checkpoints(tmp_path_factory):
     return {family: save_tiny_model(family, root / family) for family in FAMILIES}
 
 
-def _adapter(directory):
-    return adapter_for(json.loads((directory / "config.json").read_text()))
-
-
 def _views(directory, adapter):
     with CheckpointReader(directory) as reader:
         keys, _ = group_keys_by_layer(reader, adapter)
@@ -46,7 +40,7 @@ def _views(directory, adapter):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_layer_computes_its_stock_experts_clamp_included(checkpoints, family):
     directory = checkpoints[family]
-    adapter, model = _adapter(directory), load_stock(directory)
+    adapter, model = checkpoint_adapter(directory), load_stock(directory)
     assert adapter.activation_varies()
     hidden = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
     for layer, moe in _views(directory, adapter).items():
@@ -85,7 +79,7 @@ def test_gptq_imatrix_and_merge_see_the_stock_clamped_activations(checkpoints, m
     """The down projection's inputs that GPTQ (through the quantised gate/up), the imatrix and expert merging compute
     are what the stock experts module computes in the clamped layer."""
     directory = checkpoints["bailing_hybrid"]
-    adapter, model, layer = _adapter(directory), load_stock(directory), CLAMPED["bailing_hybrid"]
+    adapter, model, layer = checkpoint_adapter(directory), load_stock(directory), CLAMPED["bailing_hybrid"]
     moe = _views(directory, adapter)[layer]
     stock = adapter.experts_of(model, layer)
     hidden = torch.randn(256, 64, generator=torch.Generator().manual_seed(3))
@@ -118,7 +112,7 @@ def test_the_low_rank_reach_follows_the_layers_clamp(checkpoints):
     """The low-rank compensation's gain of a gate/up error is measured through the clamped activation: a clamp
     that saturates every gate leaves a gate error no reach at all."""
     directory = checkpoints["step3p7"]
-    adapter = _adapter(directory)
+    adapter = checkpoint_adapter(directory)
     moe = _views(directory, adapter)[CLAMPED["step3p7"]]
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
     projected = F.linear(x, moe.gate_up[0].float())
@@ -140,7 +134,7 @@ def test_mxfp4_output_computes_what_stock_computes_on_the_dequantised_weights(ch
     scheme = QuantScheme("mxfp4")
     quantize_checkpoint(source, tmp_path / "q", QuantizeConfig(scheme="mxfp4"), progress=False)
     quantized = load_stock(tmp_path / "q")
-    adapter = _adapter(source)
+    adapter = checkpoint_adapter(source)
     reference = load_stock(source)
     for layer, moe in _views(source, adapter).items():
         experts = adapter.experts_of(quantized, layer)
@@ -186,7 +180,7 @@ def test_the_releases_names_are_read_and_classified(checkpoints):
         "vit_large_projector.weight",
     } <= keys
     assert tuple(stacked.shape) == (8, 32, 64)
-    step = _adapter(checkpoints["step3p7"])
+    step = checkpoint_adapter(checkpoints["step3p7"])
     classes = {
         "model.layers.1.moe.up_proj.weight": "experts",
         "model.layers.1.moe.gate.weight": "router",
@@ -202,7 +196,7 @@ def test_the_releases_names_are_read_and_classified(checkpoints):
         "model.layers.1.attention.q_conv1d.weight",
         "model.layers.1.mlp.gate.expert_bias",
     } <= keys
-    ling = _adapter(checkpoints["bailing_hybrid"])
+    ling = checkpoint_adapter(checkpoints["bailing_hybrid"])
     assert ling.runtime_local_name("attention.dense.weight") == "self_attn.o_proj.weight"
     assert ling.runtime_local_name("attention.A_log") == "self_attn.forget_gate.A_log"
     assert ling.classify_key("model.layers.1.mlp.gate.expert_bias") == "router"

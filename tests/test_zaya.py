@@ -2,15 +2,13 @@
 the experts with no output, never pruned)."""
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import layer_view, load_stock
+from helpers import copy_with_tokenizer, layer_view, load_stock, token_batches
 from safetensors.torch import load_file, save_file
-from synthetic import tiny_tokenizer
 
 from moecompress.families import adapter_for
 from moecompress.passes.expert_scores import brute_force_delta_h, layer_expert_stats
@@ -25,9 +23,7 @@ tokens to the skip expert (its random one never does: the skip expert's bias is 
 
 @pytest.fixture(scope="module")
 def skipping(tiny_checkpoints, tmp_path_factory):
-    path = tmp_path_factory.mktemp("zaya") / "source"
-    shutil.copytree(tiny_checkpoints["zaya"], path)
-    tiny_tokenizer().save_pretrained(path)
+    path = copy_with_tokenizer(tiny_checkpoints["zaya"], tmp_path_factory.mktemp("zaya") / "source")
     tensors = load_file(str(path / "model.safetensors"))
     for key in list(tensors):
         if key.endswith("router_mlp.out_proj.weight"):
@@ -36,11 +32,6 @@ def skipping(tiny_checkpoints, tmp_path_factory):
             tensors[key][:EXPERTS] = EXPERT_BIAS
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-def _batches():
-    generator = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(3, 380, (2, 24), generator=generator)} for _ in range(2)]
 
 
 def _swept(checkpoint, batches):
@@ -64,7 +55,7 @@ def _stock(checkpoint, batches):
 
 
 def test_sweep_carries_the_router_state(skipping, monkeypatch):
-    batches = _batches()
+    batches = token_batches()
     stock = _stock(skipping, batches)
     for swept, expected in zip(_swept(skipping, batches), stock, strict=True):
         torch.testing.assert_close(swept, expected, rtol=0, atol=1e-6)
