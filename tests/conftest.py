@@ -3,11 +3,26 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import pytest
-import torch
-from synthetic import FAMILIES, save_tiny_model, tiny_tokenizer
+TEST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+"""Set in each of pytest-xdist's worker processes: the suite runs one process a core, each with one torch thread (its
+subprocesses too), instead of one process whose two threads wait on each other in small ops."""
+if TEST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
-torch.set_num_threads(2)
+# torch reads OMP_NUM_THREADS when it loads, so these imports follow the setting.
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from synthetic import FAMILIES, save_tiny_model, tiny_tokenizer  # noqa: E402
+
+torch.set_num_threads(1 if TEST_WORKER else 2)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject.toml): a worker a core, but no more than one per 6 GiB of memory, since one worker's
+    tests peak near 2.5 GB; ``-n 0`` runs the suite in this process."""
+    cores = len(os.sched_getaffinity(0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores, memory // (6 * 2**30)))
 
 
 @pytest.fixture(autouse=True)
