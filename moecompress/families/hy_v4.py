@@ -16,41 +16,35 @@ for every ``gate_proj`` (the attention's output gate and the MLPs'), ``model.hc_
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .native_names import apply_renames, compile_renames
 from .swiglu_clamp import OneSwigluLimit
 from .vision_language import TextTowerBesideVision
 
-_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(source), target)
-    for source, target in (
-        (r"\.hc_pre\.hc_", ".hc_"),
-        (r"\.learnable_sink_param", ".sinks"),
-        (r"\.linear_gate", ".gate_proj"),
-        (r"\.hc_attn_layer\.hc_fn", ".attn_hc.fn"),
-        (r"\.hc_attn_layer\.hc_base", ".attn_hc.base"),
-        (r"\.hc_attn_layer\.hc_scale", ".attn_hc.scale"),
-        (r"\.hc_mlp_layer\.hc_fn", ".ffn_hc.fn"),
-        (r"\.hc_mlp_layer\.hc_base", ".ffn_hc.base"),
-        (r"\.hc_mlp_layer\.hc_scale", ".ffn_hc.scale"),
-        (r"\.hc_head_fn", ".hc_fn"),
-        (r"\.hc_head_base", ".hc_base"),
-        (r"\.hc_head_scale", ".hc_scale"),
-    )
+_RENAMES = compile_renames(
+    (r"\.hc_pre\.hc_", ".hc_"),
+    (r"\.learnable_sink_param", ".sinks"),
+    (r"\.linear_gate", ".gate_proj"),
+    (r"\.hc_attn_layer\.hc_fn", ".attn_hc.fn"),
+    (r"\.hc_attn_layer\.hc_base", ".attn_hc.base"),
+    (r"\.hc_attn_layer\.hc_scale", ".attn_hc.scale"),
+    (r"\.hc_mlp_layer\.hc_fn", ".ffn_hc.fn"),
+    (r"\.hc_mlp_layer\.hc_base", ".ffn_hc.base"),
+    (r"\.hc_mlp_layer\.hc_scale", ".ffn_hc.scale"),
+    (r"\.hc_head_fn", ".hc_fn"),
+    (r"\.hc_head_base", ".hc_base"),
+    (r"\.hc_head_scale", ".hc_scale"),
 )
 """transformers' ``hy_v4`` renames (``conversion_mapping.py``), in its order."""
 
 
 def runtime_name(name: str) -> str:
     """``name`` (a stored key, or a layer's local key) as the loaded model names it."""
-    name = "." + name
-    for pattern, target in _RENAMES:
-        name = pattern.sub(target, name)
-    return name[1:]
+    return apply_renames(_RENAMES, "." + name)[1:]
 
 
 class HYV4Adapter(OneSwigluLimit, DeepseekV3Adapter):

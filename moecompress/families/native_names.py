@@ -1,5 +1,6 @@
 """Releases stored under their native names, which transformers' conversion mapping renames at load and
-``save_pretrained`` writes back (Mistral Large 4, Inkling, Inkling 2)."""
+``save_pretrained`` writes back (Mistral Large 4, Inkling, Inkling 2), and the ordered regex renames that mapping
+applies (also DeepSeek-V4's, Ergo's and HY-V4's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ Renames = tuple[tuple[re.Pattern[str], str], ...]
 
 
 def compile_renames(*rules: tuple[str, str]) -> Renames:
+    """``(pattern, replacement)`` rules, compiled, for :func:`apply_renames`."""
     return tuple((re.compile(pattern), replacement) for pattern, replacement in rules)
 
 
