@@ -5,9 +5,7 @@ fused on disk (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``) whose
 sparse-attention indexer, and hyper-connections around attention and MLP (decoder-layer hidden states
 ``[B, S, hc_mult, H]``).
 
-Each decoder layer returns ``(hidden, top-k)`` and the next takes that top-k as ``prev_topk_indices`` (an
-``indexer_types`` ``shared`` layer attends over it instead of running an indexer); the layer sweep carries it
-(:mod:`moecompress.sweep.layer_carry`).
+Each decoder layer hands its indexer's top-k to the next (:mod:`.indexer_topk`).
 
 The release's names are transformers' ``hy_v4`` renames (``conversion_mapping.py``) reversed, as ``save_pretrained``
 writes them: ``hc_pre.hc_{attn,mlp}_layer.hc_{fn,base,scale}``, ``self_attn.learnable_sink_param``, ``linear_gate``
@@ -16,11 +14,10 @@ for every ``gate_proj`` (the attention's output gate and the MLPs'), ``model.hc_
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .indexer_topk import CarriedIndexerTopK
 from .native_names import apply_renames, compile_renames
 from .swiglu_clamp import OneSwigluLimit
 from .vision_language import TextTowerBesideVision
@@ -47,12 +44,10 @@ def runtime_name(name: str) -> str:
     return apply_renames(_RENAMES, "." + name)[1:]
 
 
-class HYV4Adapter(OneSwigluLimit, DeepseekV3Adapter):
+class HYV4Adapter(OneSwigluLimit, CarriedIndexerTopK, DeepseekV3Adapter):
     family = "hy_v4"
     model_types = ("hy_v4",)
     first_dense_default = 1
-    layer_returns_tuple = True
-    carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
 
     def runtime_local_name(self, local_key: str) -> str:
         return runtime_name(local_key)
