@@ -18,7 +18,7 @@ import torch
 
 from .deepseek import DeepseekV3Adapter
 from .indexer_topk import CarriedIndexerTopK
-from .native_names import apply_renames, compile_renames
+from .native_names import RuntimeOutsideState, apply_renames, compile_renames
 from .swiglu_clamp import OneSwigluLimit
 from .vision_language import TextTowerBesideVision
 
@@ -56,7 +56,7 @@ class HYV4Adapter(OneSwigluLimit, CarriedIndexerTopK, DeepseekV3Adapter):
         return {runtime_name(key): value for key, value in super().runtime_outside_state(state).items()}
 
 
-class HYV4VLAdapter(TextTowerBesideVision, HYV4Adapter):
+class HYV4VLAdapter(RuntimeOutsideState, TextTowerBesideVision, HYV4Adapter):
     """HY-V4-VL (``hy_v4_vl``): HY-V4's text model beside a vision tower. On disk the text model keeps the text
     release's names (``model.layers.*``, ``model.embed_tokens``, ``lm_head``) and the vision tower is ``vit.*``;
     transformers places them under ``model.language_model`` and ``model.vision_tower`` at load."""
@@ -76,6 +76,3 @@ class HYV4VLAdapter(TextTowerBesideVision, HYV4Adapter):
         if name.startswith("model."):
             return "model.language_model." + runtime_name(name.removeprefix("model."))
         return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}

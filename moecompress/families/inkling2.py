@@ -187,7 +187,7 @@ class Inkling2TextAdapter(NativeNames, FamilyAdapter):
     def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Runtime names; the output projection without the rows past ``unpadded_vocab_size`` (transformers'
         ``Inkling2UnpadVocab``)."""
-        out = {self.runtime_module_name(key): value for key, value in state.items()}
+        out = super().runtime_outside_state(state)
         rows = int(self.text_config.get("unpadded_vocab_size") or self.text_config["vocab_size"])
         if "lm_head.weight" in out:
             out["lm_head.weight"] = out["lm_head.weight"][:rows]
@@ -215,6 +215,3 @@ class Inkling2Adapter(TextConfigSection, Inkling2TextAdapter):
             return super().runtime_module_name(name)
         name = super().runtime_module_name(name)
         return f"model.language_model.{name[len('model.') :]}" if name.startswith("model.") else name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return super().runtime_outside_state({k: v for k, v in state.items() if not self.is_vision_key(k)})

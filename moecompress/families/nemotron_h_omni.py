@@ -7,8 +7,6 @@ at load. Everything outside ``language_model.`` (``vision_model``, ``mlp1``, ``s
 
 from __future__ import annotations
 
-import torch
-
 from .nemotron_h import NemotronHAdapter
 from .vision_language import TextTowerBesideVision
 
@@ -36,6 +34,3 @@ class NemotronHOmniAdapter(TextTowerBesideVision, NemotronHAdapter):
         if name.startswith(_TEXT):
             return _TEXT + super().runtime_module_name(name[len(_TEXT) :])
         return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
+from .native_names import RuntimeOutsideState, with_runtime_prefix
 
 
 class TextConfigSection:
@@ -31,7 +31,7 @@ class TextTowerBesideVision(TextConfigSection):
         return key.startswith("model.visual.")
 
 
-class RenamedTextTower(TextTowerBesideVision):
+class RenamedTextTower(RuntimeOutsideState, TextTowerBesideVision):
     """Mixin for releases whose text tower is stored under other names than transformers builds: each name starting
     with a ``runtime_prefixes`` disk prefix takes its runtime prefix (the first that matches), and the keys under
     ``vision_prefixes`` are the other towers' (passed through untouched)."""
@@ -47,10 +47,4 @@ class RenamedTextTower(TextTowerBesideVision):
         return "model.language_model.layers"
 
     def runtime_module_name(self, name: str) -> str:
-        for disk, runtime in self.runtime_prefixes:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+        return with_runtime_prefix(self.runtime_prefixes, name)
