@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .base import FamilyAdapter, Layout, MoEWeights
 from .native_names import NativeNames, compile_renames
+from .rerouted_block import StockBlockRerouted
 from .routing import RoutingRule
 from .vision_language import TextConfigSection
 
@@ -46,7 +47,7 @@ class InklingWeights(MoEWeights):
     shared_down: torch.Tensor | None = None
 
 
-class InklingTextAdapter(FamilyAdapter):
+class InklingTextAdapter(StockBlockRerouted, FamilyAdapter):
     family = "inkling_text"
     model_types = ("inkling_text",)
     num_experts_keys = ("n_routed_experts",)
@@ -171,18 +172,6 @@ class InklingTextAdapter(FamilyAdapter):
         shared_ids = torch.arange(routed, routed + self.n_shared, device=ids.device).expand(ids.shape[0], -1)
         logits = F.linear(hidden.float(), router.weight.float())
         return logits, torch.cat([weights, shared], dim=-1), torch.cat([ids, shared_ids], dim=-1)
-
-    def stock_experts(
-        self, model: torch.nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The stock MoE block (routed and shared experts) with its router's choice replaced by ``ids``/``weights``
-        in the view's form."""
-        block = self.moe_block_of(model, layer)
-        handle = block.gate.register_forward_hook(lambda module, args, output: self.with_route(output, weights, ids))
-        try:
-            return block(hidden)
-        finally:
-            handle.remove()
 
 
 def _interleaved_halves(tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
