@@ -35,12 +35,8 @@ class NemoSpeechLMAdapter(TransposedFusedExperts, RenamedTextTower, NemotronHAda
         ("llm.lm_head.", "lm_head."),
     )
     vision_prefixes = ("perception.", "ctc_timestamp.")
+    embeddings_prefix = "llm.model.embed_tokens."
     transposed_expert_names = ("gate_and_up_projs", "down_projs")
-
-    def classify_key(self, key: str):
-        if key.startswith("llm.model.embed_tokens."):
-            return "embeddings"
-        return super().classify_key(key)
 
     def runtime_module_name(self, name: str) -> str:
         layer = self.layer_of_key(name)

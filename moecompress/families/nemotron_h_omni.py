@@ -17,14 +17,10 @@ class NemotronHOmniAdapter(TextTowerBesideVision, NemotronHAdapter):
     family = "nemotron_h_omni"
     model_types = ("nemotron_h_omni",)
     layers_prefix = "language_model.backbone.layers."
+    embeddings_prefix = "language_model.backbone.embeddings."
 
     def is_vision_key(self, key: str) -> bool:
         return not key.startswith(_TEXT)
-
-    def classify_key(self, key: str):
-        if key.startswith("language_model.backbone.embeddings."):
-            return "embeddings"
-        return super().classify_key(key)
 
     @property
     def runtime_layers_path(self) -> str:
