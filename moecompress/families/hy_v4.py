@@ -20,7 +20,7 @@ from .deepseek import DeepseekV3Adapter
 from .indexer_topk import CarriedIndexerTopK
 from .native_names import RuntimeOutsideState, apply_renames, compile_renames
 from .swiglu_clamp import OneSwigluLimit
-from .vision_language import TextTowerBesideVision
+from .vision_language import LanguageModelAtRuntime
 
 _RENAMES = compile_renames(
     (r"\.hc_pre\.hc_", ".hc_"),
@@ -56,7 +56,7 @@ class HYV4Adapter(OneSwigluLimit, CarriedIndexerTopK, DeepseekV3Adapter):
         return {runtime_name(key): value for key, value in super().runtime_outside_state(state).items()}
 
 
-class HYV4VLAdapter(RuntimeOutsideState, TextTowerBesideVision, HYV4Adapter):
+class HYV4VLAdapter(RuntimeOutsideState, LanguageModelAtRuntime, HYV4Adapter):
     """HY-V4-VL (``hy_v4_vl``): HY-V4's text model beside a vision tower. On disk the text model keeps the text
     release's names (``model.layers.*``, ``model.embed_tokens``, ``lm_head``) and the vision tower is ``vit.*``;
     transformers places them under ``model.language_model`` and ``model.vision_tower`` at load."""
@@ -67,10 +67,6 @@ class HYV4VLAdapter(RuntimeOutsideState, TextTowerBesideVision, HYV4Adapter):
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith("vit.")
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
 
     def runtime_module_name(self, name: str) -> str:
         if name.startswith("model."):

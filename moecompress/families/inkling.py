@@ -33,7 +33,7 @@ from .interleaved_experts import InterleavedW13Experts, interleaved_halves
 from .native_names import NativeNames, compile_renames
 from .rerouted_block import StockBlockRerouted
 from .routing import RoutingRule
-from .vision_language import TextConfigSection
+from .vision_language import LanguageModelAtRuntime
 
 
 @dataclass
@@ -204,13 +204,12 @@ _OUTSIDE = (
 )
 
 
-class InklingAdapter(TextConfigSection, NativeNames, InterleavedW13Experts, InklingTextAdapter):
+class InklingAdapter(LanguageModelAtRuntime, NativeNames, InterleavedW13Experts, InklingTextAdapter):
     """The ``inkling_mm_model`` release: the text model under ``model.llm`` in its native names, beside the vision
     (``model.visual``) and audio (``model.audio``) towers, which are passed through untouched."""
 
     family = "inkling_mm_model"
     model_types = ("inkling_mm_model",)
-    auto_class = "AutoModelForImageTextToText"
     layers_prefix = "model.llm.layers."
     correction_bias_on_disk = "bias"
     local_renames = _LOCAL
@@ -228,10 +227,6 @@ class InklingAdapter(TextConfigSection, NativeNames, InterleavedW13Experts, Inkl
         return gate, up, rest[self._shared_key(layer, "shared_w2_weight")]
 
     # ---- runtime names -----------------------------------------------------------------------------------------
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
     def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = dict(state)
         for disk, (gate, up), dim in _SPLIT:

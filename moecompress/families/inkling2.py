@@ -34,7 +34,7 @@ from .base import FamilyAdapter
 from .interleaved_experts import InterleavedW13Experts
 from .native_names import NativeNames, compile_renames
 from .routing import RoutingRule
-from .vision_language import TextConfigSection
+from .vision_language import LanguageModelAtRuntime
 
 _LOCAL = compile_renames(
     (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
@@ -177,21 +177,16 @@ class Inkling2TextAdapter(InterleavedW13Experts, NativeNames, FamilyAdapter):
         return out
 
 
-class Inkling2Adapter(TextConfigSection, Inkling2TextAdapter):
+class Inkling2Adapter(LanguageModelAtRuntime, Inkling2TextAdapter):
     """The ``inkling2`` release: the text model under ``model.llm`` as in :class:`Inkling2TextAdapter`, at runtime
     ``model.language_model``, beside the vision tower ``model.visual`` (passed through untouched)."""
 
     family = "inkling2"
     model_types = ("inkling2",)
-    auto_class = "AutoModelForImageTextToText"
     block_states_reader = "model.language_model.final_input"
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith("model.visual.")
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
 
     def runtime_module_name(self, name: str) -> str:
         if self.is_vision_key(name) or self.layer_of_key(name) is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from .indexer_topk import CarriedIndexerTopK
 from .mistral4 import Mistral4Adapter
 from .native_names import NativeNames, compile_renames
-from .vision_language import TextConfigSection
+from .vision_language import LanguageModelAtRuntime
 
 _VISION_PREFIXES = ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.")
 _OUTSIDE = (
@@ -64,7 +64,7 @@ _STORED = compile_renames(
 """The inverse of ``_LOCAL``: what a quantised output stores, so that transformers' renaming at load applies once."""
 
 
-class MistralLarge4Adapter(TextConfigSection, NativeNames, CarriedIndexerTopK, Mistral4Adapter):
+class MistralLarge4Adapter(LanguageModelAtRuntime, NativeNames, CarriedIndexerTopK, Mistral4Adapter):
     family = "mistral_large4"
     model_types = ("mistral_large4",)
     layers_prefix = "layers."
@@ -90,7 +90,3 @@ class MistralLarge4Adapter(TextConfigSection, NativeNames, CarriedIndexerTopK, M
             if not local.startswith(("experts.", "gate.")):
                 key = prefix + self.runtime_local_name(local)
         return super().classify_key(key)
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"

@@ -21,6 +21,17 @@ class TextConfigSection:
         return config["text_config"]
 
 
+class LanguageModelAtRuntime(TextConfigSection):
+    """Mixin, listed before the text family's adapter class, for releases whose text model transformers builds as
+    ``model.language_model`` beside the other towers, whatever names the release stores it under."""
+
+    auto_class = "AutoModelForImageTextToText"
+
+    @property
+    def runtime_layers_path(self) -> str:
+        return "model.language_model.layers"
+
+
 class TextTowerBesideVision(TextConfigSection):
     """Mixin, listed before the text family's adapter class."""
 
@@ -31,7 +42,7 @@ class TextTowerBesideVision(TextConfigSection):
         return key.startswith("model.visual.")
 
 
-class RenamedTextTower(RuntimeOutsideState, TextTowerBesideVision):
+class RenamedTextTower(RuntimeOutsideState, LanguageModelAtRuntime, TextTowerBesideVision):
     """Mixin for releases whose text tower is stored under other names than transformers builds: each name starting
     with a ``runtime_prefixes`` disk prefix takes its runtime prefix (the first that matches), and the keys under
     ``vision_prefixes`` are the other towers' (passed through untouched)."""
@@ -41,10 +52,6 @@ class RenamedTextTower(RuntimeOutsideState, TextTowerBesideVision):
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith(self.vision_prefixes)
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
 
     def runtime_module_name(self, name: str) -> str:
         return with_runtime_prefix(self.runtime_prefixes, name)
