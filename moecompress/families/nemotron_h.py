@@ -24,12 +24,11 @@ import torch
 
 from ..errors import UserInputError
 from .deepseek import DeepseekV3Adapter
-from .native_names import RuntimeOutsideState
 
 _PATTERN_KINDS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 
 
-class NemotronHAdapter(RuntimeOutsideState, DeepseekV3Adapter):
+class NemotronHAdapter(DeepseekV3Adapter):
     family = "nemotron_h"
     model_types = ("nemotron_h",)
     layers_prefix = "backbone.layers."
@@ -81,3 +80,6 @@ class NemotronHAdapter(RuntimeOutsideState, DeepseekV3Adapter):
 
     def runtime_module_name(self, name: str) -> str:
         return "model." + name[len("backbone.") :] if name.startswith("backbone.") else name
+
+    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.runtime_module_name(key): value for key, value in state.items()}

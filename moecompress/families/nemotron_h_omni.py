@@ -7,13 +7,14 @@ at load. Everything outside ``language_model.`` (``vision_model``, ``mlp1``, ``s
 
 from __future__ import annotations
 
+from .native_names import RuntimeOutsideState
 from .nemotron_h import NemotronHAdapter
 from .vision_language import TextTowerBesideVision
 
 _TEXT = "language_model."
 
 
-class NemotronHOmniAdapter(TextTowerBesideVision, NemotronHAdapter):
+class NemotronHOmniAdapter(RuntimeOutsideState, TextTowerBesideVision, NemotronHAdapter):
     family = "nemotron_h_omni"
     model_types = ("nemotron_h_omni",)
     layers_prefix = "language_model.backbone.layers."
