@@ -901,9 +901,11 @@ class FamilyAdapter:
     ) -> torch.Tensor:
         """The routed experts' combined output for ``hidden`` ``[T, H]`` (shared experts excluded); the router reads
         ``router_input`` where it is given (:attr:`router_input_module`), otherwise ``hidden``; a hash-routed block
-        routes by the tokens' ids ``token_ids``."""
+        routes by the tokens' ids ``token_ids``; a sequence-level rule (:attr:`per_sequence_routing`) takes
+        ``hidden`` as one sequence, in order."""
         logits = self.router_logits(moe, hidden if router_input is None else router_input)
         ids, weights = self.route(moe, logits, allowed, token_ids)
+        weights = self.sequence_routing(moe, ids, weights, [hidden.shape[0]])
         return self.combine_experts(hidden, ids, weights, lambda expert, x: self.expert_output(moe, expert, x))
 
     def combine_experts(

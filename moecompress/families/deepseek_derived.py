@@ -11,8 +11,7 @@ On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_
   ``auto_map`` into the release's own Python. That code is never run: the config is read as DeepSeek-V3's and the
   model built from that config (``DeepseekV3ForCausalLM``, which the release's ``architectures`` names).
 - GLM-5 (``glm_moe_dsa``): MLA with DeepSeek-V3.2's sparse-attention indexer; each decoder layer hands its indexer's
-  top-k to the next (a ``"shared"`` layer reuses it), so the layer returns ``(hidden, top-k)``; the layer sweep
-  carries that top-k (:mod:`moecompress.sweep.layer_carry`).
+  top-k to the next (:mod:`.indexer_topk`).
 - MiniCPM-5 MoE (``minicpm5_moe``): grouped-query attention whose query projection also holds a per-head output gate
   (on disk ``self_attn.q_proj``, ``self_attn.q_gate_proj`` at runtime); ``mlp_layer_types``.
 """
@@ -20,11 +19,12 @@ On disk all of them keep DeepSeek-V3's names: ``mlp.gate.weight``, ``mlp.gate.e_
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any
 
 from .base import FamilyAdapter
 from .block_bias import CorrectionBiasOffRouter
 from .deepseek import DeepseekV3Adapter
+from .indexer_topk import CarriedIndexerTopK
 from .routing import RoutingRule
 from .vision_language import TextTowerBesideVision
 
@@ -69,12 +69,10 @@ class KimiK2Adapter(DeepseekV3Adapter):
         return DeepseekV3Config.from_dict(fields)
 
 
-class GlmMoeDsaAdapter(DeepseekV3Adapter):
+class GlmMoeDsaAdapter(CarriedIndexerTopK, DeepseekV3Adapter):
     family = "glm_moe_dsa"
     model_types = ("glm_moe_dsa",)
     first_dense_default = 3
-    layer_returns_tuple = True
-    carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
 
 
 class MiniCPM5MoeAdapter(_GroupedQueryAttentionAdapter):

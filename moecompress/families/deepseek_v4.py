@@ -20,41 +20,38 @@ through unchanged.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from .base import FamilyAdapter, MoEWeights
+from .native_names import apply_renames, compile_renames
 from .routing import RoutingRule
 from .swiglu_clamp import OneSwigluLimit
 
-_LOCAL_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(source), target)
-    for source, target in (
-        (r"^attn\.", "self_attn."),
-        (r"^ffn\.", "mlp."),
-        (r"\.indexer\.compressor\.", ".compressor.indexer."),
-        (r"^attn_norm\.", "input_layernorm."),
-        (r"^ffn_norm\.", "post_attention_layernorm."),
-        (r"^hc_(attn|ffn)_(fn|base|scale)$", r"\1_hc.\2"),
-        (r"\.attn_sink$", ".sinks"),
-        (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-        (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-        (r"\.norm\.", ".kv_norm."),
-        (r"\.ape$", ".position_bias"),
-        (r"\.wq_a\.", ".q_a_proj."),
-        (r"^self_attn\.wq_b\.", "self_attn.q_b_proj."),
-        (r"\.wkv\.", ".kv_proj."),
-        (r"\.wgate\.", ".gate_proj."),
-        (r"\.wo_a\.", ".o_a_proj."),
-        (r"\.wo_b\.", ".o_b_proj."),
-        (r"\.q_norm\.", ".q_a_norm."),
-        (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-    )
+_LOCAL_RENAMES = compile_renames(
+    (r"^attn\.", "self_attn."),
+    (r"^ffn\.", "mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^attn_norm\.", "input_layernorm."),
+    (r"^ffn_norm\.", "post_attention_layernorm."),
+    (r"^hc_(attn|ffn)_(fn|base|scale)$", r"\1_hc.\2"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"^self_attn\.wq_b\.", "self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 )
 """transformers' ``deepseek_v4`` renames (``conversion_mapping.py``), on a layer's local keys."""
 _OUTSIDE_NAMES = {
@@ -152,9 +149,7 @@ class DeepseekV4Adapter(OneSwigluLimit, FamilyAdapter):
     runtime_layers_path = "model.layers"
 
     def runtime_local_name(self, local_key: str) -> str:
-        for pattern, target in _LOCAL_RENAMES:
-            local_key = pattern.sub(target, local_key)
-        return local_key
+        return apply_renames(_LOCAL_RENAMES, local_key)
 
     def runtime_router_state(self, moe: MoEWeights) -> dict[str, torch.Tensor]:
         state = super().runtime_router_state(moe)

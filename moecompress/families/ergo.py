@@ -15,31 +15,27 @@ shared expert ``feed_forward.shared_{up,down}_proj`` (``[in, out]``) and ``share
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 
 from .base import FamilyAdapter, Layout, MoEWeights, ParamClass
+from .native_names import apply_renames, compile_renames
 from .routing import RoutingRule
 from .transposed_experts import TransposedFusedExperts
 
-_LOCAL_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(source), target)
-    for source, target in (
-        (r"^attention_norm\.", "input_layernorm."),
-        (r"^post_attention_norm\.", "post_attention_layernorm."),
-        (r"^ffn_norm\.", "pre_feedforward_layernorm."),
-        (r"^post_ffn_norm\.", "post_feedforward_layernorm."),
-        (r"^post_attention_residual\.scale$", "attention_residual_gate.weight"),
-        (r"^post_ffn_residual\.scale$", "feedforward_residual_gate.weight"),
-        (r"^attention\.wqkv\.", "self_attn.qkv_proj."),
-        (r"^attention\.wo\.", "self_attn.o_proj."),
-        (r"^attention\.(q|k)_norm\.", r"self_attn.\1_norm."),
-        (r"^feed_forward\.up\.", "mlp.up_proj."),
-        (r"^feed_forward\.down\.", "mlp.down_proj."),
-        (r"^feed_forward\.shared_expert_output_norm\.scale$", "mlp.shared_experts.norm.weight"),
-    )
+_LOCAL_RENAMES = compile_renames(
+    (r"^attention_norm\.", "input_layernorm."),
+    (r"^post_attention_norm\.", "post_attention_layernorm."),
+    (r"^ffn_norm\.", "pre_feedforward_layernorm."),
+    (r"^post_ffn_norm\.", "post_feedforward_layernorm."),
+    (r"^post_attention_residual\.scale$", "attention_residual_gate.weight"),
+    (r"^post_ffn_residual\.scale$", "feedforward_residual_gate.weight"),
+    (r"^attention\.wqkv\.", "self_attn.qkv_proj."),
+    (r"^attention\.wo\.", "self_attn.o_proj."),
+    (r"^attention\.(q|k)_norm\.", r"self_attn.\1_norm."),
+    (r"^feed_forward\.up\.", "mlp.up_proj."),
+    (r"^feed_forward\.down\.", "mlp.down_proj."),
+    (r"^feed_forward\.shared_expert_output_norm\.scale$", "mlp.shared_experts.norm.weight"),
 )
 """transformers' ``ergo`` renames on a layer's local keys (the transposing ones are in :meth:`runtime_local_state`)."""
 _TRANSPOSED_SHARED = {
@@ -146,9 +142,7 @@ class ErgoAdapter(TransposedFusedExperts, FamilyAdapter):
 
     # ---- the loaded transformers model ------------------------------------------------------------------
     def runtime_local_name(self, local_key: str) -> str:
-        for pattern, target in _LOCAL_RENAMES:
-            local_key = pattern.sub(target, local_key)
-        return local_key
+        return apply_renames(_LOCAL_RENAMES, local_key)
 
     def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = dict(state)

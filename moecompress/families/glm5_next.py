@@ -5,9 +5,7 @@ hyper-connections (decoder-layer hidden states ``[B, S, hc_mult, H]``), Kimi Del
 layers with a pooled DSA indexer (``layer_types``). The text model sits under ``model.language_model`` beside the
 vision tower ``model.visual``.
 
-Each decoder layer returns ``(hidden, top-k)`` and the next takes that top-k as ``prev_topk_indices`` (an
-``indexer_types`` ``shared`` layer attends over it instead of running an indexer); the layer sweep carries it
-(:mod:`moecompress.sweep.layer_carry`).
+Each decoder layer hands its indexer's top-k to the next (:mod:`.indexer_topk`).
 
 On disk (transformers' ``glm5_next`` renames reversed, as ``save_pretrained`` writes them): per-expert
 ``mlp.experts.{e}.{gate,up,down}_proj``, ``hc_{attn,ffn}_{fn,base,scale}`` (``{attn,ffn}_hc.*`` at runtime), a KDA
@@ -17,11 +15,10 @@ layer's ``self_attn.{q,k,v}_conv1d`` (one ``conv1d`` at runtime) and ``self_attn
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .indexer_topk import CarriedIndexerTopK
 from .kda_names import kda_runtime_name, kda_runtime_state
 from .swiglu_clamp import OneSwigluLimit
 from .vision_language import TextTowerBesideVision
@@ -31,12 +28,10 @@ _HYPER_CONNECTIONS = tuple(
 )
 
 
-class Glm5NextAdapter(TextTowerBesideVision, OneSwigluLimit, DeepseekV3Adapter):
+class Glm5NextAdapter(TextTowerBesideVision, OneSwigluLimit, CarriedIndexerTopK, DeepseekV3Adapter):
     family = "glm5_next"
     model_types = ("glm5_next",)
     first_dense_default = 3
-    layer_returns_tuple = True
-    carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
 
     def runtime_local_name(self, local_key: str) -> str:
         for disk, runtime in _HYPER_CONNECTIONS:

@@ -5,9 +5,7 @@ fused on disk (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``) whose
 sparse-attention indexer, and hyper-connections around attention and MLP (decoder-layer hidden states
 ``[B, S, hc_mult, H]``).
 
-Each decoder layer returns ``(hidden, top-k)`` and the next takes that top-k as ``prev_topk_indices`` (an
-``indexer_types`` ``shared`` layer attends over it instead of running an indexer); the layer sweep carries it
-(:mod:`moecompress.sweep.layer_carry`).
+Each decoder layer hands its indexer's top-k to the next (:mod:`.indexer_topk`).
 
 The release's names are transformers' ``hy_v4`` renames (``conversion_mapping.py``) reversed, as ``save_pretrained``
 writes them: ``hc_pre.hc_{attn,mlp}_layer.hc_{fn,base,scale}``, ``self_attn.learnable_sink_param``, ``linear_gate``
@@ -16,49 +14,40 @@ for every ``gate_proj`` (the attention's output gate and the MLPs'), ``model.hc_
 
 from __future__ import annotations
 
-import re
-from typing import ClassVar
-
 import torch
 
 from .deepseek import DeepseekV3Adapter
+from .indexer_topk import CarriedIndexerTopK
+from .native_names import RuntimeOutsideState, apply_renames, compile_renames
 from .swiglu_clamp import OneSwigluLimit
-from .vision_language import TextTowerBesideVision
+from .vision_language import LanguageModelAtRuntime
 
-_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(source), target)
-    for source, target in (
-        (r"\.hc_pre\.hc_", ".hc_"),
-        (r"\.learnable_sink_param", ".sinks"),
-        (r"\.linear_gate", ".gate_proj"),
-        (r"\.hc_attn_layer\.hc_fn", ".attn_hc.fn"),
-        (r"\.hc_attn_layer\.hc_base", ".attn_hc.base"),
-        (r"\.hc_attn_layer\.hc_scale", ".attn_hc.scale"),
-        (r"\.hc_mlp_layer\.hc_fn", ".ffn_hc.fn"),
-        (r"\.hc_mlp_layer\.hc_base", ".ffn_hc.base"),
-        (r"\.hc_mlp_layer\.hc_scale", ".ffn_hc.scale"),
-        (r"\.hc_head_fn", ".hc_fn"),
-        (r"\.hc_head_base", ".hc_base"),
-        (r"\.hc_head_scale", ".hc_scale"),
-    )
+_RENAMES = compile_renames(
+    (r"\.hc_pre\.hc_", ".hc_"),
+    (r"\.learnable_sink_param", ".sinks"),
+    (r"\.linear_gate", ".gate_proj"),
+    (r"\.hc_attn_layer\.hc_fn", ".attn_hc.fn"),
+    (r"\.hc_attn_layer\.hc_base", ".attn_hc.base"),
+    (r"\.hc_attn_layer\.hc_scale", ".attn_hc.scale"),
+    (r"\.hc_mlp_layer\.hc_fn", ".ffn_hc.fn"),
+    (r"\.hc_mlp_layer\.hc_base", ".ffn_hc.base"),
+    (r"\.hc_mlp_layer\.hc_scale", ".ffn_hc.scale"),
+    (r"\.hc_head_fn", ".hc_fn"),
+    (r"\.hc_head_base", ".hc_base"),
+    (r"\.hc_head_scale", ".hc_scale"),
 )
 """transformers' ``hy_v4`` renames (``conversion_mapping.py``), in its order."""
 
 
 def runtime_name(name: str) -> str:
     """``name`` (a stored key, or a layer's local key) as the loaded model names it."""
-    name = "." + name
-    for pattern, target in _RENAMES:
-        name = pattern.sub(target, name)
-    return name[1:]
+    return apply_renames(_RENAMES, "." + name)[1:]
 
 
-class HYV4Adapter(OneSwigluLimit, DeepseekV3Adapter):
+class HYV4Adapter(OneSwigluLimit, CarriedIndexerTopK, DeepseekV3Adapter):
     family = "hy_v4"
     model_types = ("hy_v4",)
     first_dense_default = 1
-    layer_returns_tuple = True
-    carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
 
     def runtime_local_name(self, local_key: str) -> str:
         return runtime_name(local_key)
@@ -67,7 +56,7 @@ class HYV4Adapter(OneSwigluLimit, DeepseekV3Adapter):
         return {runtime_name(key): value for key, value in super().runtime_outside_state(state).items()}
 
 
-class HYV4VLAdapter(TextTowerBesideVision, HYV4Adapter):
+class HYV4VLAdapter(RuntimeOutsideState, LanguageModelAtRuntime, HYV4Adapter):
     """HY-V4-VL (``hy_v4_vl``): HY-V4's text model beside a vision tower. On disk the text model keeps the text
     release's names (``model.layers.*``, ``model.embed_tokens``, ``lm_head``) and the vision tower is ``vit.*``;
     transformers places them under ``model.language_model`` and ``model.vision_tower`` at load."""
@@ -79,14 +68,7 @@ class HYV4VLAdapter(TextTowerBesideVision, HYV4Adapter):
     def is_vision_key(self, key: str) -> bool:
         return key.startswith("vit.")
 
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
     def runtime_module_name(self, name: str) -> str:
         if name.startswith("model."):
             return "model.language_model." + runtime_name(name.removeprefix("model."))
         return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}

@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from .base import FamilyAdapter, Layout, MoEWeights
+from .interleaved_experts import InterleavedW13Experts, interleaved_halves
 from .native_names import NativeNames, compile_renames
+from .rerouted_block import StockBlockRerouted
 from .routing import RoutingRule
-from .vision_language import TextConfigSection
+from .vision_language import LanguageModelAtRuntime
 
 
 @dataclass
@@ -46,7 +48,7 @@ class InklingWeights(MoEWeights):
     shared_down: torch.Tensor | None = None
 
 
-class InklingTextAdapter(FamilyAdapter):
+class InklingTextAdapter(StockBlockRerouted, FamilyAdapter):
     family = "inkling_text"
     model_types = ("inkling_text",)
     num_experts_keys = ("n_routed_experts",)
@@ -172,28 +174,6 @@ class InklingTextAdapter(FamilyAdapter):
         logits = F.linear(hidden.float(), router.weight.float())
         return logits, torch.cat([weights, shared], dim=-1), torch.cat([ids, shared_ids], dim=-1)
 
-    def stock_experts(
-        self, model: torch.nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The stock MoE block (routed and shared experts) with its router's choice replaced by ``ids``/``weights``
-        in the view's form."""
-        block = self.moe_block_of(model, layer)
-        handle = block.gate.register_forward_hook(lambda module, args, output: self.with_route(output, weights, ids))
-        try:
-            return block(hidden)
-        finally:
-            handle.remove()
-
-
-def _interleaved_halves(tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up halves of a ``w13`` tensor whose rows along ``dim`` alternate gate, up (transformers'
-    ``Interleave``)."""
-    return tensor.unflatten(dim, (-1, 2)).unbind(dim + 1)
-
-
-def _interleaved(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1).contiguous()
-
 
 _LOCAL = compile_renames(
     (r"^attn\.wq_du\.", "self_attn.q_proj."),
@@ -224,13 +204,12 @@ _OUTSIDE = (
 )
 
 
-class InklingAdapter(TextConfigSection, NativeNames, InklingTextAdapter):
+class InklingAdapter(LanguageModelAtRuntime, NativeNames, InterleavedW13Experts, InklingTextAdapter):
     """The ``inkling_mm_model`` release: the text model under ``model.llm`` in its native names, beside the vision
     (``model.visual``) and audio (``model.audio``) towers, which are passed through untouched."""
 
     family = "inkling_mm_model"
     model_types = ("inkling_mm_model",)
-    auto_class = "AutoModelForImageTextToText"
     layers_prefix = "model.llm.layers."
     correction_bias_on_disk = "bias"
     local_renames = _LOCAL
@@ -242,38 +221,17 @@ class InklingAdapter(TextConfigSection, NativeNames, InklingTextAdapter):
     def _router_key(self, layer: int, name: str) -> str:
         return super()._router_key(layer, "bias" if name == "e_score_correction_bias" else name)
 
-    # ---- the fused, interleaved experts ------------------------------------------------------------------------
-    def detect_layout(self, layer: int, keys) -> Layout:
-        if self._fused_key(layer, "w13_weight") in keys:
-            return "fused"
-        raise KeyError(f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}mlp.experts")
-
-    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
-        gate, up = _interleaved_halves(rest.pop(self._fused_key(layer, "w13_weight")), 1)
-        down = rest.pop(self._fused_key(layer, "w2_weight"))
-        return MoEWeights(router_weight=torch.empty(0), gate_up=torch.cat([gate, up], dim=1), down=down)
-
-    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
-        inter = moe.intermediate_size
-        return {
-            self._fused_key(layer, "w13_weight"): _interleaved(moe.gate_up[:, :inter], moe.gate_up[:, inter:], 1),
-            self._fused_key(layer, "w2_weight"): moe.down,
-        }
-
+    # ---- the interleaved shared experts ------------------------------------------------------------------------
     def shared_weights(self, layer: int, rest: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        gate, up = _interleaved_halves(rest[self._shared_key(layer, "shared_w13_weight")], 1)
+        gate, up = interleaved_halves(rest[self._shared_key(layer, "shared_w13_weight")], 1)
         return gate, up, rest[self._shared_key(layer, "shared_w2_weight")]
 
     # ---- runtime names -----------------------------------------------------------------------------------------
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
     def runtime_local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = dict(state)
         for disk, (gate, up), dim in _SPLIT:
             if disk in state:
-                state[gate], state[up] = _interleaved_halves(state.pop(disk), dim)
+                state[gate], state[up] = interleaved_halves(state.pop(disk), dim)
         return state
 
     def classify_key(self, key: str):

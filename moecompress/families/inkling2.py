@@ -30,10 +30,11 @@ import re
 
 import torch
 
-from .base import FamilyAdapter, Layout, MoEWeights
+from .base import FamilyAdapter
+from .interleaved_experts import InterleavedW13Experts
 from .native_names import NativeNames, compile_renames
 from .routing import RoutingRule
-from .vision_language import TextConfigSection
+from .vision_language import LanguageModelAtRuntime
 
 _LOCAL = compile_renames(
     (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
@@ -101,7 +102,7 @@ def softcap(values: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(values / cap) * cap
 
 
-class Inkling2TextAdapter(NativeNames, FamilyAdapter):
+class Inkling2TextAdapter(InterleavedW13Experts, NativeNames, FamilyAdapter):
     family = "inkling2_text"
     model_types = ("inkling2_text",)
     num_experts_keys = ("n_routed_experts",)
@@ -131,28 +132,10 @@ class Inkling2TextAdapter(NativeNames, FamilyAdapter):
         out = softcap(gate, float(cfg.get("mlp_gate_softcap", 4.0))) * torch.sigmoid(gate)
         return (out * softcap(up, float(cfg.get("mlp_up_softcap", 25.0)))).to(dtype)
 
-    # ---- the fused, interleaved experts ------------------------------------------------------------------------
+    # ---- the router on disk ------------------------------------------------------------------------------------
     def _router_key(self, layer: int, name: str) -> str:
         """``mlp.gate.bias`` is the correction bias; the router's logits have no bias (a name never on disk)."""
         return super()._router_key(layer, {"e_score_correction_bias": "bias", "bias": "logit_bias"}.get(name, name))
-
-    def detect_layout(self, layer: int, keys) -> Layout:
-        if self._fused_key(layer, "w13_weight") in keys:
-            return "fused"
-        raise KeyError(f"layer {layer}: no expert tensors found under {self.layer_prefix(layer)}mlp.experts")
-
-    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
-        gate, up = rest.pop(self._fused_key(layer, "w13_weight")).unflatten(1, (-1, 2)).unbind(2)
-        down = rest.pop(self._fused_key(layer, "w2_weight"))
-        return MoEWeights(router_weight=torch.empty(0), gate_up=torch.cat([gate, up], dim=1), down=down)
-
-    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
-        inter = moe.intermediate_size
-        interleaved = torch.stack([moe.gate_up[:, :inter], moe.gate_up[:, inter:]], dim=2).flatten(1, 2)
-        return {
-            self._fused_key(layer, "w13_weight"): interleaved.contiguous(),
-            self._fused_key(layer, "w2_weight"): moe.down,
-        }
 
     # ---- keys and runtime names --------------------------------------------------------------------------------
     def layer_of_key(self, key: str) -> int | None:
@@ -187,34 +170,26 @@ class Inkling2TextAdapter(NativeNames, FamilyAdapter):
     def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Runtime names; the output projection without the rows past ``unpadded_vocab_size`` (transformers'
         ``Inkling2UnpadVocab``)."""
-        out = {self.runtime_module_name(key): value for key, value in state.items()}
+        out = super().runtime_outside_state(state)
         rows = int(self.text_config.get("unpadded_vocab_size") or self.text_config["vocab_size"])
         if "lm_head.weight" in out:
             out["lm_head.weight"] = out["lm_head.weight"][:rows]
         return out
 
 
-class Inkling2Adapter(TextConfigSection, Inkling2TextAdapter):
+class Inkling2Adapter(LanguageModelAtRuntime, Inkling2TextAdapter):
     """The ``inkling2`` release: the text model under ``model.llm`` as in :class:`Inkling2TextAdapter`, at runtime
     ``model.language_model``, beside the vision tower ``model.visual`` (passed through untouched)."""
 
     family = "inkling2"
     model_types = ("inkling2",)
-    auto_class = "AutoModelForImageTextToText"
     block_states_reader = "model.language_model.final_input"
 
     def is_vision_key(self, key: str) -> bool:
         return key.startswith("model.visual.")
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
 
     def runtime_module_name(self, name: str) -> str:
         if self.is_vision_key(name) or self.layer_of_key(name) is not None:
             return super().runtime_module_name(name)
         name = super().runtime_module_name(name)
         return f"model.language_model.{name[len('model.') :]}" if name.startswith("model.") else name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return super().runtime_outside_state({k: v for k, v in state.items() if not self.is_vision_key(k)})

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from .base import FamilyAdapter
+from .rerouted_block import StockBlockRerouted
 from .routing import RoutingRule
 
 
-class LongcatFlashAdapter(FamilyAdapter):
+class LongcatFlashAdapter(StockBlockRerouted, FamilyAdapter):
     family = "longcat_flash"
     model_types = ("longcat_flash",)
     router_module = "mlp.router"
@@ -76,15 +75,3 @@ class LongcatFlashAdapter(FamilyAdapter):
         if moe.correction_bias is not None:
             state[f"{self.router_module}.e_score_correction_bias"] = moe.correction_bias
         return state
-
-    def stock_experts(
-        self, model: torch.nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The stock MoE block run with its router's choice replaced by ``ids`` and ``weights``: the stock experts
-        module takes FFN experts only, the block adds the identity experts' share itself."""
-        block = self.moe_block_of(model, layer)
-        handle = block.router.register_forward_hook(lambda module, args, output: self.with_route(output, weights, ids))
-        try:
-            return block(hidden)
-        finally:
-            handle.remove()

@@ -9,18 +9,16 @@ Its release keeps Mistral's native names, which transformers renames at load (``
 in MoE layers ``gate.weight``, per-expert ``experts.{e}.w1/w3/w2`` (gate, up, down) and ``shared_experts.w1/w2/w3``.
 
 Decoder layers hand state to later layers (carried by the layer sweep, :mod:`moecompress.sweep.layer_carry`): each
-returns ``(hidden, top-k)`` and the next layer takes that top-k as ``prev_topk_indices`` (an ``indexer_types``
-``shared`` layer attends over it instead of running an indexer); a ``kv_source_layers`` source writes its latent KV into
+hands its indexer's top-k to the next (:mod:`.indexer_topk`); a ``kv_source_layers`` source writes its latent KV into
 the forward's ``shared_kv_states`` and the layers that name it read it from there.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
+from .indexer_topk import CarriedIndexerTopK
 from .mistral4 import Mistral4Adapter
 from .native_names import NativeNames, compile_renames
-from .vision_language import TextConfigSection
+from .vision_language import LanguageModelAtRuntime
 
 _VISION_PREFIXES = ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.")
 _OUTSIDE = (
@@ -66,14 +64,12 @@ _STORED = compile_renames(
 """The inverse of ``_LOCAL``: what a quantised output stores, so that transformers' renaming at load applies once."""
 
 
-class MistralLarge4Adapter(TextConfigSection, NativeNames, Mistral4Adapter):
+class MistralLarge4Adapter(LanguageModelAtRuntime, NativeNames, CarriedIndexerTopK, Mistral4Adapter):
     family = "mistral_large4"
     model_types = ("mistral_large4",)
     layers_prefix = "layers."
     moe_disk_prefix = ""
     expert_names = ("w1", "w3", "w2")
-    layer_returns_tuple = True
-    carried_outputs: ClassVar[dict[int, str]] = {1: "prev_topk_indices"}
     shared_state_keyword = "shared_kv_states"
     local_renames = _LOCAL
     stored_renames = _STORED
@@ -94,7 +90,3 @@ class MistralLarge4Adapter(TextConfigSection, NativeNames, Mistral4Adapter):
             if not local.startswith(("experts.", "gate.")):
                 key = prefix + self.runtime_local_name(local)
         return super().classify_key(key)
-
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"

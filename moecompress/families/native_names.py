@@ -1,5 +1,6 @@
 """Releases stored under their native names, which transformers' conversion mapping renames at load and
-``save_pretrained`` writes back (Mistral Large 4, Inkling, Inkling 2)."""
+``save_pretrained`` writes back (Mistral Large 4, Inkling, Inkling 2), and the ordered regex renames that mapping
+applies (also DeepSeek-V4's, Ergo's and HY-V4's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ Renames = tuple[tuple[re.Pattern[str], str], ...]
 
 
 def compile_renames(*rules: tuple[str, str]) -> Renames:
+    """``(pattern, replacement)`` rules, compiled, for :func:`apply_renames`."""
     return tuple((re.compile(pattern), replacement) for pattern, replacement in rules)
 
 
@@ -22,7 +24,25 @@ def apply_renames(renames: Renames, name: str) -> str:
     return name
 
 
-class NativeNames:
+def with_runtime_prefix(prefixes: tuple[tuple[str, str], ...], name: str) -> str:
+    """``name`` with the runtime prefix of the first ``(disk, runtime)`` pair whose disk prefix it starts with;
+    ``name`` itself where none does."""
+    for disk, runtime in prefixes:
+        if name.startswith(disk):
+            return runtime + name[len(disk) :]
+    return name
+
+
+class RuntimeOutsideState:
+    """Mixin, listed before the family's adapter class: the tensors outside the decoder layers under their
+    :meth:`runtime_module_name`, without the other towers' (:meth:`is_vision_key`), which are passed through untouched
+    and have no place in the calibration skeleton."""
+
+    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+
+
+class NativeNames(RuntimeOutsideState):
     """Mixin, listed before the family's adapter class. A layer-local name takes its runtime name through
     ``local_renames``; a quantised output stores it back through ``stored_renames`` so that transformers' renaming at
     load applies once (none: the runtime name is stored); a name outside the layers takes the runtime prefix of the
@@ -46,10 +66,4 @@ class NativeNames:
         if layer is not None:
             local = name[len(self.layer_prefix(layer)) :]
             return f"{self.runtime_layers_path}.{layer}.{self.runtime_local_name(local)}"
-        for disk, runtime in self.outside_prefixes:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+        return with_runtime_prefix(self.outside_prefixes, name)

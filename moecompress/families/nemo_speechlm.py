@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import re
 
-import torch
-
-from .base import Layout, MoEWeights
+from .base import Layout
 from .nemotron_h import NemotronHAdapter
+from .transposed_experts import TransposedFusedExperts
 from .vision_language import RenamedTextTower
 
 _FP32 = re.compile(r"^mixer\._fp32_params\.(A_log|D|dt_bias)$")
 
 
-class NemoSpeechLMAdapter(RenamedTextTower, NemotronHAdapter):
+class NemoSpeechLMAdapter(TransposedFusedExperts, RenamedTextTower, NemotronHAdapter):
     family = "nemo_speechlm"
     model_types = ("nemo_speechlm",)
     auto_class = "AutoModelForMultimodalLM"
@@ -36,11 +35,8 @@ class NemoSpeechLMAdapter(RenamedTextTower, NemotronHAdapter):
         ("llm.lm_head.", "lm_head."),
     )
     vision_prefixes = ("perception.", "ctc_timestamp.")
-
-    def classify_key(self, key: str):
-        if key.startswith("llm.model.embed_tokens."):
-            return "embeddings"
-        return super().classify_key(key)
+    embeddings_prefix = "llm.model.embed_tokens."
+    transposed_expert_names = ("gate_and_up_projs", "down_projs")
 
     def runtime_module_name(self, name: str) -> str:
         layer = self.layer_of_key(name)
@@ -53,25 +49,6 @@ class NemoSpeechLMAdapter(RenamedTextTower, NemotronHAdapter):
 
     # ---- the NeMo export's fused, transposed experts ----------------------------------------------------------
     def detect_layout(self, layer: int, keys) -> Layout:
-        if self._fused_key(layer, "gate_and_up_projs") in keys:
+        if self._fused_key(layer, self.transposed_expert_names[0]) in keys:
             return "fused_transposed"
         return super().detect_layout(layer, keys)
-
-    def _pop_experts(self, layer: int, rest: dict[str, torch.Tensor], layout: Layout) -> MoEWeights:
-        if layout != "fused_transposed":
-            return super()._pop_experts(layer, rest, layout)
-        up = rest.pop(self._fused_key(layer, "gate_and_up_projs"))
-        down = rest.pop(self._fused_key(layer, "down_projs"))
-        return MoEWeights(
-            router_weight=torch.empty(0, device="cpu"),
-            gate_up=up.transpose(1, 2).contiguous(),
-            down=down.transpose(1, 2).contiguous(),
-        )
-
-    def _expert_tensors(self, layer: int, moe: MoEWeights, layout: Layout | None) -> dict[str, torch.Tensor]:
-        if layout != "fused_transposed":
-            return super()._expert_tensors(layer, moe, layout)
-        return {
-            self._fused_key(layer, "gate_and_up_projs"): moe.gate_up.transpose(1, 2).contiguous(),
-            self._fused_key(layer, "down_projs"): moe.down.transpose(1, 2).contiguous(),
-        }

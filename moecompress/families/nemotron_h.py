@@ -18,6 +18,8 @@ to ``mixer.experts.{up,down}_proj`` at load.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..errors import UserInputError
@@ -35,6 +37,9 @@ class NemotronHAdapter(DeepseekV3Adapter):
     attention_module = "mixer"
     gated_experts = False
     latent_size_key = "moe_latent_size"
+    embeddings_prefix: ClassVar[str] = "backbone.embeddings."
+    """The stored token embeddings' prefix (footprints count them as embeddings; the release's name holds no
+    ``embed_tokens``)."""
 
     @property
     def block_types(self) -> list[str]:
@@ -65,7 +70,7 @@ class NemotronHAdapter(DeepseekV3Adapter):
         return ACT2FN[self.text_config.get("mlp_hidden_act", "relu2")](up)
 
     def classify_key(self, key: str):
-        if key.startswith("backbone.embeddings."):
+        if key.startswith(self.embeddings_prefix):
             return "embeddings"
         return super().classify_key(key)
 

@@ -7,26 +7,21 @@ at load. Everything outside ``language_model.`` (``vision_model``, ``mlp1``, ``s
 
 from __future__ import annotations
 
-import torch
-
+from .native_names import RuntimeOutsideState
 from .nemotron_h import NemotronHAdapter
 from .vision_language import TextTowerBesideVision
 
 _TEXT = "language_model."
 
 
-class NemotronHOmniAdapter(TextTowerBesideVision, NemotronHAdapter):
+class NemotronHOmniAdapter(RuntimeOutsideState, TextTowerBesideVision, NemotronHAdapter):
     family = "nemotron_h_omni"
     model_types = ("nemotron_h_omni",)
     layers_prefix = "language_model.backbone.layers."
+    embeddings_prefix = "language_model.backbone.embeddings."
 
     def is_vision_key(self, key: str) -> bool:
         return not key.startswith(_TEXT)
-
-    def classify_key(self, key: str):
-        if key.startswith("language_model.backbone.embeddings."):
-            return "embeddings"
-        return super().classify_key(key)
 
     @property
     def runtime_layers_path(self) -> str:
@@ -36,6 +31,3 @@ class NemotronHOmniAdapter(TextTowerBesideVision, NemotronHAdapter):
         if name.startswith(_TEXT):
             return _TEXT + super().runtime_module_name(name[len(_TEXT) :])
         return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}

@@ -274,18 +274,3 @@ class SwitchTransformersAdapter(FamilyAdapter):
         """``weights`` with the tokens past an expert's capacity in their sequence set to zero."""
         kept = [capacity_kept(part, moe.router_columns, self.capacity) for part in ids.split(lengths)]
         return weights * torch.cat(kept)
-
-    def moe_forward(
-        self,
-        moe: MoEWeights,
-        hidden: torch.Tensor,
-        allowed: torch.Tensor | None = None,
-        router_input: torch.Tensor | None = None,
-        token_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The block's output for the tokens ``hidden`` ``[S, H]`` of one sequence, in order (the capacity counts
-        a sequence's tokens)."""
-        logits = self.router_logits(moe, hidden if router_input is None else router_input)
-        ids, weights = self.route(moe, logits, allowed, token_ids)
-        weights = weights * capacity_kept(ids, moe.router_columns, self.capacity)
-        return self.combine_experts(hidden, ids, weights, lambda expert, x: self.expert_output(moe, expert, x))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
+from .native_names import RuntimeOutsideState, with_runtime_prefix
 
 
 class TextConfigSection:
@@ -21,6 +21,17 @@ class TextConfigSection:
         return config["text_config"]
 
 
+class LanguageModelAtRuntime(TextConfigSection):
+    """Mixin, listed before the text family's adapter class, for releases whose text model transformers builds as
+    ``model.language_model`` beside the other towers, whatever names the release stores it under."""
+
+    auto_class = "AutoModelForImageTextToText"
+
+    @property
+    def runtime_layers_path(self) -> str:
+        return "model.language_model.layers"
+
+
 class TextTowerBesideVision(TextConfigSection):
     """Mixin, listed before the text family's adapter class."""
 
@@ -31,7 +42,7 @@ class TextTowerBesideVision(TextConfigSection):
         return key.startswith("model.visual.")
 
 
-class RenamedTextTower(TextTowerBesideVision):
+class RenamedTextTower(RuntimeOutsideState, LanguageModelAtRuntime, TextTowerBesideVision):
     """Mixin for releases whose text tower is stored under other names than transformers builds: each name starting
     with a ``runtime_prefixes`` disk prefix takes its runtime prefix (the first that matches), and the keys under
     ``vision_prefixes`` are the other towers' (passed through untouched)."""
@@ -42,15 +53,5 @@ class RenamedTextTower(TextTowerBesideVision):
     def is_vision_key(self, key: str) -> bool:
         return key.startswith(self.vision_prefixes)
 
-    @property
-    def runtime_layers_path(self) -> str:
-        return "model.language_model.layers"
-
     def runtime_module_name(self, name: str) -> str:
-        for disk, runtime in self.runtime_prefixes:
-            if name.startswith(disk):
-                return runtime + name[len(disk) :]
-        return name
-
-    def runtime_outside_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.runtime_module_name(key): value for key, value in state.items() if not self.is_vision_key(key)}
+        return with_runtime_prefix(self.runtime_prefixes, name)
